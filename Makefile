@@ -1,0 +1,31 @@
+# Set-up and entry points. `make serve` and `make test` work on a fresh machine with python3 (>= 3.11).
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+# Without it torch's OpenMP threads spin-wait and generation on small CPUs runs 5-8x slower.
+export OMP_WAIT_POLICY ?= PASSIVE
+
+.PHONY: setup serve test test-slow lint bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+serve: setup
+	$(BIN)/pdserve serve
+
+lint: setup
+	$(BIN)/ruff check pdserve tests bench
+
+test: lint
+	$(BIN)/python -m pytest -m "not slow"
+
+test-slow: setup
+	$(BIN)/python -m pytest -m slow
+
+bench: setup
+	$(BIN)/python bench/scheduler.py

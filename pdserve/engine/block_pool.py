@@ -1,0 +1,107 @@
+"""BlockPool: the fixed set of KV blocks, their reference counts, the LRU free queue and the
+map from block hash to cached block.
+
+A block with ``ref_cnt == 0`` sits in the free queue. If it carries a hash it still holds a
+reusable prefix: a later request can take it back (a prefix-cache hit) until the block is
+popped for new data, which evicts its hash. Freed blocks join the queue's tail and new blocks
+come from its head, so eviction is least-recently-used.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from pdserve.engine.block_hash import BlockHash
+
+
+class KVCacheBlock:
+    __slots__ = ("block_hash", "block_id", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+
+    def __repr__(self) -> str:
+        cached = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={cached})"
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # block_id -> block, in LRU order (head evicted first). OrderedDict gives O(1) removal
+        # from the middle when a free cached block is hit again.
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks owned by someone (free blocks that still cache a prefix count as free)."""
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the LRU head, evicting their cached hashes. Ref count 1."""
+        if num_blocks > len(self.free_queue):
+            raise ValueError(f"cannot take {num_blocks} blocks, only {len(self.free_queue)} free")
+        popitem = self.free_queue.popitem
+        new_blocks = []
+        for _ in range(num_blocks):
+            block = popitem(last=False)[1]
+            if block.block_hash is not None:
+                del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add one owner to each block (a prefix-cache hit); free ones leave the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one owner from each block; those left without owners join the LRU tail in order.
+
+        Callers pass a request's blocks tail first, so its last (least shared) blocks are evicted first.
+        """
+        free_queue = self.free_queue
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                free_queue[block.block_id] = block
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a full, owned block under its hash.
+
+        If another block already caches the same content (two requests computed the same
+        prefix at once), this one stays unregistered and is simply reused when freed.
+        """
+        if self.enable_caching and block.block_hash is None and block_hash not in self.cached_blocks:
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is owned (returns False otherwise)."""
+        if len(self.free_queue) != self.num_blocks:
+            return False
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return True

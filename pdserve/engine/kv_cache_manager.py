@@ -1,0 +1,160 @@
+"""KVCacheManager: which blocks each request owns, prefix-cache lookups, and prefix-cache stats.
+
+Owned by the Scheduler (memory state is an input to every scheduling decision); it is the only
+caller of the BlockPool. A request's block table always covers the tokens it has computed plus
+those scheduled (or being loaded) this step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.engine.block_hash import extend_block_hashes
+from pdserve.engine.block_pool import BlockPool, KVCacheBlock
+from pdserve.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as block ids, kept in step with req_to_blocks for the model runner.
+        self.req_to_block_ids: dict[str, list[int]] = {}
+        # How many leading blocks of each request are registered in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Cumulative prefix-cache statistics, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of the request's leading full blocks already in the cache, and its tokens.
+
+        At least the last token is always left to compute: its logits give the next token.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        block_size = self.block_size
+        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, request.cache_salt)
+        max_hit_blocks = (request.num_tokens - 1) // block_size
+        cached = self.block_pool.cached_blocks
+        hit_blocks = []
+        for index in range(max_hit_blocks):
+            block = cached.get(hashes[index])
+            if block is None:
+                break
+            hit_blocks.append(block)
+        num_hit_tokens = len(hit_blocks) * block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return hit_blocks, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_new_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> list[KVCacheBlock] | None:
+        """Give the request blocks for ``num_new_tokens`` more tokens (after adopting prefix-hit blocks).
+
+        Returns the newly allocated blocks (often none), or None when the pool has no room; then
+        nothing changed. ``delay_cache_blocks``: the blocks' contents are still being loaded, so
+        they must not be offered to other requests yet (see ``cache_blocks``).
+        """
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id)
+        num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = -(-num_total // self.block_size)
+        num_owned = 0 if blocks is None else len(blocks)
+        num_new_blocks = num_required - num_owned - len(new_computed_blocks)
+
+        # Fast path, most decode steps: the last block still has room.
+        if num_new_blocks <= 0 and blocks is not None and not new_computed_blocks:
+            if self.enable_caching and not delay_cache_blocks:
+                self._cache_full_blocks(request, min(num_total, request.num_tokens))
+            return []
+
+        pool = self.block_pool
+        if new_computed_blocks:
+            if blocks:
+                raise ValueError(f"request {request_id!r} adopts prefix-hit blocks after owning blocks")
+            # Hit blocks that sit in the free queue stop being free once adopted.
+            num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+            if max(num_new_blocks, 0) > pool.num_free_blocks - num_evictable_hits:
+                return None
+        elif num_new_blocks > pool.num_free_blocks:
+            return None
+
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+            self.req_to_block_ids[request_id] = []
+            self.num_cached_blocks[request_id] = 0
+        block_ids = self.req_to_block_ids[request_id]
+        if new_computed_blocks:
+            pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            block_ids.extend(block.block_id for block in new_computed_blocks)
+            # Hit blocks are cached already.
+            self.num_cached_blocks[request_id] = len(new_computed_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        blocks.extend(new_blocks)
+        block_ids.extend(block.block_id for block in new_blocks)
+        if self.enable_caching and not delay_cache_blocks:
+            # Tokens scheduled this step are cached now: they are known, and within one forward
+            # pass every layer writes its KV before attention reads it, so a request that hits
+            # these blocks in the same step still reads correct values.
+            self._cache_full_blocks(request, min(num_total, request.num_tokens))
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Offer the request's full blocks up to ``num_computed_tokens`` to the prefix cache."""
+        if self.enable_caching and request.request_id in self.req_to_blocks:
+            self._cache_full_blocks(request, num_computed_tokens)
+
+    def _cache_full_blocks(self, request: Request, num_known_tokens: int) -> None:
+        request_id = request.request_id
+        num_full_blocks = num_known_tokens // self.block_size
+        num_cached = self.num_cached_blocks[request_id]
+        if num_full_blocks <= num_cached:
+            return
+        hashes = extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+        )
+        blocks = self.req_to_blocks[request_id]
+        cache_block = self.block_pool.cache_block
+        for index in range(num_cached, num_full_blocks):
+            cache_block(blocks[index], hashes[index])
+        self.num_cached_blocks[request_id] = num_full_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (its least shared blocks are evicted first)."""
+        request_id = request.request_id
+        blocks = self.req_to_blocks.pop(request_id, None)
+        if blocks is None:
+            return
+        del self.req_to_block_ids[request_id]
+        del self.num_cached_blocks[request_id]
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.req_to_block_ids.get(request_id, [])
+
+    def num_owned_blocks(self, request_id: str) -> int:
+        return len(self.req_to_block_ids.get(request_id, ()))
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

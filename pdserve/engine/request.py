@@ -1,0 +1,121 @@
+"""Request and RequestStatus: the one record of a request's tokens and progress inside a core.
+
+Every phase (prefill, chunked prefill, prefix-cache hit, remote KV load, decode) is the same
+motion of one counter: ``num_computed_tokens`` climbs towards ``num_tokens``. The scheduler
+moves it; the KV-cache manager owns the blocks behind it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from pdserve.engine.block_hash import BlockHash
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that ``status > RequestStatus.PREEMPTED`` means finished."""
+
+    WAITING = 0
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's ``finish_reason`` for a finished status, None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    __slots__ = (
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "cache_salt",
+        "eos_token_id",
+        "kv_transfer_params",
+        "max_output_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "output_token_ids",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "status",
+        "stop_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.kv_transfer_params = kv_transfer_params
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the local prefix cache on first scheduling (usage's cached_tokens).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []
+        # Set by the scheduler when the request is added (max_tokens capped by the context length).
+        self.max_output_tokens = sampling_params.max_tokens or 0
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens}, out={self.num_output_tokens})"
+        )

@@ -1,0 +1,372 @@
+"""Scheduler: decides each step which requests advance by how many tokens, and applies results.
+
+One token counter per request, no prefill/decode phases: running requests go first (their
+next decode token, or the next chunk of a prompt), then waiting requests are admitted while
+the token budget, ``max_num_seqs`` and KV memory allow. When a running request cannot get a
+block, the most recently admitted running request is preempted (its blocks freed, recomputed
+later; its own freed blocks usually come back as prefix-cache hits). Aborts work in any state.
+
+KV transfer enters only through the connector hooks (pdserve.kvtransfer.base): remote loads
+park a request in WAITING_FOR_REMOTE_KVS, and a finished request's blocks may be held for a
+remote reader until the worker reports the send done.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.outputs import (
+    EngineCoreOutput,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.kvtransfer.base import KVConnectorScheduler, NoKVConnector
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+@dataclass
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        capacity = self.num_blocks * self.block_size
+        if capacity < self.max_model_len:
+            # Otherwise one long request could need more blocks than exist and never finish.
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of {self.block_size}), "
+                f"less than max_model_len={self.max_model_len}: give the cache more memory or lower "
+                "max_model_len"
+            )
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_for_remote_kvs: int
+    num_blocks_held_for_remote: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, connector: KVConnectorScheduler | None = None) -> None:
+        self.config = config
+        self.connector = connector or NoKVConnector()
+        self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        # Every request the scheduler still knows: unfinished ones, and finished ones whose blocks
+        # are still held (for a remote reader, or until an in-flight load into them drains).
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.held_for_remote: dict[str, Request] = {}
+        self.aborted_while_loading: dict[str, Request] = {}
+        self.finished_recving: set[str] = set()
+        self._finished_since_last_step: set[str] = set()
+        self.num_preemptions = 0
+
+    # ----- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError if it can never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        max_model_len = self.config.max_model_len
+        if request.num_prompt_tokens >= max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens, but the context length is "
+                f"{max_model_len}: at most {max_model_len - 1} prompt tokens leave room for output"
+            )
+        room = max_model_len - request.num_prompt_tokens
+        max_tokens = request.sampling_params.max_tokens
+        request.max_output_tokens = room if max_tokens is None else min(max_tokens, room)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """End requests in any state (abort by default); unknown or finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            was_loading = request.status == _WAITING_FOR_REMOTE_KVS and request_id not in self.finished_recving
+            if request.status == _RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            if was_loading:
+                # The worker may still be writing into these blocks: freeing them now could let
+                # another request's KV be overwritten. They are freed when the load drains.
+                self.aborted_while_loading[request_id] = request
+                self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request_id),
+                                                status.finish_reason or "abort")
+                self._finished_since_last_step.add(request_id)
+            else:
+                self._release(request)
+
+    def _release(self, request: Request) -> dict | None:
+        """A request just finished: free its blocks, or hold them if the connector asks to."""
+        request_id = request.request_id
+        self._finished_since_last_step.add(request_id)
+        hold, kv_transfer_params = self.connector.request_finished(
+            request, self.kv_cache_manager.get_block_ids(request_id), request.status.finish_reason or "abort"
+        )
+        if hold:
+            self.held_for_remote[request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
+            del self.requests[request_id]
+        return kv_transfer_params
+
+    def _drop(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_work(self) -> bool:
+        """Unfinished requests, or blocks still waiting on the transfer worker."""
+        return bool(self.waiting or self.running or self.held_for_remote or self.aborted_while_loading)
+
+    # ----- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        config = self.config
+        kv = self.kv_cache_manager
+        req_to_block_ids = kv.req_to_block_ids
+        budget = config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_scheduled: list[int] = []
+        start_positions: list[int] = []
+        block_tables: list[list[int]] = []
+        preempted_ids: set[str] = set()
+
+        running = self.running
+        index = 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_computed = request.num_computed_tokens
+            num_new = request.num_tokens - num_computed
+            if num_new > budget:
+                num_new = budget
+            while kv.allocate_slots(request, num_new) is None:
+                victim = running.pop()
+                self._preempt(victim)
+                preempted_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                num_scheduled.append(num_new)
+                start_positions.append(num_computed)
+                block_tables.append(req_to_block_ids[request.request_id])
+                request.num_computed_tokens = num_computed + num_new
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request preempted itself: everyone after it is already preempted
+
+        # Admitting new work while the running set is shedding blocks would just thrash.
+        if not preempted_ids:
+            budget = self._schedule_waiting(budget, scheduled, num_scheduled, start_positions, block_tables)
+
+        finished_ids = self._finished_since_last_step
+        self._finished_since_last_step = set()
+        return SchedulerOutput(
+            requests=scheduled,
+            num_scheduled_tokens=num_scheduled,
+            start_positions=start_positions,
+            block_ids=block_tables,
+            total_num_scheduled_tokens=config.max_num_batched_tokens - budget,
+            preempted_req_ids=preempted_ids,
+            finished_req_ids=finished_ids,
+            kv_connector_metadata=self.connector.build_connector_meta(),
+        )
+
+    def _schedule_waiting(
+        self,
+        budget: int,
+        scheduled: list[Request],
+        num_scheduled: list[int],
+        start_positions: list[int],
+        block_tables: list[list[int]],
+    ) -> int:
+        kv = self.kv_cache_manager
+        waiting = self.waiting
+        running = self.running
+        max_num_seqs = self.config.max_num_seqs
+        if self.finished_recving:
+            self._promote_finished_loads()
+        parked: list[Request] = []  # still loading remote KV: keep their place in the queue
+        while waiting and budget > 0 and len(running) < max_num_seqs:
+            request = waiting[0]
+            if request.status == _WAITING_FOR_REMOTE_KVS:
+                parked.append(waiting.popleft())
+                continue
+
+            hit_blocks: list = []
+            num_external = 0
+            load_async = False
+            if request.request_id not in kv.req_to_blocks:  # new or preempted: not a landed load
+                hit_blocks, num_local = kv.get_computed_blocks(request)
+                num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                if not load_async:
+                    # A synchronous load lands before this step's forward: the last token must
+                    # still be computed here to produce logits.
+                    num_external = min(num_external, request.num_tokens - 1 - num_local)
+            else:
+                num_local = 0
+            num_computed = request.num_computed_tokens + num_local + num_external
+            num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+
+            if kv.allocate_slots(request, num_new + num_external, hit_blocks, num_local,
+                                 delay_cache_blocks=load_async) is None:
+                break  # first come, first served: nobody overtakes a request that does not fit
+            waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_local
+            block_ids = kv.req_to_block_ids[request.request_id]
+            self.connector.update_state_after_alloc(request, block_ids, num_external)
+            if load_async:
+                # The tokens being loaded count as computed: the request owns their blocks now.
+                request.num_computed_tokens = num_computed
+                request.status = _WAITING_FOR_REMOTE_KVS
+                parked.append(request)
+                continue
+
+            request.status = _RUNNING
+            running.append(request)
+            scheduled.append(request)
+            num_scheduled.append(num_new)
+            start_positions.append(num_computed)
+            block_tables.append(block_ids)
+            request.num_computed_tokens = num_computed + num_new
+            budget -= num_new
+        waiting.extendleft(reversed(parked))
+        return budget
+
+    def _promote_finished_loads(self) -> None:
+        """Requests whose remote KV has landed become schedulable and go to the queue's head:
+        they already own their blocks (see ``_preempt``)."""
+        ready = [r for r in self.waiting if r.request_id in self.finished_recving]
+        self.finished_recving.clear()
+        for request in ready:
+            self.waiting.remove(request)
+            if request.num_computed_tokens >= request.num_tokens:
+                # The whole prompt arrived; recompute its last token to get logits for the next one.
+                request.num_computed_tokens = request.num_tokens - 1
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.WAITING
+        self.waiting.extendleft(reversed(ready))
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Back to the head of the queue, but behind requests whose remote KV has landed: they own
+        # blocks, and going ahead of them could leave this one preempting itself for want of
+        # exactly those blocks, forever.
+        waiting = self.waiting
+        owners = self.kv_cache_manager.req_to_blocks
+        position = 0
+        while position < len(waiting) and waiting[position].request_id in owners:
+            position += 1
+        waiting.insert(position, request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, release finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        sampled = runner_output.sampled_token_ids
+        for index, request in enumerate(scheduler_output.requests):
+            token = sampled[index]
+            if token < 0 or request.status != _RUNNING:
+                continue
+            request.output_token_ids.append(token)
+            request.all_token_ids.append(token)
+            status = self._check_stop(request, token)
+            if status is None:
+                outputs.append(EngineCoreOutput(request.request_id, [token]))
+                continue
+            request.status = status
+            any_finished = True
+            kv_transfer_params = self._release(request)
+            outputs.append(EngineCoreOutput(
+                request.request_id, [token], status.finish_reason, request.stop_reason,
+                max(request.num_cached_tokens, 0), kv_transfer_params,
+            ))
+        if any_finished:
+            self.running = [request for request in self.running if request.status == _RUNNING]
+        if runner_output.kv_connector_output is not None:
+            self._update_from_connector(runner_output.kv_connector_output)
+        return outputs
+
+    @staticmethod
+    def _check_stop(request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            # A stop on the last allowed token reports "stop": the model did stop there.
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_id_set:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= request.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _update_from_connector(self, connector_output: KVConnectorOutput) -> None:
+        for request_id in connector_output.finished_sending:
+            request = self.held_for_remote.pop(request_id, None)
+            if request is not None:
+                self._drop(request)
+        for request_id in connector_output.finished_recving:
+            request = self.aborted_while_loading.pop(request_id, None)
+            if request is not None:
+                self._drop(request)
+            elif request_id in self.requests:
+                self.finished_recving.add(request_id)
+
+    # ----- observation ----------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_for_remote_kvs=sum(1 for r in self.waiting if r.status == _WAITING_FOR_REMOTE_KVS),
+            num_blocks_held_for_remote=sum(kv.num_owned_blocks(rid) for rid in self.held_for_remote),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,1 @@
+"""KV transfer between engines: the connector interface the scheduler calls (``base``)."""

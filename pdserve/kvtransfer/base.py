@@ -1,0 +1,81 @@
+"""The scheduler side of a KV connector: the hooks through which a core loads KV from elsewhere
+and hands its own KV to others.
+
+The scheduler asks the connector at three moments, and nothing else in the core knows about
+KV transfer, so the prefill, decode and colocated roles differ only in the connector they use:
+
+1. ``get_num_new_matched_tokens``: before allocating a waiting request, how many of its tokens
+   beyond the local prefix-cache hit can be loaded from elsewhere, and whether that load is
+   asynchronous (the request then waits in ``WAITING_FOR_REMOTE_KVS``).
+2. ``update_state_after_alloc``: blocks now exist for those tokens; record where to load them.
+3. ``request_finished``: a request ended; should its blocks be held for someone to read
+   (delay freeing), and what transfer parameters go back to the caller.
+
+Each step ``build_connector_meta`` drains what the worker side must start. The worker side
+reports completed sends and loads through ``KVConnectorOutput`` (pdserve.engine.outputs).
+
+This module sits below the engine (imports point down), so requests are described by the
+small protocol below rather than by the engine's Request class.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
+
+
+class ConnectorRequest(Protocol):
+    """What a connector may read of a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class KVConnectorScheduler(ABC):
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """(tokens loadable from elsewhere past ``num_computed_tokens``, whether the load is async)."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Blocks were allocated for a request this connector was asked about."""
+
+    @abstractmethod
+    def build_connector_meta(self) -> Any:
+        """The worker side's work order for this step (None when there is nothing to do)."""
+
+    @abstractmethod
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: list[int], finish_reason: str
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(hold the blocks until the worker reports the send finished, params to return)."""
+
+
+class NoKVConnector(KVConnectorScheduler):
+    """The colocated role: nothing is loaded from or handed to another engine."""
+
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        return None
+
+    def build_connector_meta(self) -> Any:
+        return None
+
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: list[int], finish_reason: str
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None

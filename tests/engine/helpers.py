@@ -1,0 +1,198 @@
+"""Test helpers for the engine core: invariant checks, the output oracle, and a KV connector
+double that loads and holds blocks asynchronously.
+
+The connector double stands in for the NIXL/TCP connectors of the disaggregation work (not built
+yet): its scheduler side is a real KVConnectorScheduler, and its worker side "loads" the true
+prompt tokens into the fake runner's KV after a delay of some steps. So a scheduler that frees or
+reuses blocks while a load into them is in flight produces wrong tokens, which the oracle catches.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.fake_runner import FakeModelRunner, reference_generate
+from pdserve.engine.outputs import KVConnectorOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.kvtransfer.base import ConnectorRequest, KVConnectorScheduler
+
+VOCAB = 50
+EOS = 7
+
+
+def make_engine(connector: KVConnectorScheduler | None = None, **config: Any) -> EngineCore:
+    scheduler_config = SchedulerConfig(**config)
+    worker = connector.worker if isinstance(connector, FakeRemoteConnector) else None
+    runner = FakeModelRunner(scheduler_config.num_blocks, scheduler_config.block_size, VOCAB, worker)
+    return EngineCore(Scheduler(scheduler_config, connector), runner)
+
+
+def expected_output(request: Request) -> tuple[list[int], str]:
+    """What a request must have produced when it finished normally, and its finish reason."""
+    params = request.sampling_params
+    tokens = reference_generate(request.prompt_token_ids, request.max_output_tokens, VOCAB)
+    for index, token in enumerate(tokens):
+        if index + 1 < params.min_tokens:
+            continue
+        if (token == request.eos_token_id and not params.ignore_eos) or token in params.stop_token_id_set:
+            return tokens[: index + 1], "stop"
+    return tokens, "length"
+
+
+def run_to_completion(engine: EngineCore, max_steps: int = 10_000) -> dict[str, str]:
+    """Step until no work is left; returns each finished request's finish reason."""
+    reasons: dict[str, str] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return reasons
+        for output in engine.step():
+            if output.finish_reason is not None:
+                reasons[output.request_id] = output.finish_reason
+        check_invariants(engine.scheduler)
+    raise AssertionError(f"engine still has work after {max_steps} steps")
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    block_size = kv.block_size
+
+    owners = Counter(block.block_id for blocks in kv.req_to_blocks.values() for block in blocks)
+    for block in pool.blocks:
+        assert block.ref_cnt == owners[block.block_id], f"{block}: {owners[block.block_id]} owners"
+        assert (block.ref_cnt == 0) == (block.block_id in pool.free_queue), block
+    assert pool.num_free_blocks + sum(1 for b in pool.blocks if b.ref_cnt > 0) == pool.num_blocks
+    for block_hash, block in pool.cached_blocks.items():
+        assert block.block_hash == block_hash
+    for request_id, blocks in kv.req_to_blocks.items():
+        assert request_id in scheduler.requests, f"blocks owned by unknown request {request_id}"
+        assert kv.req_to_block_ids[request_id] == [b.block_id for b in blocks]
+        assert len(set(kv.req_to_block_ids[request_id])) == len(blocks), "a block appears twice in a table"
+
+    assert len(scheduler.running) <= scheduler.config.max_num_seqs
+    for request in scheduler.running:
+        assert request.status == RequestStatus.RUNNING
+    for request in scheduler.waiting:
+        assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED,
+                                  RequestStatus.WAITING_FOR_REMOTE_KVS)
+    for request in scheduler.requests.values():
+        assert 0 <= request.num_computed_tokens <= request.num_tokens, request
+        owned_tokens = kv.num_owned_blocks(request.request_id) * block_size
+        if request.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS):
+            # Computed tokens, those scheduled this step, and those being loaded all have slots.
+            assert owned_tokens >= request.num_computed_tokens, request
+        elif request.status == RequestStatus.PREEMPTED:
+            assert owned_tokens == 0, request
+        elif request.status == RequestStatus.WAITING:
+            # Only a request whose remote KV has landed waits while owning blocks.
+            loaded = request.kv_transfer_params is not None and "do_remote_prefill" in request.kv_transfer_params
+            assert owned_tokens == 0 or (loaded and owned_tokens >= request.num_computed_tokens), request
+        elif request.is_finished:
+            assert request.request_id in scheduler.held_for_remote or \
+                request.request_id in scheduler.aborted_while_loading, request
+
+
+def assert_nothing_leaks(scheduler: Scheduler) -> None:
+    kv = scheduler.kv_cache_manager
+    assert not scheduler.requests, scheduler.requests
+    assert not kv.req_to_blocks
+    assert kv.block_pool.num_free_blocks == kv.num_blocks
+    assert all(block.ref_cnt == 0 for block in kv.block_pool.blocks)
+
+
+@dataclass
+class _Transfer:
+    kind: str  # "load" or "hold"
+    request_id: str
+    steps_left: int
+    block_ids: list[int] | None = None
+    start: int = 0
+    token_ids: list[int] | None = None
+
+
+class FakeRemoteWorker:
+    """Worker side of the double: completes each transfer after its delay in steps."""
+
+    def __init__(self) -> None:
+        self.in_flight: list[_Transfer] = []
+
+    def step(self, metadata: Any, runner: FakeModelRunner) -> KVConnectorOutput:
+        self.in_flight.extend(metadata or ())
+        output = KVConnectorOutput()
+        still_in_flight = []
+        for transfer in self.in_flight:
+            if transfer.steps_left > 0:
+                transfer.steps_left -= 1
+                still_in_flight.append(transfer)
+            elif transfer.kind == "load":
+                runner.write_tokens(transfer.block_ids, transfer.start, transfer.token_ids)
+                output.finished_recving.add(transfer.request_id)
+            else:
+                output.finished_sending.add(transfer.request_id)
+        self.in_flight = still_in_flight
+        return output
+
+
+class FakeRemoteConnector(KVConnectorScheduler):
+    """kv_transfer_params {"do_remote_prefill": True, "delay": k}: the prompt's uncached tokens
+    are loaded asynchronously, landing k steps later. {"do_remote_decode": True, "delay": k}: on
+    a length-capped finish the blocks are held for k steps, then released."""
+
+    def __init__(self) -> None:
+        self.worker = FakeRemoteWorker()
+        self._pending: list[_Transfer] = []
+        self.num_loads = 0
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        return request.num_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request, even if it is preempted later
+        if num_external_tokens:
+            start = request.num_tokens - num_external_tokens
+            self.num_loads += 1
+            self._pending.append(_Transfer(
+                "load", request.request_id, params.get("delay", 0), list(block_ids), start,
+                list(request.prompt_token_ids[start:]),
+            ))
+
+    def build_connector_meta(self) -> Any:
+        pending, self._pending = self._pending, []
+        return pending or None
+
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: list[int], finish_reason: str
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and finish_reason == "length":
+            self._pending.append(_Transfer("hold", request.request_id, params.get("delay", 0)))
+            return True, {"remote_block_ids": list(block_ids)}
+        return False, None
+
+
+def make_request(request_id: str, prompt: list[int], kv_transfer_params: dict | None = None,
+                 cache_salt: str | None = None, **sampling: Any) -> Request:
+    from pdserve.engine.sampling_params import SamplingParams
+
+    return Request(request_id, prompt, SamplingParams(**sampling), EOS, kv_transfer_params=kv_transfer_params,
+                   cache_salt=cache_salt)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    """A reproducible prompt whose tokens avoid EOS (so only generated tokens can stop)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.choice([t for t in range(VOCAB) if t != EOS]) for _ in range(length)]

@@ -1,0 +1,245 @@
+"""Scheduler behaviour: token budget, chunked prefill beside decodes, max_num_seqs, stop
+conditions, aborts in every state, held and loaded blocks, and input validation."""
+
+import pytest
+
+from pdserve.engine.fake_runner import reference_generate
+from pdserve.engine.request import RequestStatus
+from pdserve.engine.scheduler import SchedulerConfig
+from tests.engine.helpers import (
+    EOS,
+    VOCAB,
+    FakeRemoteConnector,
+    assert_nothing_leaks,
+    check_invariants,
+    expected_output,
+    make_engine,
+    make_request,
+    prompt_of,
+    run_to_completion,
+)
+
+
+def _step(engine):
+    """One step, returning (scheduled ids, their token counts, outputs)."""
+    scheduler_output = engine.scheduler.schedule()
+    runner_output = engine.model_runner.execute_model(scheduler_output)
+    outputs = engine.scheduler.update_from_output(scheduler_output, runner_output)
+    check_invariants(engine.scheduler)
+    return [r.request_id for r in scheduler_output.requests], scheduler_output.num_scheduled_tokens, outputs
+
+
+def test_chunked_prefill_interleaves_with_decodes_within_the_budget():
+    engine = make_engine(num_blocks=32, block_size=4, max_model_len=64, max_num_batched_tokens=8)
+    engine.add_request(make_request("decode", prompt_of(3, seed=1), max_tokens=10, ignore_eos=True))
+    assert _step(engine)[:2] == (["decode"], [3])
+    engine.add_request(make_request("long", prompt_of(20, seed=2), max_tokens=2, ignore_eos=True))
+    # The running decode goes first, the long prompt fills the rest of the budget in chunks.
+    assert _step(engine)[:2] == (["decode", "long"], [1, 7])
+    ids, counts, outputs = _step(engine)
+    assert (ids, counts) == (["decode", "long"], [1, 7])
+    assert [o.request_id for o in outputs] == ["decode"]  # a partial chunk samples nothing
+    ids, counts, outputs = _step(engine)
+    assert (ids, counts) == (["decode", "long"], [1, 6])
+    assert [o.request_id for o in outputs] == ["decode", "long"]
+    run_to_completion(engine)
+    assert_nothing_leaks(engine.scheduler)
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    engine = make_engine(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=2)
+    for i in range(4):
+        engine.add_request(make_request(f"r{i}", prompt_of(5, seed=i), max_tokens=3, ignore_eos=True))
+    ids, _, _ = _step(engine)
+    assert ids == ["r0", "r1"] and len(engine.scheduler.waiting) == 2
+    reasons = run_to_completion(engine)
+    assert reasons == dict.fromkeys(["r0", "r1", "r2", "r3"], "length")
+
+
+def _prompt_whose_output_has_eos_at(index: int) -> list[int]:
+    for seed in range(10_000):
+        prompt = prompt_of(6, seed=seed)
+        output = reference_generate(prompt, index + 1, VOCAB)
+        if output[index] == EOS and EOS not in output[:index]:
+            return prompt
+    raise AssertionError("no such prompt")
+
+
+@pytest.mark.parametrize(
+    ("sampling", "expected_len", "reason", "stop_reason"),
+    [
+        ({"max_tokens": 10}, 3, "stop", None),  # EOS at the third token
+        ({"max_tokens": 10, "ignore_eos": True}, 10, "length", None),
+        ({"max_tokens": 10, "min_tokens": 5}, None, None, None),  # EOS too early is ignored
+        ({"max_tokens": 3}, 3, "stop", None),  # EOS on the last allowed token still says stop
+        ({"max_tokens": 2}, 2, "length", None),
+        ({"max_tokens": None}, None, None, None),  # up to the context length
+    ],
+)
+def test_stop_conditions(sampling, expected_len, reason, stop_reason):
+    prompt = _prompt_whose_output_has_eos_at(2)
+    engine = make_engine(num_blocks=16, block_size=4, max_model_len=40)
+    request = make_request("r", prompt, **sampling)
+    engine.add_request(request)
+    reasons = run_to_completion(engine)
+    tokens, expected_reason = expected_output(request)
+    assert request.output_token_ids == tokens
+    assert reasons["r"] == expected_reason
+    if expected_len is not None:
+        assert (len(tokens), expected_reason) == (expected_len, reason)
+    if sampling.get("max_tokens") is None:
+        assert request.num_tokens <= 40 and request.max_output_tokens == 40 - len(prompt)
+
+
+def test_stop_token_ids_stop_with_stop_reason():
+    prompt = prompt_of(6, seed=11)
+    third = reference_generate(prompt, 3, VOCAB)[2]
+    engine = make_engine(num_blocks=16, block_size=4, max_model_len=40)
+    request = make_request("r", prompt, max_tokens=10, ignore_eos=True, stop_token_ids=[third])
+    engine.add_request(request)
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finish_reason == "stop" and final.stop_reason == third
+    assert request.output_token_ids[-1] == third and len(request.output_token_ids) <= 3
+
+
+def test_abort_in_every_local_state():
+    engine = make_engine(num_blocks=6, block_size=4, max_model_len=24, max_num_seqs=2,
+                         max_num_batched_tokens=64)
+    running = make_request("running", prompt_of(8, seed=1), max_tokens=15, ignore_eos=True)
+    doomed = make_request("doomed", prompt_of(8, seed=2), max_tokens=15, ignore_eos=True)
+    waiting = make_request("waiting", prompt_of(4, seed=3), max_tokens=3)
+    for request in (running, doomed, waiting):
+        engine.add_request(request)
+    while doomed.status != RequestStatus.PREEMPTED:
+        _step(engine)
+    assert waiting.status == RequestStatus.WAITING and running.status == RequestStatus.RUNNING
+    engine.abort_requests(["doomed", "waiting", "running", "unknown-id"])
+    for request in (running, doomed, waiting):
+        assert request.status == RequestStatus.FINISHED_ABORTED
+    check_invariants(engine.scheduler)
+    assert not engine.has_work()
+    scheduler_output = engine.scheduler.schedule()
+    assert scheduler_output.finished_req_ids == {"running", "doomed", "waiting"}
+    assert_nothing_leaks(engine.scheduler)
+    engine.abort_requests(["running"])  # aborting twice is harmless
+
+
+def test_remote_load_parks_the_request_until_the_blocks_land():
+    connector = FakeRemoteConnector()
+    engine = make_engine(connector, num_blocks=16, block_size=4, max_model_len=64)
+    request = make_request("r", prompt_of(10, seed=1), {"do_remote_prefill": True, "delay": 2},
+                           max_tokens=3, ignore_eos=True)
+    engine.add_request(request)
+    for _ in range(3):
+        assert _step(engine)[0] == []
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert engine.scheduler.make_stats().num_waiting_for_remote_kvs == 1
+    ids, counts, _ = _step(engine)
+    # Only the last prompt token is computed locally; the other 9 came from the remote side.
+    assert (ids, counts) == (["r"], [1])
+    run_to_completion(engine)
+    assert request.output_token_ids == expected_output(request)[0]
+    assert_nothing_leaks(engine.scheduler)
+
+
+def test_only_blocks_missing_from_the_local_cache_are_loaded():
+    connector = FakeRemoteConnector()
+    engine = make_engine(connector, num_blocks=32, block_size=4, max_model_len=64)
+    prompt = prompt_of(14, seed=5)
+    engine.add_request(make_request("local", prompt[:9], max_tokens=1))
+    run_to_completion(engine)
+    remote = make_request("remote", prompt, {"do_remote_prefill": True}, max_tokens=2, ignore_eos=True)
+    engine.add_request(remote)
+    _step(engine)
+    assert remote.num_cached_tokens == 8
+    transfer = connector.worker.in_flight[0] if connector.worker.in_flight else None
+    assert transfer is None  # delay 0: the load landed in this step
+    run_to_completion(engine)
+    assert remote.output_token_ids == expected_output(remote)[0]
+
+
+def test_abort_during_a_remote_load_keeps_the_blocks_until_the_load_drains():
+    connector = FakeRemoteConnector()
+    engine = make_engine(connector, num_blocks=8, block_size=4, max_model_len=32)
+    loading = make_request("loading", prompt_of(12, seed=1), {"do_remote_prefill": True, "delay": 3},
+                           max_tokens=2)
+    engine.add_request(loading)
+    _step(engine)
+    engine.abort_requests(["loading"])
+    scheduler = engine.scheduler
+    assert scheduler.kv_cache_manager.num_owned_blocks("loading") == 3
+    # A newcomer cannot take the blocks the worker is still writing into.
+    newcomer = make_request("newcomer", prompt_of(21, seed=2), max_tokens=1)  # needs 6 of 8 blocks
+    engine.add_request(newcomer)
+    steps = 0
+    while scheduler.kv_cache_manager.num_owned_blocks("loading"):
+        _step(engine)
+        steps += 1
+        assert newcomer.status == RequestStatus.WAITING or steps >= 3
+    run_to_completion(engine)
+    assert newcomer.output_token_ids == expected_output(newcomer)[0]
+    assert_nothing_leaks(scheduler)
+
+
+def test_finished_prefill_holds_its_blocks_until_the_send_finishes():
+    connector = FakeRemoteConnector()
+    engine = make_engine(connector, num_blocks=8, block_size=4, max_model_len=32)
+    request = make_request("p", prompt_of(9, seed=1), {"do_remote_decode": True, "delay": 2}, max_tokens=1)
+    engine.add_request(request)
+    _, _, outputs = _step(engine)
+    assert outputs[0].finish_reason == "length"
+    assert outputs[0].kv_transfer_params == {"remote_block_ids": [0, 1, 2]}
+    scheduler = engine.scheduler
+    assert scheduler.make_stats().num_blocks_held_for_remote == 3
+    engine.abort_requests(["p"])  # already finished: the hold stands
+    _step(engine)
+    assert scheduler.make_stats().num_blocks_held_for_remote == 3
+    run_to_completion(engine)
+    assert scheduler.make_stats().num_blocks_held_for_remote == 0
+    assert_nothing_leaks(scheduler)
+
+
+def test_requests_that_can_never_run_are_rejected():
+    engine = make_engine(num_blocks=4, block_size=4, max_model_len=16)
+    with pytest.raises(ValueError, match="context length is 16"):
+        engine.add_request(make_request("long", prompt_of(16, seed=1)))
+    engine.add_request(make_request("ok", prompt_of(15, seed=1), max_tokens=100))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(make_request("ok", prompt_of(3, seed=1)))
+    with pytest.raises(ValueError, match="empty"):
+        make_request("empty", [])
+    reasons = run_to_completion(engine)
+    assert engine.scheduler.kv_cache_manager.num_blocks == 4 and reasons["ok"] in ("length", "stop")
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"num_blocks": 4, "block_size": 4, "max_model_len": 17}, "less than max_model_len"),
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"num_blocks": 4, "max_num_seqs": 0}, "max_num_seqs"),
+        ({"num_blocks": 4, "block_size": 4, "max_model_len": 16, "max_num_batched_tokens": 0},
+         "max_num_batched_tokens"),
+    ],
+)
+def test_bad_scheduler_configs_are_rejected(config, message):
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**config)
+
+
+def test_stats_report_queues_usage_and_prefix_hits():
+    engine = make_engine(num_blocks=16, block_size=4, max_model_len=64, max_num_seqs=1)
+    prompt = prompt_of(9, seed=1)
+    engine.add_request(make_request("a", prompt, max_tokens=5, ignore_eos=True))
+    engine.add_request(make_request("b", prompt, max_tokens=5, ignore_eos=True))
+    _step(engine)
+    stats = engine.make_stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 1)
+    assert stats.kv_cache_usage == 3 / 16
+    run_to_completion(engine)
+    stats = engine.make_stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18, 8)
