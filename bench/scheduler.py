@@ -52,34 +52,39 @@ def run_case(num_running: int, churn: bool, warmup: int, steps: int, seed: int =
     for i in range(num_running):
         scheduler.add_request(Request(f"long-{i}", _prompt(rng), long_params))
 
-    def step() -> int:
+    def step() -> tuple[int, int]:
+        """(schedule ns, update ns) of one step."""
         start = time.perf_counter_ns()
         scheduler_output = scheduler.schedule()
         mid = time.perf_counter_ns()
         runner_output = runner.execute_model(scheduler_output)
         resume = time.perf_counter_ns()
         scheduler.update_from_output(scheduler_output, runner_output)
-        return (mid - start) + (time.perf_counter_ns() - resume)
+        return mid - start, time.perf_counter_ns() - resume
 
     # Bring every long request through its prefill into steady decode.
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.requests.values()):
         step()
     arrivals = 0
-    durations = []
+    durations, schedule_parts, update_parts = [], [], []
     for index in range(warmup + steps):
         if churn:
             for _ in range(2):
                 scheduler.add_request(Request(f"short-{arrivals}", _prompt(rng), short_params))
                 arrivals += 1
-        elapsed = step()
+        schedule_ns, update_ns = step()
         if index >= warmup:
-            durations.append(elapsed)
+            durations.append(schedule_ns + update_ns)
+            schedule_parts.append(schedule_ns)
+            update_parts.append(update_ns)
     assert scheduler.num_preemptions == 0, "the benchmark must not preempt"
     return {
         "running": num_running,
         "churn": churn,
         "median_ms": statistics.median(durations) / 1e6,
         "p90_ms": sorted(durations)[int(0.9 * len(durations))] / 1e6,
+        "schedule_ms": statistics.median(schedule_parts) / 1e6,
+        "update_ms": statistics.median(update_parts) / 1e6,
         "num_running_end": len(scheduler.running),
     }
 
@@ -91,14 +96,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     results = {}
-    print(f"{'running':>8} {'variant':>8} {'median ms/step':>15} {'p90 ms/step':>12} {'us/request':>11}")
+    print(f"{'running':>8} {'variant':>8} {'median ms/step':>15} {'p90 ms/step':>12} {'us/request':>11} "
+          f"{'schedule ms':>12} {'update ms':>10}")
     for churn in (False, True):
         for size in args.sizes:
             result = run_case(size, churn, args.warmup, args.steps)
             results[(size, churn)] = result
             variant = "churn" if churn else "steady"
             print(f"{size:>8} {variant:>8} {result['median_ms']:>15.3f} {result['p90_ms']:>12.3f} "
-                  f"{1000 * result['median_ms'] / size:>11.2f}", flush=True)
+                  f"{1000 * result['median_ms'] / size:>11.2f} {result['schedule_ms']:>12.3f} "
+                  f"{result['update_ms']:>10.3f}", flush=True)
     key = (256, False) if (256, False) in results else next(iter(results))
     print(json.dumps({"bench": "scheduler", "running": key[0], "step_ms": round(results[key]["median_ms"], 4)}))
 
