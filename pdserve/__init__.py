@@ -1,1 +1,37 @@
-"""pdserve: prefill/decode-disaggregated LLM serving."""
+"""pdserve: prefill/decode-disaggregated LLM serving.
+
+``from pdserve import LLM, SamplingParams`` gives the offline API. Importing pdserve sets
+``OMP_WAIT_POLICY=PASSIVE`` when it is unset: on small CPUs torch's spinning OpenMP threads
+otherwise make generation 5-8x slower. OpenMP reads it when torch is first imported, so import
+pdserve before torch, or export the variable yourself when torch comes first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any
+
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    if "torch" in sys.modules:
+        warnings.warn("torch was imported before pdserve, so OMP_WAIT_POLICY=PASSIVE cannot take effect in "
+                      "this process; export OMP_WAIT_POLICY=PASSIVE before starting Python (CPU generation "
+                      "can otherwise be several times slower)", stacklevel=2)
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: components that only need a small piece of pdserve (the router's block hashes) must
+    # not pay for importing torch and the model code.
+    if name == "LLM":
+        from pdserve.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from pdserve.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

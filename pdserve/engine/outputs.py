@@ -17,6 +17,21 @@ NO_TOKEN = -1
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """One position's logprobs: the chosen (sampled, or next prompt) token and the top-n alternatives.
+
+    Logprobs are of the model's raw distribution (log-softmax of the logits, before penalties,
+    temperature or top-k/top-p), as vLLM reports them by default.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     # Scheduled requests in running order, with the tokens each computes this step.
     requests: list[Request]
@@ -52,6 +67,11 @@ class ModelRunnerOutput:
     # One per scheduled request, parallel to SchedulerOutput.requests; NO_TOKEN where nothing was sampled.
     sampled_token_ids: list[int]
     kv_connector_output: KVConnectorOutput | None = None
+    # Parallel to sampled_token_ids when any request asked for logprobs (None entries elsewhere).
+    logprobs: list[TokenLogprobs | None] | None = None
+    # request id -> (first prompt position covered, entries): entry i is the logprob of prompt
+    # token (position + i + 1) given the tokens before it.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 @dataclass(slots=True)
@@ -64,3 +84,6 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id that ended it, if one did
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set when finished)
     kv_transfer_params: dict[str, Any] | None = None  # what a prefill hands to its decode
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    # With the first output token: one entry per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None

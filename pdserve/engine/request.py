@@ -59,6 +59,7 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "output_token_ids",
+        "prompt_logprobs",
         "prompt_token_ids",
         "request_id",
         "sampling_params",
@@ -97,6 +98,8 @@ class Request:
         # Set by the scheduler when the request is added (max_tokens capped by the context length).
         self.max_output_tokens = sampling_params.max_tokens or 0
         self.stop_reason: int | str | None = None
+        # Filled chunk by chunk when sampling_params.prompt_logprobs is set (TokenLogprobs entries).
+        self.prompt_logprobs: list | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -306,6 +306,9 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         sampled = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        if runner_output.prompt_logprobs:
+            self._collect_prompt_logprobs(runner_output.prompt_logprobs)
         for index, request in enumerate(scheduler_output.requests):
             token = sampled[index]
             if token < 0 or request.status != _RUNNING:
@@ -313,21 +316,39 @@ class Scheduler:
             request.output_token_ids.append(token)
             request.all_token_ids.append(token)
             status = self._check_stop(request, token)
-            if status is None:
+            if status is None and logprobs is None and request.prompt_logprobs is None:
                 outputs.append(EngineCoreOutput(request.request_id, [token]))
                 continue
-            request.status = status
-            any_finished = True
-            kv_transfer_params = self._release(request)
-            outputs.append(EngineCoreOutput(
-                request.request_id, [token], status.finish_reason, request.stop_reason,
-                max(request.num_cached_tokens, 0), kv_transfer_params,
-            ))
+            output = EngineCoreOutput(request.request_id, [token])
+            if logprobs is not None and logprobs[index] is not None:
+                output.new_logprobs = [logprobs[index]]
+            if request.prompt_logprobs is not None and len(request.output_token_ids) == 1:
+                output.prompt_logprobs = request.prompt_logprobs
+            if status is not None:
+                request.status = status
+                any_finished = True
+                output.finish_reason = status.finish_reason
+                output.stop_reason = request.stop_reason
+                output.num_cached_tokens = max(request.num_cached_tokens, 0)
+                output.kv_transfer_params = self._release(request)
+            outputs.append(output)
         if any_finished:
             self.running = [request for request in self.running if request.status == _RUNNING]
         if runner_output.kv_connector_output is not None:
             self._update_from_connector(runner_output.kv_connector_output)
         return outputs
+
+    def _collect_prompt_logprobs(self, prompt_logprobs: dict) -> None:
+        for request_id, (first_position, entries) in prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            collected = request.prompt_logprobs if request.prompt_logprobs is not None else []
+            # A recomputed (preempted) prompt reports positions it already reported: keep the first.
+            skip = len(collected) - first_position
+            if skip < len(entries):
+                collected.extend(entries[max(skip, 0):])
+            request.prompt_logprobs = collected
 
     @staticmethod
     def _check_stop(request: Request, token: int) -> RequestStatus | None:

@@ -1,0 +1,273 @@
+"""LLM: the offline API, shaped like vLLM's so user code ports over.
+
+    from pdserve import LLM, SamplingParams
+    llm = LLM(model="path/to/hf-folder")          # no model: the built-in demo model
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    outputs[0].outputs[0].text
+
+A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}`` (or
+``{"prompt": "..."}``); ``prompts`` is one prompt or a list of them, so ``[[1, 2], [3]]`` is two
+prompts. Runs an EngineCore in this process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pdserve.api.tokenizer import apply_chat_template, load_tokenizer
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.model_runner import ModelRunner, RunnerConfig
+from pdserve.engine.outputs import EngineCoreOutput, TokenLogprobs
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.models.config import ModelConfig, resolve_dtype
+from pdserve.models.demo import ensure_demo_model
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Pending:
+    """One child request (one of n) while it runs."""
+
+    request: Request
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_text_end: int | None = None  # where the text is cut after a stop string
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        num_kv_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_logprobs: int = 20,
+    ) -> None:
+        folder = model or str(ensure_demo_model())
+        self.model_config = ModelConfig.from_folder(folder)
+        self.tokenizer = load_tokenizer(tokenizer or folder)
+        self.max_logprobs = max_logprobs
+        torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        max_model_len = max_model_len or self.model_config.max_model_len
+        runner = ModelRunner(self.model_config, RunnerConfig(
+            model=folder, dtype=resolve_dtype(dtype, torch_device), device=torch_device, block_size=block_size,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+            num_blocks=num_kv_blocks,
+        ))
+        logger.info("model %s (%s, %s on %s); %s", folder, self.model_config.architecture,
+                    runner.config.dtype, torch_device, runner.describe())
+        scheduler = Scheduler(SchedulerConfig(
+            num_blocks=runner.num_blocks, block_size=block_size, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+        ))
+        self.engine = EngineCore(scheduler, runner)
+        eos_ids = self.model_config.eos_token_ids or (
+            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+        self.eos_token_id = eos_ids[0] if eos_ids else None
+        self._extra_eos_ids = eos_ids[1:]
+        self._next_id = 0
+
+    # ----- public API ---------------------------------------------------------------------
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        normalised = self._normalise_prompts(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(normalised)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(normalised):
+                raise ValueError(f"{len(params_list)} sampling params for {len(normalised)} prompts")
+        groups = []
+        for (text, token_ids), params in zip(normalised, params_list, strict=True):
+            self._validate(token_ids, params)
+            groups.append((text, token_ids, params, self._add(token_ids, params)))
+        self._run([pending for *_, children in groups for pending in children])
+        return [self._request_output(text, token_ids, params, children)
+                for text, token_ids, params, children in groups]
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; each through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conversation, add_generation_prompt,
+                                                            **(chat_template_kwargs or {}))}
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params)
+
+    # ----- internals ----------------------------------------------------------------------
+
+    def _normalise_prompts(self, prompts: PromptInput | Sequence[PromptInput]) -> list[tuple[str | None, list[int]]]:
+        single = isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts))
+        items = [prompts] if single else list(prompts)
+        if not items:
+            raise ValueError("no prompts given")
+        normalised = []
+        for item in items:
+            if isinstance(item, str):
+                normalised.append((item, self.tokenizer.encode(item)))
+            elif isinstance(item, dict) and "prompt_token_ids" in item:
+                normalised.append((item.get("prompt"), list(item["prompt_token_ids"])))
+            elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
+                normalised.append((item["prompt"], self.tokenizer.encode(item["prompt"])))
+            elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+                normalised.append((None, list(item)))
+            else:
+                raise ValueError(f"a prompt is a string, a list of token ids or a dict with prompt_token_ids; "
+                                 f"got {type(item).__name__}")
+        return normalised
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("a prompt is empty")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of the vocabulary (0..{vocab_size - 1}): {bad[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise SamplingParamsError(name, f"at most {self.max_logprobs} are allowed, got {value}")
+
+    def _add(self, token_ids: list[int], params: SamplingParams) -> list[_Pending]:
+        children = []
+        for index in range(params.n):
+            child = params
+            if self._extra_eos_ids and not params.ignore_eos:
+                # Every end-of-sequence id of the model stops generation, not only the first.
+                child = dataclasses.replace(child, stop_token_ids=params.stop_token_ids + self._extra_eos_ids)
+            if params.n > 1 and params.seed is not None:
+                child = dataclasses.replace(child, seed=params.seed + index)
+            request = Request(str(self._next_id), token_ids, child, self.eos_token_id)
+            self._next_id += 1
+            self.engine.add_request(request)
+            children.append(_Pending(request))
+        return children
+
+    def _run(self, pending: list[_Pending]) -> None:
+        by_id = {p.request.request_id: p for p in pending}
+        scheduler = self.engine.scheduler
+        while self.engine.has_work():
+            for output in self.engine.step():
+                child = by_id.get(output.request_id)
+                if child is not None:
+                    self._absorb(child, output)
+                    if child.finish_reason is None and child.request.sampling_params.stop:
+                        self._check_stop_strings(child, scheduler)
+
+    @staticmethod
+    def _absorb(child: _Pending, output: EngineCoreOutput) -> None:
+        if output.new_logprobs:
+            child.logprobs.extend(output.new_logprobs)
+        if output.prompt_logprobs is not None:
+            child.prompt_logprobs = output.prompt_logprobs
+        if output.finish_reason is not None:
+            child.finish_reason = output.finish_reason
+            child.num_cached_tokens = output.num_cached_tokens
+
+    def _check_stop_strings(self, child: _Pending, scheduler: Scheduler) -> None:
+        request = child.request
+        params = request.sampling_params
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        found = [(text.find(stop), stop) for stop in params.stop if stop in text]
+        if not found:
+            return
+        position, stop = min(found)
+        child.stop_text_end = position + len(stop) if params.include_stop_str_in_output else position
+        request.stop_reason = stop
+        child.finish_reason = "stop"
+        child.num_cached_tokens = max(request.num_cached_tokens, 0)
+        scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        result = {token_id: Logprob(logprob, rank + 1, self.tokenizer.decode([token_id]))
+                  for rank, (token_id, logprob) in enumerate(zip(entry.top_token_ids, entry.top_logprobs,
+                                                                  strict=True))}
+        if entry.token_id not in result:
+            result[entry.token_id] = Logprob(entry.logprob, entry.rank, self.tokenizer.decode([entry.token_id]))
+        return result
+
+    def _request_output(self, text: str | None, token_ids: list[int], params: SamplingParams,
+                        children: list[_Pending]) -> RequestOutput:
+        completions = []
+        for index, child in enumerate(children):
+            request = child.request
+            output_text = self.tokenizer.decode(request.output_token_ids,
+                                                skip_special_tokens=params.skip_special_tokens)
+            if child.stop_text_end is not None:
+                output_text = output_text[:child.stop_text_end]
+            logprobs = [self._logprob_dict(e) for e in child.logprobs] if params.logprobs is not None else None
+            completions.append(CompletionOutput(
+                index=index,
+                text=output_text,
+                token_ids=list(request.output_token_ids),
+                cumulative_logprob=sum(e.logprob for e in child.logprobs) if logprobs is not None else None,
+                logprobs=logprobs,
+                finish_reason=child.finish_reason,
+                stop_reason=request.stop_reason,
+            ))
+        first = children[0]
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            # The first prompt token has nothing before it, so no logprob (vLLM's None).
+            prompt_logprobs = [None] + [self._logprob_dict(e) for e in first.prompt_logprobs or []]
+        return RequestOutput(
+            request_id=first.request.request_id, prompt=text, prompt_token_ids=token_ids,
+            prompt_logprobs=prompt_logprobs, outputs=completions, num_cached_tokens=first.num_cached_tokens,
+        )

@@ -1,0 +1,145 @@
+"""Sampler: turns a batch of logits into next tokens, one row per request, with vLLM's semantics.
+
+Order: penalties (repetition over prompt and output tokens, frequency and presence over output
+tokens) → greedy argmax, or temperature → min-p → top-k → top-p → a draw. Each draw is an
+exponential race (argmax of probs / Exp(1) noise); a request with a seed draws its noise from its
+own generator, so its tokens do not depend on whatever else shares the batch. Logprobs are those
+of the raw logits (before any processing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        # Per-request generators of seeded requests; kept across preemption (a recomputed request
+        # continues its random stream where it stopped), dropped when the request finishes.
+        self.generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]
+               ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """Next token of each row of ``logits [rows, vocab]`` (float32), and logprobs where asked."""
+        params = [request.sampling_params for request in requests]
+        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+        penalised = [i for i, p in enumerate(params)
+                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
+        if penalised:
+            logits = logits.clone()
+            for i in penalised:
+                apply_penalties(logits[i], requests[i], self.vocab_size)
+
+        sampled = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        if greedy:
+            sampled[greedy] = logits[greedy].argmax(dim=-1)
+        drawn = [i for i, p in enumerate(params) if not p.is_greedy]
+        if drawn:
+            sampled[drawn] = self._draw(logits[drawn], [requests[i] for i in drawn])
+        token_ids = sampled.tolist()
+
+        if not want_logprobs:
+            return token_ids, None
+        entries = logprob_entries(raw_logprobs[want_logprobs], [token_ids[i] for i in want_logprobs],
+                                  [params[i].logprobs for i in want_logprobs])
+        logprobs: list[TokenLogprobs | None] = [None] * len(params)
+        for i, entry in zip(want_logprobs, entries, strict=True):
+            logprobs[i] = entry
+        return token_ids, logprobs
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [request.sampling_params for request in requests]
+        temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        logits = filter_logits(logits / temperatures[:, None], params)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, request in enumerate(requests):
+            seed = request.sampling_params.seed
+            if seed is not None:
+                generator = self.generators.get(request.request_id)
+                if generator is None:
+                    generator = torch.Generator(device=logits.device).manual_seed(seed)
+                    self.generators[request.request_id] = generator
+                noise[row].exponential_(generator=generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, request: Request, vocab_size: int) -> None:
+    """vLLM's penalties on one row, in place: repetition over prompt and output tokens (divide a
+    positive logit, multiply a negative one), frequency and presence over output tokens."""
+    params = request.sampling_params
+    device = logits.device
+    output_counts = torch.bincount(
+        torch.tensor(request.output_token_ids, dtype=torch.int64, device=device), minlength=vocab_size
+    )[:vocab_size].to(logits.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        seen[torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=device)] = True
+        seen |= output_counts > 0
+        penalty = params.repetition_penalty
+        logits.copy_(torch.where(seen & (logits > 0), logits / penalty,
+                                 torch.where(seen, logits * penalty, logits)))
+    if params.frequency_penalty:
+        logits -= params.frequency_penalty * output_counts
+    if params.presence_penalty:
+        logits -= params.presence_penalty * (output_counts > 0).to(logits.dtype)
+
+
+def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """min-p, top-k and top-p over rows with per-row settings; filtered entries become -inf."""
+    neg_inf = float("-inf")
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=logits.dtype,
+                                                                           device=logits.device)[:, None]
+        logits = logits.masked_fill(probs < threshold, neg_inf)
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if not any(top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    if any(top_k):
+        k = torch.tensor([k or logits.shape[-1] for k in top_k], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], neg_inf)
+    if any(p < 1.0 for p in top_p):
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # Rows without top-p get a threshold no cumulative sum reaches, rounding included.
+        p = torch.tensor([p if p < 1.0 else 2.0 for p in top_p], dtype=logits.dtype, device=logits.device)
+        # Keep the smallest prefix whose mass reaches p (the top token is always kept).
+        sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], neg_inf)
+    return torch.full_like(logits, neg_inf).scatter(-1, order, sorted_logits)
+
+
+def logprob_entries(logprobs: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
+    """For each row of ``logprobs [rows, vocab]``: the given token's logprob and rank, and the top-n."""
+    rows = torch.arange(len(token_ids), device=logprobs.device)
+    chosen = logprobs[rows, torch.tensor(token_ids, device=logprobs.device)]
+    ranks = ((logprobs > chosen[:, None]).sum(dim=-1) + 1).tolist()
+    max_top = max(num_top)
+    top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+    chosen_list = chosen.tolist()
+    entries = []
+    for row, (token_id, n) in enumerate(zip(token_ids, num_top, strict=True)):
+        entries.append(TokenLogprobs(
+            token_id, chosen_list[row], ranks[row],
+            top_ids[row, :n].tolist() if n else [], top_values[row, :n].tolist() if n else [],
+        ))
+    return entries

@@ -1,0 +1,170 @@
+"""Torch reference ops over paged KV: the CPU path, and the oracle for the Triton kernels.
+
+A layer's K (or V) cache is a tensor ``[num_blocks, block_size, num_kv_heads, head_dim]``, any
+strides (the engine keeps all layers in one block-major tensor, so these are views). A batch
+mixes any number of sequences, each contributing ``query_len`` new tokens after
+``context_len - query_len`` tokens already in its blocks (a prefix-cache hit, an earlier chunk,
+or earlier decodes); attention is causal inside each chunk.
+
+Decodes (query_len 1) are computed together: one gather of their blocks, two batched matmuls.
+Prefill chunks are computed one sequence at a time (a handful per step), each as one SDPA call.
+No loop runs per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a batch's tokens live in the paged cache. Built once per step, shared by all layers."""
+
+    slot_block_ids: torch.Tensor  # [num_tokens] block of each new token's KV slot
+    slot_offsets: torch.Tensor  # [num_tokens] offset of that slot inside its block
+    query_start_loc: list[int]  # [num_seqs + 1] where each sequence's tokens start in the batch
+    context_lens: list[int]  # [num_seqs] tokens in each sequence's context, new ones included
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+    # Derived for the CPU path: the decode sequences, batched.
+    decode_seq_indices: torch.Tensor  # [num_decodes] sequence index of each decode
+    decode_token_indices: torch.Tensor  # [num_decodes] its token's index in the batch
+    decode_context_lens: torch.Tensor  # [num_decodes]
+    prefill_seq_indices: list[int]  # sequences with query_len > 1
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata for sequences with ``query_lens[i]`` new tokens ending at ``context_lens[i]``."""
+    num_seqs = len(query_lens)
+    query_start_loc = [0] * (num_seqs + 1)
+    for i, query_len in enumerate(query_lens):
+        query_start_loc[i + 1] = query_start_loc[i] + query_len
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    table = torch.zeros((num_seqs, max(max_blocks, 1)), dtype=torch.int64)
+    for i, blocks in enumerate(block_tables):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+
+    positions = torch.cat([
+        torch.arange(context_len - query_len, context_len)
+        for query_len, context_len in zip(query_lens, context_lens, strict=True)
+    ]) if num_seqs else torch.zeros(0, dtype=torch.int64)
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens, dtype=torch.int64))
+    slot_block_ids = table[seq_of_token, positions // block_size]
+    slot_offsets = positions % block_size
+
+    decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
+    return AttentionMetadata(
+        slot_block_ids=slot_block_ids.to(device),
+        slot_offsets=slot_offsets.to(device),
+        query_start_loc=query_start_loc,
+        context_lens=list(context_lens),
+        block_tables=table.to(device),
+        decode_seq_indices=torch.tensor(decode_seqs, dtype=torch.int64, device=device),
+        decode_token_indices=torch.tensor([query_start_loc[i] for i in decode_seqs], dtype=torch.int64,
+                                          device=device),
+        decode_context_lens=torch.tensor([context_lens[i] for i in decode_seqs], dtype=torch.int64,
+                                         device=device),
+        prefill_seq_indices=[i for i, n in enumerate(query_lens) if n > 1],
+    )
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> None:
+    """Store the new tokens' K and V ``[num_tokens, num_kv_heads, head_dim]`` in their slots."""
+    k_cache[metadata.slot_block_ids, metadata.slot_offsets] = key
+    v_cache[metadata.slot_block_ids, metadata.slot_offsets] = value
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[num_tokens, num_kv_heads, head_dim] of one sequence, in position order."""
+    block_size = cache.shape[1]
+    num_blocks = -(-num_tokens // block_size)
+    blocks = cache[block_table[:num_blocks]]
+    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:num_tokens]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of each new token ``query [num_tokens, num_heads, head_dim]`` over its sequence's
+    context in the cache (its own K/V must already be written). Returns the query's shape."""
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    output = torch.empty_like(query)
+
+    if len(metadata.decode_seq_indices):
+        tables = metadata.block_tables[metadata.decode_seq_indices]
+        lens = metadata.decode_context_lens
+        block_size = k_cache.shape[1]
+        num_blocks = -(-int(lens.max()) // block_size)
+        num_decodes = len(lens)
+        span = num_blocks * block_size
+        # [D, kv_heads, span, head_dim]: every decode's context, padded to the longest one.
+        keys = k_cache[tables[:, :num_blocks]].reshape(num_decodes, span, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_cache[tables[:, :num_blocks]].reshape(num_decodes, span, num_kv_heads, head_dim).transpose(1, 2)
+        # GQA without copying K/V: the heads of a group share one key/value head.
+        q = query[metadata.decode_token_indices].view(num_decodes, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [D, kv_heads, group, span]
+        padding = torch.arange(span, device=query.device)[None, :] >= lens[:, None]
+        # Masked slots may hold stale data from other requests; -inf and a zero weight keep it out
+        # (the cache is zero-initialised, so nothing there is NaN).
+        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        output[metadata.decode_token_indices] = torch.matmul(probs, values).view(num_decodes, num_heads, head_dim)
+
+    for seq in metadata.prefill_seq_indices:
+        start, end = metadata.query_start_loc[seq], metadata.query_start_loc[seq + 1]
+        query_len = end - start
+        context_len = metadata.context_lens[seq]
+        keys = _gather_context(k_cache, metadata.block_tables[seq], context_len)
+        values = _gather_context(v_cache, metadata.block_tables[seq], context_len)
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, head_dim]
+        k = keys.transpose(0, 1).unsqueeze(0)
+        v = values.transpose(0, 1).unsqueeze(0)
+        num_cached = context_len - query_len
+        if num_cached == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:
+            # Query i sits at position num_cached + i and sees keys up to there.
+            visible = (torch.arange(context_len, device=query.device)[None, :]
+                       <= torch.arange(num_cached, context_len, device=query.device)[:, None])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=group > 1)
+        output[start:end] = out[0].transpose(0, 1)
+    return output
+
+
+def dense_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Plain causal attention over one whole sequence ``[seq_len, heads, head_dim]`` (K/V with
+    kv heads), with no paging or batching: the naive oracle for the paged ops."""
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query, key) * scale
+    seq_len = query.shape[0]
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=query.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), value)

@@ -1,0 +1,159 @@
+"""Triton kernels for the GPU path: write new K/V into their slots, and paged attention for a
+batch that mixes prefill chunks and decodes. Same layouts and results as ``reference``.
+
+The attention kernel runs one program per (token, KV head): it loads the query heads that share
+that KV head (GQA: K and V are read once per group), walks the sequence's blocks through its
+block table up to the token's own position (causal), and keeps an online softmax.
+
+``TRITON_INTERPRET=1`` must be set before this module is imported to run the kernels on CPU
+tensors (the tests do, at small shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.reference import AttentionMetadata
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, block_ids_ptr, offsets_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    stride_vcb, stride_vcs, stride_vch,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    in_dim = dims < HEAD_DIM
+    block = tl.load(block_ids_ptr + token).to(tl.int64)
+    offset = tl.load(offsets_ptr + token).to(tl.int64)
+    k = tl.load(key_ptr + token * stride_kt + head * stride_kh + dims, mask=in_dim)
+    v = tl.load(value_ptr + token * stride_vt + head * stride_vh + dims, mask=in_dim)
+    tl.store(k_cache_ptr + block * stride_cb + offset * stride_cs + head * stride_ch + dims, k, mask=in_dim)
+    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + head * stride_vch + dims, v, mask=in_dim)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    if key.stride(2) != 1 or value.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("write_kv needs the head dimension contiguous")
+    _write_kv_kernel[(num_tokens, num_kv_heads)](
+        key, value, k_cache, v_cache, metadata.slot_block_ids, metadata.slot_offsets,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr,
+    scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch,
+    stride_vcb, stride_vcs, stride_vch,
+    stride_table,
+    GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_SIZE_PADDED: tl.constexpr,
+):
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(token_seq_ptr + token).to(tl.int64)
+    position = tl.load(token_pos_ptr + token)
+
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PADDED)
+    in_group = tl.arange(0, GROUP_PADDED) < GROUP
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    in_dim = dims < HEAD_DIM
+    slots = tl.arange(0, BLOCK_SIZE_PADDED)
+
+    q = tl.load(query_ptr + token * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=in_group[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
+    q = q * scale
+
+    max_score = tl.full([GROUP_PADDED], float("-inf"), tl.float32)
+    denominator = tl.zeros([GROUP_PADDED], tl.float32)
+    acc = tl.zeros([GROUP_PADDED, HEAD_DIM_PADDED], tl.float32)
+    num_blocks = position // BLOCK_SIZE + 1
+    for block_index in range(0, num_blocks):
+        block = tl.load(block_tables_ptr + seq * stride_table + block_index).to(tl.int64)
+        key_positions = block_index * BLOCK_SIZE + slots
+        visible = (slots < BLOCK_SIZE) & (key_positions <= position)
+        kv_mask = visible[:, None] & in_dim[None, :]
+        k = tl.load(k_cache_ptr + block * stride_cb + slots[:, None] * stride_cs + kv_head * stride_ch
+                    + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + block * stride_vcb + slots[:, None] * stride_vcs + kv_head * stride_vch
+                    + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP, BLOCK]
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        new_max = tl.maximum(max_score, tl.max(scores, axis=1))
+        rescale = tl.exp(max_score - new_max)
+        weights = tl.exp(scores - new_max[:, None])
+        denominator = denominator * rescale + tl.sum(weights, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+        max_score = new_max
+
+    out = acc / denominator[:, None]
+    tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=in_group[:, None] & in_dim[None, :])
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    token_seq: torch.Tensor | None = None,
+    token_pos: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as ``reference.paged_attention``. ``token_seq``/``token_pos`` (each token's
+    sequence and position, int32) may be passed in to build them once per step, not per layer."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    output = torch.empty_like(query)
+    if num_tokens == 0:
+        return output
+    if token_seq is None or token_pos is None:
+        token_seq, token_pos = token_positions(metadata, query.device)
+    group = num_heads // num_kv_heads
+    _paged_attention_kernel[(num_tokens, num_kv_heads)](
+        output, query, k_cache, v_cache, metadata.block_tables, token_seq, token_pos,
+        scale,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        metadata.block_tables.stride(0),
+        GROUP=group, GROUP_PADDED=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_SIZE_PADDED=triton.next_power_of_2(block_size),
+    )
+    return output
+
+
+def token_positions(metadata: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each batch token's sequence index and position (int32), as the attention kernel reads them."""
+    seqs, positions = [], []
+    for seq in range(metadata.num_seqs):
+        start, end = metadata.query_start_loc[seq], metadata.query_start_loc[seq + 1]
+        context_len = metadata.context_lens[seq]
+        seqs.extend([seq] * (end - start))
+        positions.extend(range(context_len - (end - start), context_len))
+    return (torch.tensor(seqs, dtype=torch.int32, device=device),
+            torch.tensor(positions, dtype=torch.int32, device=device))

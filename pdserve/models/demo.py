@@ -1,0 +1,148 @@
+"""The built-in demo model: a tiny seeded Qwen3-family model with a byte-level BPE tokenizer and
+a ChatML chat template, built locally in seconds (no download), so everything runs out of the box.
+
+Its weights are random (normal, std 0.2, so the logits are peaked and greedy decoding is stable
+across summation orders): it speaks gibberish, fluently and reproducibly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+DEMO_MODEL_NAME = "pdserve-demo-qwen3-v1"
+SEED = 1234
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+ARCHITECTURE = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+}
+_WORDS = (
+    'the', 'a', 'one', 'every', 'some', 'model', 'token', 'cache', 'block', 'prefill', 'decode', 'router',
+    'pod', 'serve', 'stream', 'fast', 'slow', 'small', 'large', 'memory', 'request', 'answer', 'question',
+    'layer', 'head', 'key', 'value', 'query', 'batch', 'step', 'scheduler', 'engine', 'kernel', 'transfer',
+    'lease', 'hash', 'prefix', 'queue', 'run', 'wait', 'finish', 'start', 'read', 'write', 'is', 'was',
+    'will', 'can', 'must', 'may', 'not', 'and', 'or', 'but', 'with', 'from', 'into', 'over', 'under',
+    'after', 'before',
+)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pdserve"
+
+
+def ensure_demo_model(cache_dir: Path | None = None) -> Path:
+    """The demo model's folder, built on first use. Safe when several processes start at once:
+    each builds in a private temporary folder and renames it into place; the first rename wins."""
+    cache_dir = cache_dir or default_cache_dir()
+    target = cache_dir / DEMO_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=cache_dir))
+    try:
+        write_demo_model(scratch)
+        try:
+            os.rename(scratch, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _corpus(num_lines: int = 4000) -> list[str]:
+    rng = random.Random(SEED)
+    lines = []
+    for _ in range(num_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        sentence = " ".join(words).capitalize()
+        lines.append(f"{sentence}{rng.choice('.?!')} {rng.randint(0, 9999)}")
+    return lines
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
+                                      pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    wrapped.save_pretrained(str(path))
+
+
+def write_demo_model(path: str | Path) -> Path:
+    """Write the demo model (config.json, model.safetensors, tokenizer files) into ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    arch = ARCHITECTURE
+    write_tokenizer(path, arch["vocab_size"])
+    eos_id = json.loads((path / "tokenizer.json").read_text())["added_tokens"][2]["id"]
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **arch,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "initializer_range": 0.2,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+    }
+    generator = torch.Generator().manual_seed(SEED)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * config["initializer_range"]
+
+    hidden, inter = arch["hidden_size"], arch["intermediate_size"]
+    q_size = arch["num_attention_heads"] * arch["head_dim"]
+    kv_size = arch["num_key_value_heads"] * arch["head_dim"]
+    tensors = {"model.embed_tokens.weight": normal(arch["vocab_size"], hidden),
+               "model.norm.weight": torch.ones(hidden)}
+    for layer in range(arch["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        tensors.update({
+            prefix + "input_layernorm.weight": torch.ones(hidden),
+            prefix + "post_attention_layernorm.weight": torch.ones(hidden),
+            prefix + "self_attn.q_proj.weight": normal(q_size, hidden),
+            prefix + "self_attn.k_proj.weight": normal(kv_size, hidden),
+            prefix + "self_attn.v_proj.weight": normal(kv_size, hidden),
+            prefix + "self_attn.o_proj.weight": normal(hidden, q_size),
+            prefix + "self_attn.q_norm.weight": torch.ones(arch["head_dim"]),
+            prefix + "self_attn.k_norm.weight": torch.ones(arch["head_dim"]),
+            prefix + "mlp.gate_proj.weight": normal(inter, hidden),
+            prefix + "mlp.up_proj.weight": normal(inter, hidden),
+            prefix + "mlp.down_proj.weight": normal(hidden, inter),
+        })
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path

@@ -1,0 +1,95 @@
+"""Paged attention: the torch reference against naive dense attention, and the Triton kernels
+(run by Triton's interpreter on CPU, at small shapes) against the reference."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels module is imported: run on CPU
+
+import pytest
+import torch
+
+from pdserve.kernels import reference
+from pdserve.kernels import triton_attention as tri
+
+
+def _batch(seed: int, num_kv_heads: int, group: int, head_dim: int, block_size: int, specs):
+    """A random mixed batch. specs: (num_cached, query_len) per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads = num_kv_heads * group
+    num_blocks = sum(-(-(c + q) // block_size) for c, q in specs) + 3
+    # Unused slots hold finite garbage, as stale KV from other requests would.
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, full_k, full_v, queries = [], [], [], []
+    for num_cached, query_len in specs:
+        total = num_cached + query_len
+        table = [free.pop() for _ in range(-(-total // block_size))]
+        tables.append(table)
+        k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+        for pos in range(num_cached):  # the cached prefix is already in the blocks
+            k_cache[table[pos // block_size], pos % block_size] = k[pos]
+            v_cache[table[pos // block_size], pos % block_size] = v[pos]
+        full_k.append(k)
+        full_v.append(v)
+        queries.append(torch.randn(query_len, num_heads, head_dim, generator=gen))
+    metadata = reference.build_attention_metadata(
+        [q for _, q in specs], [c + q for c, q in specs], tables, block_size)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, specs, strict=True)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, specs, strict=True)])
+    return k_cache, v_cache, metadata, torch.cat(queries), new_k, new_v, full_k, full_v
+
+
+# Mixed batches: decodes with long contexts, a fresh prefill, a chunk after a cached prefix.
+SPECS = [(37, 1), (0, 9), (5, 1), (13, 6), (0, 1), (20, 1)]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(16, 4), (24, 16), (64, 16)])
+def test_reference_paged_attention_equals_dense_attention(group, head_dim, block_size):
+    k_cache, v_cache, metadata, query, new_k, new_v, full_k, full_v = _batch(
+        group + head_dim, 2, group, head_dim, block_size, SPECS)
+    reference.write_kv(new_k, new_v, k_cache, v_cache, metadata)
+    scale = head_dim ** -0.5
+    out = reference.paged_attention(query, k_cache, v_cache, metadata, scale)
+    for seq, (num_cached, query_len) in enumerate(SPECS):
+        start = metadata.query_start_loc[seq]
+        total = num_cached + query_len
+        # Dense attention over the whole sequence; its last query_len rows are this chunk's.
+        gen = torch.Generator().manual_seed(seq)
+        earlier_queries = torch.randn(num_cached, query.shape[1], head_dim, generator=gen)
+        full_q = torch.cat([earlier_queries, query[start:start + query_len]])
+        dense = reference.dense_causal_attention(full_q, full_k[seq][:total], full_v[seq][:total], scale)
+        torch.testing.assert_close(out[start:start + query_len], dense[num_cached:], atol=1e-5, rtol=1e-5)
+
+
+def test_reference_works_on_strided_cache_views():
+    # The engine keeps all layers in one block-major tensor; each layer's cache is a view.
+    k_cache, v_cache, metadata, query, new_k, new_v, _, _ = _batch(3, 2, 2, 16, 4, SPECS)
+    combined = torch.zeros(k_cache.shape[0], 3, 2, *k_cache.shape[1:])
+    combined[:, 1, 0] = k_cache
+    combined[:, 1, 1] = v_cache
+    reference.write_kv(new_k, new_v, combined[:, 1, 0], combined[:, 1, 1], metadata)
+    reference.write_kv(new_k, new_v, k_cache, v_cache, metadata)
+    torch.testing.assert_close(combined[:, 1, 0], k_cache)
+    out_view = reference.paged_attention(query, combined[:, 1, 0], combined[:, 1, 1], metadata, 0.25)
+    out_plain = reference.paged_attention(query, k_cache, v_cache, metadata, 0.25)
+    torch.testing.assert_close(out_view, out_plain)
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(1, 16, 4), (2, 24, 16), (4, 32, 8)])
+def test_triton_kernels_match_the_reference(group, head_dim, block_size):
+    specs = [(9, 1), (0, 5), (3, 4), (17, 1)]
+    k_cache, v_cache, metadata, query, new_k, new_v, _, _ = _batch(7 * group, 2, group, head_dim, block_size, specs)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(new_k, new_v, ref_k, ref_v, metadata)
+    tri.write_kv(new_k, new_v, k_cache, v_cache, metadata)
+    torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0)
+    scale = head_dim ** -0.5
+    expected = reference.paged_attention(query, ref_k, ref_v, metadata, scale)
+    actual = tri.paged_attention(query, k_cache, v_cache, metadata, scale)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
