@@ -11,13 +11,15 @@ import sys
 _SERVE_NOT_READY = """\
 pdserve serve: the serving stack is not built yet.
 
-What exists today is the shared engine core (scheduler, KV-cache manager, block pool,
-prefix cache) driven by a deterministic fake model:
-  make test                     # unit and property tests of the core
-  .venv/bin/python bench/scheduler.py   # scheduler step cost at 64/256/1024 running requests
+What runs today, offline in one process (the engine core, our model code, the sampler):
+  .venv/bin/python -c "from pdserve import LLM, SamplingParams; \\
+      print(LLM().generate('Hello', SamplingParams(max_tokens=16))[0].outputs[0].text)"
+  pdserve demo-model PATH       # write the built-in tiny model and tokenizer
+  make test                     # the test suite
+  make bench                    # scheduler and throughput benchmarks
 
-Still to come: the model runner (issue #3), the OpenAI server and colocated mode (#4), and
-prefill/decode disaggregation with the router (#5), which `pdserve serve` will start.
+Still to come: the OpenAI server and colocated mode (issue #4), then prefill/decode
+disaggregation with the router (#5), which `pdserve serve` will start.
 """
 
 
@@ -26,11 +28,22 @@ def _serve(args: argparse.Namespace) -> int:
     return 2
 
 
+def _demo_model(args: argparse.Namespace) -> int:
+    from pdserve.models.demo import write_demo_model
+
+    path = write_demo_model(args.path)
+    print(f"wrote the demo model to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser("serve", help="run router + prefill + decode locally")
     serve.set_defaults(handler=_serve)
+    demo = commands.add_parser("demo-model", help="write the built-in tiny model and tokenizer to PATH")
+    demo.add_argument("path", help="folder to write (created if missing)")
+    demo.set_defaults(handler=_demo_model)
     return parser
 
 

@@ -131,10 +131,11 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(normalised):
                 raise ValueError(f"{len(params_list)} sampling params for {len(normalised)} prompts")
-        groups = []
-        for (text, token_ids), params in zip(normalised, params_list, strict=True):
+        # Validate everything before adding anything, so a bad prompt leaves no request behind.
+        for (_, token_ids), params in zip(normalised, params_list, strict=True):
             self._validate(token_ids, params)
-            groups.append((text, token_ids, params, self._add(token_ids, params)))
+        groups = [(text, token_ids, params, self._add(token_ids, params))
+                  for (text, token_ids), params in zip(normalised, params_list, strict=True)]
         self._run([pending for *_, children in groups for pending in children])
         return [self._request_output(text, token_ids, params, children)
                 for text, token_ids, params, children in groups]
@@ -180,6 +181,10 @@ class LLM:
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary (0..{vocab_size - 1}): {bad[:5]}")
+        max_model_len = self.engine.scheduler.config.max_model_len
+        if len(token_ids) >= max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, but the context length is {max_model_len}: "
+                             f"at most {max_model_len - 1} prompt tokens leave room for output")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:

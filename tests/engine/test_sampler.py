@@ -1,0 +1,105 @@
+"""Sampler: greedy and its equivalents, seeded draws independent of the batch, penalties exactly
+as defined, filters that never let excluded tokens through, and logprob entries."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler, apply_penalties, logprob_entries
+from pdserve.engine.sampling_params import SamplingParams
+
+VOCAB = 64
+
+
+def _request(request_id: str, prompt=(1, 2, 3), output=(), **params) -> Request:
+    request = Request(request_id, list(prompt), SamplingParams(**params))
+    for token in output:
+        request.append_output_token(token)
+    return request
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_and_top_k_1_pick_the_argmax():
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    logits = _logits(16)
+    greedy, _ = sampler.sample(logits, [_request(f"g{i}", temperature=0.0) for i in range(16)])
+    top1, _ = sampler.sample(logits, [_request(f"k{i}", temperature=1.3, top_k=1) for i in range(16)])
+    assert greedy == top1 == logits.argmax(dim=-1).tolist()
+
+
+def test_seeded_draws_do_not_depend_on_the_rest_of_the_batch():
+    def run(batch_extra: int) -> list[int]:
+        sampler = Sampler(VOCAB, torch.device("cpu"))
+        tokens = []
+        for step in range(5):
+            logits = torch.cat([_logits(1, seed=100 + step), _logits(batch_extra, seed=step)])
+            requests = [_request("seeded", temperature=1.0, seed=42)]
+            requests += [_request(f"other{i}", temperature=0.9) for i in range(batch_extra)]
+            tokens.append(sampler.sample(logits, requests)[0][0])
+        return tokens
+
+    alone = run(0)
+    assert run(3) == alone and run(7) == alone
+    # A different seed gives a different stream (with 5 draws from 64 tokens, surely).
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    other = [sampler.sample(_logits(1, seed=100 + s), [_request("x", seed=43)])[0][0] for s in range(5)]
+    assert other != alone
+
+
+def test_penalties_change_logits_exactly_as_defined():
+    logits = _logits(1)[0]
+    request = _request("p", prompt=[5, 6], output=[6, 7, 7], repetition_penalty=1.5, frequency_penalty=0.25,
+                       presence_penalty=0.5)
+    expected = logits.clone()
+    for token in (5, 6, 7):  # repetition: prompt and output tokens
+        expected[token] = expected[token] / 1.5 if expected[token] > 0 else expected[token] * 1.5
+    expected[6] -= 0.25 * 1 + 0.5  # frequency (count 1) and presence, output tokens only
+    expected[7] -= 0.25 * 2 + 0.5
+    penalised = logits.clone()
+    apply_penalties(penalised, request, VOCAB)
+    torch.testing.assert_close(penalised, expected)
+
+
+def test_filters_never_let_excluded_tokens_through():
+    logits = torch.full((1, VOCAB), -5.0)
+    logits[0, :4] = torch.tensor([4.0, 3.0, 2.5, 0.0])  # probabilities roughly .58 .21 .13 .02 ...
+    cases = {
+        "top_k": ({"top_k": 2}, {0, 1}),
+        "top_p": ({"top_p": 0.7}, {0, 1}),  # .58 < .7, .58+.21 reaches it
+        "min_p": ({"min_p": 0.3}, {0, 1}),  # .21 > .3 * .58, .13 is not
+    }
+    for name, (params, allowed) in cases.items():
+        sampler = Sampler(VOCAB, torch.device("cpu"))
+        seen = set()
+        for i in range(300):
+            seen.update(sampler.sample(logits, [_request(f"{name}{i}", **params)])[0])
+        assert seen == allowed, name
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 0] = 2.0
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    cold = sum(sampler.sample(logits, [_request(f"c{i}", temperature=0.05)])[0][0] == 0 for i in range(200))
+    hot = sum(sampler.sample(logits, [_request(f"h{i}", temperature=5.0)])[0][0] == 0 for i in range(200))
+    assert cold == 200 and hot < 50
+
+
+def test_logprobs_are_of_the_raw_logits_with_ranks_and_top_n():
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    logits = _logits(2)
+    tokens, logprobs = sampler.sample(logits, [_request("a", temperature=0.0, logprobs=3, repetition_penalty=2.0),
+                                               _request("b", temperature=0.0)])
+    assert logprobs[1] is None
+    raw = torch.log_softmax(logits[0], dim=-1)
+    entry = logprobs[0]
+    assert entry.token_id == tokens[0]
+    assert abs(entry.logprob - raw[tokens[0]].item()) < 1e-6
+    assert entry.rank == int((raw > raw[tokens[0]]).sum()) + 1
+    assert entry.top_token_ids == raw.topk(3).indices.tolist()
+    (forced,) = logprob_entries(raw[None], [int(raw.argmin())], [0])
+    assert forced.rank == VOCAB and forced.top_token_ids == []
