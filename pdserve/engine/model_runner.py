@@ -1,8 +1,8 @@
 """ModelRunner: owns the model, the paged KV cache and the sampler; runs one scheduled step.
 
-The KV cache is one block-major tensor ``[num_blocks, num_layers, 2, block_size, kv_heads,
-head_dim]``: each block's KV for every layer is one contiguous region (what the KV connectors
-register and move), and each layer's K and V caches are strided views of it.
+The KV cache is one block-major tensor (see ``allocate_kv_cache``): each block's KV for every layer
+is one contiguous region (what the KV connectors register and move), and each layer's K and V
+caches are strided views of it.
 
 Its size comes from a memory budget: on CPU ``kv_cache_memory`` bytes; on GPU the free memory
 left at ``gpu_memory_utilization`` after the weights and the peak of a profiling forward pass
@@ -19,6 +19,7 @@ import torch
 
 from pdserve.engine.outputs import NO_TOKEN, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pdserve.engine.sampler import Sampler, logprob_entries
+from pdserve.kernels.cpu_attention import decode_kernel
 from pdserve.kernels.reference import build_attention_metadata
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_model
@@ -26,6 +27,23 @@ from pdserve.models.loader import load_model
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """The whole KV cache, ``[blocks, layers, 2 (K, V), kv_heads, block_size, head_dim]``, zeroed.
+
+    Block-major: one block of every layer is a single contiguous region (one transfer descriptor).
+    Head-major inside a block: a head's slab is contiguous, which the CPU decode path gathers.
+    """
+    return torch.zeros((num_blocks, config.num_layers, 2, config.num_kv_heads, block_size, config.head_dim),
+                       dtype=dtype, device=device)
+
+
+def layer_views(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) as the kernels address them: ``[blocks, block_size, kv_heads, head_dim]``."""
+    return [(kv_cache[:, layer, 0].transpose(1, 2), kv_cache[:, layer, 1].transpose(1, 2))
+            for layer in range(kv_cache.shape[1])]
 
 
 @dataclass
@@ -50,12 +68,12 @@ class ModelRunner:
         self.model = load_model(Path(config.model), model_config, config.dtype, config.device,
                                 max_positions=config.max_model_len)
         self.sampler = Sampler(model_config.vocab_size, config.device)
+        if self.device.type == "cpu" and config.dtype == torch.float32:
+            decode_kernel()  # build (or load) the fused CPU kernel now, not inside the first request
         self.num_blocks = config.num_blocks or self._blocks_from_memory()
-        self.kv_cache = torch.zeros(
-            (self.num_blocks, model_config.num_layers, 2, self.block_size, model_config.num_kv_heads,
-             model_config.head_dim), dtype=config.dtype, device=config.device)
-        self.layer_caches = [(self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1])
-                             for layer in range(model_config.num_layers)]
+        self.kv_cache = allocate_kv_cache(model_config, self.num_blocks, self.block_size, config.dtype,
+                                          config.device)
+        self.layer_caches = layer_views(self.kv_cache)
 
     @property
     def bytes_per_block(self) -> int:
@@ -79,9 +97,8 @@ class ModelRunner:
         tokens = self.config.max_num_batched_tokens
         num_blocks = -(-tokens // self.block_size)
         config = self.model_config
-        scratch = torch.zeros((num_blocks, config.num_layers, 2, self.block_size, config.num_kv_heads,
-                               config.head_dim), dtype=self.config.dtype, device=self.device)
-        caches = [(scratch[:, layer, 0], scratch[:, layer, 1]) for layer in range(config.num_layers)]
+        scratch = allocate_kv_cache(config, num_blocks, self.block_size, self.config.dtype, self.device)
+        caches = layer_views(scratch)
         positions = torch.arange(tokens, device=self.device) % self.config.max_model_len
         metadata = build_attention_metadata([tokens], [tokens], [list(range(num_blocks))], self.block_size,
                                             self.device)

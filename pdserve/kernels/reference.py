@@ -6,9 +6,12 @@ mixes any number of sequences, each contributing ``query_len`` new tokens after
 ``context_len - query_len`` tokens already in its blocks (a prefix-cache hit, an earlier chunk,
 or earlier decodes); attention is causal inside each chunk.
 
-Decodes (query_len 1) are computed together: one gather of their blocks, two batched matmuls.
-Prefill chunks are computed one sequence at a time (a handful per step), each as one SDPA call.
-No loop runs per token.
+Decodes (query_len 1) are computed together, one KV head at a time: gather that head's blocks of
+every decoding sequence into one buffer, then two batched matmuls over the sequences. With the
+engine's head-major block layout (each head's ``[block_size, head_dim]`` slab of a block is
+contiguous) the gather copies whole slabs and its result is already in matmul layout; nothing is
+transposed or copied twice. Prefill chunks are computed one sequence at a time (a handful per
+step), each as one SDPA call. No loop runs per token.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ class AttentionMetadata:
     decode_seq_indices: torch.Tensor  # [num_decodes] sequence index of each decode
     decode_token_indices: torch.Tensor  # [num_decodes] its token's index in the batch
     decode_context_lens: torch.Tensor  # [num_decodes]
+    decode_block_ids: torch.Tensor  # [num_decodes * decode_blocks] their block tables, flattened
+    decode_padding: torch.Tensor  # [num_decodes, decode_blocks * block_size] True past each context
     prefill_seq_indices: list[int]  # sequences with query_len > 1
 
     @property
@@ -65,6 +70,11 @@ def build_attention_metadata(
     slot_offsets = positions % block_size
 
     decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
+    decode_lens = [context_lens[i] for i in decode_seqs]
+    decode_blocks = -(-max(decode_lens, default=0) // block_size)
+    decode_block_ids = table[decode_seqs, :decode_blocks].reshape(-1)
+    padding = (torch.arange(decode_blocks * block_size)[None, :]
+               >= torch.tensor(decode_lens, dtype=torch.int64)[:, None])
     return AttentionMetadata(
         slot_block_ids=slot_block_ids.to(device),
         slot_offsets=slot_offsets.to(device),
@@ -74,8 +84,9 @@ def build_attention_metadata(
         decode_seq_indices=torch.tensor(decode_seqs, dtype=torch.int64, device=device),
         decode_token_indices=torch.tensor([query_start_loc[i] for i in decode_seqs], dtype=torch.int64,
                                           device=device),
-        decode_context_lens=torch.tensor([context_lens[i] for i in decode_seqs], dtype=torch.int64,
-                                         device=device),
+        decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64, device=device),
+        decode_block_ids=decode_block_ids.to(device),
+        decode_padding=padding.to(device),
         prefill_seq_indices=[i for i, n in enumerate(query_lens) if n > 1],
     )
 
@@ -109,31 +120,17 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of each new token ``query [num_tokens, num_heads, head_dim]`` over its sequence's
     context in the cache (its own K/V must already be written). Returns the query's shape."""
-    _, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     output = torch.empty_like(query)
-
     if len(metadata.decode_seq_indices):
-        tables = metadata.block_tables[metadata.decode_seq_indices]
-        lens = metadata.decode_context_lens
-        block_size = k_cache.shape[1]
-        num_blocks = -(-int(lens.max()) // block_size)
-        num_decodes = len(lens)
-        span = num_blocks * block_size
-        # [D, kv_heads, span, head_dim]: every decode's context, padded to the longest one.
-        keys = k_cache[tables[:, :num_blocks]].reshape(num_decodes, span, num_kv_heads, head_dim).transpose(1, 2)
-        values = v_cache[tables[:, :num_blocks]].reshape(num_decodes, span, num_kv_heads, head_dim).transpose(1, 2)
-        # GQA without copying K/V: the heads of a group share one key/value head.
-        q = query[metadata.decode_token_indices].view(num_decodes, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [D, kv_heads, group, span]
-        padding = torch.arange(span, device=query.device)[None, :] >= lens[:, None]
-        # Masked slots may hold stale data from other requests; -inf and a zero weight keep it out
-        # (the cache is zero-initialised, so nothing there is NaN).
-        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        output[metadata.decode_token_indices] = torch.matmul(probs, values).view(num_decodes, num_heads, head_dim)
+        decode_attention(query, k_cache, v_cache, metadata, scale, output)
+    prefill_attention(query, k_cache, v_cache, metadata, scale, output)
+    return output
 
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      metadata: AttentionMetadata, scale: float, output: torch.Tensor) -> None:
+    """The prefill chunks' part of ``paged_attention``, written into ``output``."""
+    group = query.shape[1] // k_cache.shape[2]
     for seq in metadata.prefill_seq_indices:
         start, end = metadata.query_start_loc[seq], metadata.query_start_loc[seq + 1]
         query_len = end - start
@@ -152,7 +149,32 @@ def paged_attention(
                        <= torch.arange(num_cached, context_len, device=query.device)[:, None])
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=group > 1)
         output[start:end] = out[0].transpose(0, 1)
-    return output
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     metadata: AttentionMetadata, scale: float, output: torch.Tensor) -> None:
+    """The decodes' part of ``paged_attention``, written into ``output``."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = query.shape[1] // num_kv_heads
+    num_decodes, span = metadata.decode_padding.shape
+    block_ids = metadata.decode_block_ids
+    rows = metadata.decode_token_indices
+    # Masked slots may hold stale KV of other requests: -inf keeps them out (the cache is
+    # zero-initialised, so no slot holds NaN that a zero weight could not cancel).
+    padding = metadata.decode_padding[:, None, :]
+    queries = query[rows]  # [D, heads, head_dim]
+    out = torch.empty_like(queries)
+    keys = torch.empty((len(block_ids), k_cache.shape[1], head_dim), dtype=query.dtype, device=query.device)
+    values = torch.empty_like(keys)
+    for head in range(num_kv_heads):
+        torch.index_select(k_cache[:, :, head], 0, block_ids, out=keys)
+        torch.index_select(v_cache[:, :, head], 0, block_ids, out=values)
+        heads = slice(head * group, (head + 1) * group)  # the query heads sharing this KV head
+        scores = torch.bmm(queries[:, heads], keys.view(num_decodes, span, head_dim).transpose(1, 2))
+        scores.mul_(scale).masked_fill_(padding, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[:, heads] = torch.bmm(probs, values.view(num_decodes, span, head_dim))
+    output[rows] = out
 
 
 def dense_causal_attention(

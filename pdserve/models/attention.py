@@ -1,4 +1,5 @@
-"""Which attention implementation a device uses: Triton kernels on CUDA, torch reference on CPU."""
+"""Which attention implementation a device uses: Triton kernels on CUDA; on CPU the torch
+reference with decodes in the fused C++ kernel (built on first use, reference fallback)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels import reference
+from pdserve.kernels import cpu_attention, reference
 from pdserve.kernels.reference import AttentionMetadata
 
 
@@ -23,7 +24,7 @@ def attention_backend(device: torch.device) -> AttentionBackend:
         from pdserve.kernels import triton_attention  # imports triton: only where it can compile
 
         return AttentionBackend("triton", triton_attention.write_kv, triton_attention.paged_attention)
-    return AttentionBackend("torch", reference.write_kv, reference.paged_attention)
+    return AttentionBackend("cpu", reference.write_kv, cpu_attention.paged_attention)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "attention_backend"]

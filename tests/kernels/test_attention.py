@@ -66,16 +66,23 @@ def test_reference_paged_attention_equals_dense_attention(group, head_dim, block
         torch.testing.assert_close(out[start:start + query_len], dense[num_cached:], atol=1e-5, rtol=1e-5)
 
 
-def test_reference_works_on_strided_cache_views():
-    # The engine keeps all layers in one block-major tensor; each layer's cache is a view.
+def _engine_layout_views(k_cache, v_cache):
+    """The engine's layout: [blocks, layers, 2, kv_heads, block_size, head_dim], layer 1's views."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    combined = torch.zeros(num_blocks, 3, 2, num_kv_heads, block_size, head_dim)
+    k_view, v_view = combined[:, 1, 0].transpose(1, 2), combined[:, 1, 1].transpose(1, 2)
+    k_view.copy_(k_cache)
+    v_view.copy_(v_cache)
+    return k_view, v_view
+
+
+def test_reference_works_on_the_engines_strided_layout():
     k_cache, v_cache, metadata, query, new_k, new_v, _, _ = _batch(3, 2, 2, 16, 4, SPECS)
-    combined = torch.zeros(k_cache.shape[0], 3, 2, *k_cache.shape[1:])
-    combined[:, 1, 0] = k_cache
-    combined[:, 1, 1] = v_cache
-    reference.write_kv(new_k, new_v, combined[:, 1, 0], combined[:, 1, 1], metadata)
+    k_view, v_view = _engine_layout_views(k_cache, v_cache)
+    reference.write_kv(new_k, new_v, k_view, v_view, metadata)
     reference.write_kv(new_k, new_v, k_cache, v_cache, metadata)
-    torch.testing.assert_close(combined[:, 1, 0], k_cache)
-    out_view = reference.paged_attention(query, combined[:, 1, 0], combined[:, 1, 1], metadata, 0.25)
+    torch.testing.assert_close(k_view, k_cache)
+    out_view = reference.paged_attention(query, k_view, v_view, metadata, 0.25)
     out_plain = reference.paged_attention(query, k_cache, v_cache, metadata, 0.25)
     torch.testing.assert_close(out_view, out_plain)
 
@@ -85,6 +92,7 @@ def test_triton_kernels_match_the_reference(group, head_dim, block_size):
     specs = [(9, 1), (0, 5), (3, 4), (17, 1)]
     k_cache, v_cache, metadata, query, new_k, new_v, _, _ = _batch(7 * group, 2, group, head_dim, block_size, specs)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    k_cache, v_cache = _engine_layout_views(k_cache, v_cache)  # the kernels take any strides
     reference.write_kv(new_k, new_v, ref_k, ref_v, metadata)
     tri.write_kv(new_k, new_v, k_cache, v_cache, metadata)
     torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=0)
@@ -93,3 +101,16 @@ def test_triton_kernels_match_the_reference(group, head_dim, block_size):
     expected = reference.paged_attention(query, ref_k, ref_v, metadata, scale)
     actual = tri.paged_attention(query, k_cache, v_cache, metadata, scale)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(1, 16, 4), (2, 24, 16), (4, 64, 16)])
+def test_cpu_decode_kernel_matches_the_reference(group, head_dim, block_size):
+    from pdserve.kernels import cpu_attention
+
+    assert cpu_attention.decode_kernel() is not None, "the C++ kernel must build on these machines"
+    k_cache, v_cache, metadata, query, new_k, new_v, _, _ = _batch(11 * group, 2, group, head_dim, block_size, SPECS)
+    k_cache, v_cache = _engine_layout_views(k_cache, v_cache)
+    reference.write_kv(new_k, new_v, k_cache, v_cache, metadata)
+    expected = reference.paged_attention(query, k_cache, v_cache, metadata, 0.3)
+    actual = cpu_attention.paged_attention(query, k_cache, v_cache, metadata, 0.3)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,154 @@
+"""Offline generation throughput: pdserve's LLM.generate against transformers' continuous batching
+(``generate_batch``) on the same weights, in one command.
+
+Model: the ~110M Llama of shared/notes/cpu-ml.md (hidden 768, 12 layers, 12 heads, intermediate
+2048, vocab 32000, tied embeddings), random seeded weights, fp32. Workload: 64 requests, 128-token
+random prompts, 128 new tokens each, greedy, EOS ignored. Each engine is warmed up on a small batch
+first. Also reports pdserve's decode step at batch 64 against the decode roofline (weight bytes
+per step / measured weight-streaming bandwidth). Takes 3-5 minutes on 2 cores.
+
+transformers' configuration (the best of those tried for this workload, see docs/benchmarks.md):
+page_size 32, num_blocks 640 (20480 token slots: all 64 requests stay resident), max_batch_tokens
+256, max_requests_per_batch 64, sdpa attention.
+
+Last line: {"bench": "throughput", "pdserve_tok_s": X, "hf_tok_s": Y, "ratio": R}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.request import Request
+from pdserve.models.demo import ensure_demo_model
+
+MODEL = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
+         "vocab_size": 32000, "tie_word_embeddings": True, "max_position_embeddings": 1024}
+HF_CB = {"page_size": 32, "num_blocks": 640, "max_batch_tokens": 256, "max_requests_per_batch": 64}
+
+
+def build_model(folder: str) -> int:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL)).eval()
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def weight_streaming_gbps() -> float:
+    """GB/s of a large fp32 matrix-vector product: how fast decode can stream weights here."""
+    matrix = torch.randn(8192, 8192)
+    vector = torch.randn(8192)
+    torch.mv(matrix, vector)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.mv(matrix, vector)
+        times.append(time.perf_counter() - start)
+    return matrix.numel() * 4 / min(times) / 1e9
+
+
+def gemm_gflops() -> float:
+    """fp32 GFLOP/s of a large matrix product: the compute roof of a batched decode step."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    torch.mm(a, b)
+    start = time.perf_counter()
+    for _ in range(3):
+        torch.mm(a, b)
+    return 3 * 2 * 2048**3 / (time.perf_counter() - start) / 1e9
+
+
+def run_pdserve(folder: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(output tokens/s of the whole generate, median seconds of a batch-64 decode step)."""
+    llm = LLM(folder, tokenizer=str(ensure_demo_model()), max_model_len=512, kv_cache_memory=2 << 30,
+              max_num_batched_tokens=2048)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert num_tokens == len(prompts) * new_tokens
+
+    # Decode step at full batch: bring every request past its prompt, then time pure decode steps.
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(Request(f"decode-{i}", prompt, params))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()
+    step_times = []
+    for _ in range(8):
+        start_step = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - start_step)
+    engine.abort_requests([f"decode-{i}" for i in range(len(prompts))])
+    return num_tokens / elapsed, statistics.median(step_times)
+
+
+def run_hf(folder: str, prompts: list[list[int]], new_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    generation = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    batching = ContinuousBatchingConfig(**HF_CB)
+    with torch.inference_mode():
+        model.generate_batch(prompts[:4], generation_config=GenerationConfig(
+            max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0),
+            continuous_batching_config=batching)
+        start = time.perf_counter()
+        outputs = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching)
+        elapsed = time.perf_counter() - start
+    num_tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    assert num_tokens == len(prompts) * new_tokens, num_tokens
+    return num_tokens / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--skip-hf", action="store_true", help="measure pdserve only (no ratio)")
+    args = parser.parse_args()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(MODEL["vocab_size"]) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    with tempfile.TemporaryDirectory() as folder:
+        num_params = build_model(folder)
+        weight_bytes = num_params * 4
+        print(f"model: {num_params / 1e6:.1f}M parameters, {weight_bytes / 1e6:.0f} MB fp32, "
+              f"torch threads {torch.get_num_threads()}")
+        print(f"workload: {args.requests} requests x {args.prompt_len} prompt + {args.new_tokens} new tokens, "
+              "greedy, EOS ignored", flush=True)
+        pdserve_tok_s, decode_step_s = run_pdserve(folder, prompts, args.new_tokens)
+        print(f"pdserve LLM.generate:        {pdserve_tok_s:8.1f} output tok/s", flush=True)
+        bandwidth = weight_streaming_gbps()
+        roofline_s = weight_bytes / (bandwidth * 1e9)
+        compute_s = 2 * num_params * args.requests / (gemm_gflops() * 1e9)
+        print(f"decode step at batch {args.requests}: {decode_step_s * 1e3:.1f} ms; weight-read roofline "
+              f"{roofline_s * 1e3:.1f} ms at {bandwidth:.1f} GB/s -> {roofline_s / decode_step_s:.0%} of roofline; "
+              f"matmul compute floor {compute_s * 1e3:.1f} ms -> {compute_s / decode_step_s:.0%} (at this batch "
+              "a step is compute-bound, not weight-bound)")
+        hf_tok_s = None
+        if not args.skip_hf:
+            hf_tok_s = run_hf(folder, prompts, args.new_tokens)
+            print(f"transformers generate_batch: {hf_tok_s:8.1f} output tok/s ({HF_CB})")
+            print(f"ratio: {pdserve_tok_s / hf_tok_s:.2f}x")
+    print(json.dumps({"bench": "throughput", "pdserve_tok_s": round(pdserve_tok_s, 1),
+                      "hf_tok_s": None if hf_tok_s is None else round(hf_tok_s, 1),
+                      "ratio": None if hf_tok_s is None else round(pdserve_tok_s / hf_tok_s, 2)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""A fused C++ decode paged-attention kernel for CPUs (fp32), built on first use.
+
+The torch reference path must gather every decoding sequence's blocks into a buffer before it can
+multiply, so a decode step reads the KV from memory and writes and re-reads a copy of it. This
+kernel reads each sequence's blocks in place through its block table, once for K and once for V,
+with the (sequence, KV head) pairs spread over torch's threads: on the 2-core CPU machines it
+roughly halves decode attention time (docs/benchmarks.md).
+
+It is compiled with torch's C++ extension loader (g++ and ninja) the first time it is needed and
+cached under ~/.cache/torch_extensions. Where that is impossible the caller falls back to the
+torch reference (same results); ``decode_kernel()`` returns None then and says why once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from pdserve.kernels import reference
+from pdserve.kernels.reference import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+#include <limits>
+
+// out[d, h, :] = softmax(scale * q[d, h] . K[d, :len_d]) V[d, :len_d] for every decode d and
+// query head h, reading K/V through block_tables. Cache views are [blocks, block_size, kv_heads,
+// head_dim] with any strides, head_dim contiguous.
+void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32,
+              "decode_attention: float32 only");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && query.stride(2) == 1 && out.stride(2) == 1,
+              "decode_attention: head_dim must be contiguous");
+  const int64_t num_decodes = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const float* q_ptr = query.data_ptr<float>();
+  const float* k_ptr = k_cache.data_ptr<float>();
+  const float* v_ptr = v_cache.data_ptr<float>();
+  float* o_ptr = out.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vs = v_cache.stride(1), vh = v_cache.stride(2);
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(group * head_dim);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t d = pair / num_kv_heads, h = pair % num_kv_heads;
+      const int64_t len = lens[d];
+      const int64_t* table = tables + d * table_stride;
+      scores.assign(group * len, 0.f);
+      // Pass 1: scores, one K row at a time for all query heads of the group.
+      for (int64_t t = 0; t < len; ++t) {
+        const float* k = k_ptr + table[t / block_size] * kb + (t % block_size) * ks + h * kh;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* q = q_ptr + d * qs0 + (h * group + g) * qs1;
+          float dot = 0.f;
+          #pragma omp simd reduction(+:dot)
+          for (int64_t i = 0; i < head_dim; ++i) dot += q[i] * k[i];
+          scores[g * len + t] = dot * fscale;
+        }
+      }
+      // Softmax per query head.
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        float max_score = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) max_score = std::max(max_score, s[t]);
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) { s[t] = std::exp(s[t] - max_score); total += s[t]; }
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      // Pass 2: weighted sum of V rows.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const float* v = v_ptr + table[t / block_size] * vb + (t % block_size) * vs + h * vh;
+        for (int64_t g = 0; g < group; ++g) {
+          const float w = scores[g * len + t];
+          float* a = acc.data() + g * head_dim;
+          #pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i) a[i] += w * v[i];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = o_ptr + d * os0 + (h * group + g) * os1;
+        for (int64_t i = 0; i < head_dim; ++i) o[i] = acc[g * head_dim + i];
+      }
+    }
+  });
+}
+"""
+
+
+@functools.cache
+def decode_kernel():
+    """The compiled ``decode_attention(out, query, k_cache, v_cache, block_tables, context_lens,
+    scale)``, or None where it cannot be built (the reason is logged once)."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        module = load_inline(
+            name="pdserve_cpu_decode_attention",
+            cpp_sources=_SOURCE,
+            functions=["decode_attention"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as error:  # a missing compiler, headers or ninja: fall back, loudly
+        logger.warning("CPU decode-attention kernel unavailable (%s); using the torch reference path",
+                       str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return None
+    return module.decode_attention
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """``reference.paged_attention`` with the decodes computed by the fused kernel (fp32, when it
+    could be built); prefill chunks, other dtypes and kernel-less hosts use the reference."""
+    kernel = decode_kernel() if query.dtype == torch.float32 else None
+    if kernel is None:
+        return reference.paged_attention(query, k_cache, v_cache, metadata, scale)
+    output = torch.empty_like(query)
+    rows = metadata.decode_token_indices
+    if len(rows):
+        decoded = torch.empty((len(rows), *query.shape[1:]), dtype=query.dtype, device=query.device)
+        num_decodes = len(rows)
+        kernel(decoded, query[rows], k_cache, v_cache, metadata.decode_block_ids.view(num_decodes, -1),
+               metadata.decode_context_lens, scale)
+        output[rows] = decoded
+    reference.prefill_attention(query, k_cache, v_cache, metadata, scale, output)
+    return output
