@@ -29,3 +29,4 @@ test-slow: setup
 
 bench: setup
 	$(BIN)/python bench/scheduler.py
+	$(BIN)/python bench/throughput.py

@@ -9,7 +9,8 @@ per step / measured weight-streaming bandwidth). Takes 3-5 minutes on 2 cores.
 
 transformers' configuration (the best of those tried for this workload, see docs/benchmarks.md):
 page_size 32, num_blocks 640 (20480 token slots: all 64 requests stay resident), max_batch_tokens
-256, max_requests_per_batch 64, sdpa attention.
+32, max_requests_per_batch 64, sdpa attention. (transformers gets faster as max_batch_tokens
+shrinks, down to 32: its paged attention on CPU seems to cost more than linearly in batch size.)
 
 Last line: {"bench": "throughput", "pdserve_tok_s": X, "hf_tok_s": Y, "ratio": R}
 """
@@ -34,7 +35,7 @@ from pdserve.models.demo import ensure_demo_model
 
 MODEL = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
          "vocab_size": 32000, "tie_word_embeddings": True, "max_position_embeddings": 1024}
-HF_CB = {"page_size": 32, "num_blocks": 640, "max_batch_tokens": 256, "max_requests_per_batch": 64}
+HF_CB = {"page_size": 32, "num_blocks": 640, "max_batch_tokens": 32, "max_requests_per_batch": 64}
 
 
 def build_model(folder: str) -> int:
@@ -108,7 +109,8 @@ def run_hf(folder: str, prompts: list[list[int]], new_tokens: int) -> float:
             max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0),
             continuous_batching_config=batching)
         start = time.perf_counter()
-        outputs = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching)
+        outputs = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching,
+                                       warmup=False)  # warmed up above: time the work alone
         elapsed = time.perf_counter() - start
     num_tokens = sum(len(o.generated_tokens) for o in outputs.values())
     assert num_tokens == len(prompts) * new_tokens, num_tokens
@@ -138,7 +140,7 @@ def main() -> None:
         compute_s = 2 * num_params * args.requests / (gemm_gflops() * 1e9)
         print(f"decode step at batch {args.requests}: {decode_step_s * 1e3:.1f} ms; weight-read roofline "
               f"{roofline_s * 1e3:.1f} ms at {bandwidth:.1f} GB/s -> {roofline_s / decode_step_s:.0%} of roofline; "
-              f"matmul compute floor {compute_s * 1e3:.1f} ms -> {compute_s / decode_step_s:.0%} (at this batch "
+              f"peak-GEMM compute floor {compute_s * 1e3:.1f} ms -> {compute_s / decode_step_s:.0%} (at this batch "
               "a step is compute-bound, not weight-bound)")
         hf_tok_s = None
         if not args.skip_hf:

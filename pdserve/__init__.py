@@ -8,6 +8,7 @@ pdserve before torch, or export the variable yourself when torch comes first.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -19,6 +20,16 @@ if "OMP_WAIT_POLICY" not in os.environ:
         warnings.warn("torch was imported before pdserve, so OMP_WAIT_POLICY=PASSIVE cannot take effect in "
                       "this process; export OMP_WAIT_POLICY=PASSIVE before starting Python (CPU generation "
                       "can otherwise be several times slower)", stacklevel=2)
+
+# Start-up facts (model, dtype, KV blocks, concurrency) should be visible without configuring
+# logging, as vLLM's are; PDSERVE_CONFIGURE_LOGGING=0 leaves logging entirely to the application.
+_logger = logging.getLogger("pdserve")
+if os.environ.get("PDSERVE_CONFIGURE_LOGGING", "1") == "1" and not _logger.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+    _logger.addHandler(_handler)
+    _logger.setLevel(logging.INFO)
+    _logger.propagate = False
 
 __all__ = ["LLM", "SamplingParams"]
 

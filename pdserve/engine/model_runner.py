@@ -11,6 +11,7 @@ left at ``gpu_memory_utilization`` after the weights and the peak of a profiling
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,24 @@ from pdserve.models.loader import load_model
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def retain_freed_memory() -> None:
+    """Keep freed memory in the process heap (glibc malloc) instead of returning it to the OS.
+
+    Every forward pass allocates and frees activations of several MB. By default glibc serves those
+    with fresh mmaps and unmaps them on free, so each op pays page faults on zeroed pages: a 2048-
+    token prefill step spent about a fifth of its time there. Raising the mmap and trim thresholds
+    (what tcmalloc/jemalloc do by design) makes the memory get reused instead. No-op off glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 34)
+    libc.mallopt(m_top_pad, 64 << 20)
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -68,8 +87,10 @@ class ModelRunner:
         self.model = load_model(Path(config.model), model_config, config.dtype, config.device,
                                 max_positions=config.max_model_len)
         self.sampler = Sampler(model_config.vocab_size, config.device)
-        if self.device.type == "cpu" and config.dtype == torch.float32:
-            decode_kernel()  # build (or load) the fused CPU kernel now, not inside the first request
+        if self.device.type == "cpu":
+            retain_freed_memory()
+            if config.dtype == torch.float32:
+                decode_kernel()  # build (or load) the fused CPU kernel now, not inside the first request
         self.num_blocks = config.num_blocks or self._blocks_from_memory()
         self.kv_cache = allocate_kv_cache(model_config, self.num_blocks, self.block_size, config.dtype,
                                           config.device)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from pdserve.models.attention import attention_backend
 from pdserve.models.config import ModelConfig
 from pdserve.models.rope import RotaryEmbedding
-from pdserve.models.transformer import CausalLM
+from pdserve.models.transformer import CausalLM, Linear
 
 # Checkpoint tensors that carry nothing we need (precomputed rotary tables in old checkpoints).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -38,8 +38,9 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return shards
 
 
-def _target(model: CausalLM, name: str) -> tuple[torch.Tensor, slice | None] | None:
-    """Our parameter (and the slice of it) that a checkpoint tensor fills."""
+def _target(model: CausalLM, name: str) -> tuple[torch.Tensor, slice | None, bool] | None:
+    """Where a checkpoint tensor goes: our parameter, the rows (output features) of it that the
+    tensor fills, and whether our parameter stores it transposed (our Linear keeps W as [in, out])."""
     config = model.config
     match = _LAYER.match(name)
     if match is None:
@@ -49,30 +50,28 @@ def _target(model: CausalLM, name: str) -> tuple[torch.Tensor, slice | None] | N
             "lm_head.weight": None if model.lm_head is None else model.lm_head.weight,
         }
         param = simple.get(name)
-        return None if param is None else (param, None)
+        return None if param is None else (param, None, False)
     layer = model.layers[int(match.group(1))]
-    rest = match.group(2)
+    module_name, _, kind = match.group(2).rpartition(".")
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
     fused = {
-        "self_attn.q_proj": ("qkv", slice(0, q_size)),
-        "self_attn.k_proj": ("qkv", slice(q_size, q_size + kv_size)),
-        "self_attn.v_proj": ("qkv", slice(q_size + kv_size, q_size + 2 * kv_size)),
-        "mlp.gate_proj": ("gate_up", slice(0, inter)),
-        "mlp.up_proj": ("gate_up", slice(inter, 2 * inter)),
+        "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q_size)),
+        "self_attn.k_proj": ("self_attn.qkv_proj", slice(q_size, q_size + kv_size)),
+        "self_attn.v_proj": ("self_attn.qkv_proj", slice(q_size + kv_size, q_size + 2 * kv_size)),
+        "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter)),
+        "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter)),
     }
-    module_name, _, kind = rest.rpartition(".")
-    if module_name in fused:
-        which, rows = fused[module_name]
-        module = layer.self_attn.qkv_proj if which == "qkv" else layer.mlp.gate_up_proj
-        param = getattr(module, kind, None)
-        return None if param is None else (param, rows)
+    module_name, rows = fused.get(module_name, (module_name, None))
     try:
-        param = layer.get_parameter(rest)
+        module = layer.get_submodule(module_name)
     except AttributeError:
         return None
-    return param, None
+    if isinstance(module, Linear) and kind == "weight":
+        return module.weight_t, rows, True
+    param = getattr(module, kind, None)
+    return None if not isinstance(param, torch.nn.Parameter) else (param, rows, False)
 
 
 def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -96,17 +95,19 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, devi
                     if target is None:
                         unexpected.append(name)
                         continue
-                    param, rows = target
+                    param, rows, transposed = target
                     tensor = checkpoint.get_tensor(name)
-                    destination = param if rows is None else param[rows]
+                    destination = param.t() if transposed else param
+                    if rows is not None:
+                        destination = destination[rows]
                     if destination.shape != tensor.shape:
                         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
                                          f"model expects {tuple(destination.shape)}")
                     destination.copy_(tensor)
-                    filled[id(param)] = filled.get(id(param), 0) + tensor.shape[0]
+                    filled[id(param)] = filled.get(id(param), 0) + tensor.numel()
     if unexpected:
         raise ValueError(f"checkpoint tensors with no place in {config.architecture}: {unexpected[:8]}")
-    missing = [name for name, param in model.named_parameters() if filled.get(id(param), 0) != param.shape[0]]
+    missing = [name for name, param in model.named_parameters() if filled.get(id(param), 0) != param.numel()]
     if missing:
         raise ValueError(f"weights missing from the checkpoint: {missing[:8]}")
     return model.eval()

@@ -52,14 +52,14 @@ class RotaryEmbedding:
         self.cos = angles.cos().to(dtype=dtype, device=device)
         self.sin = angles.sin().to(dtype=dtype, device=device)
 
-    def __call__(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``query [tokens, heads, head_dim]`` and ``key`` by each token's position."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    def for_positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) rows of a batch's positions, shaped to broadcast over heads; looked up once per
+        forward pass and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [tokens, heads, head_dim]`` (any strides) by its tokens' angles."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    rotated = torch.cat([x[..., half:].neg(), x[..., :half]], dim=-1)
+    return torch.addcmul(x * cos, rotated, sin)

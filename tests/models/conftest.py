@@ -1,49 +1,11 @@
-"""Tiny seeded Hugging Face models, built once per session (transformers is the test oracle)."""
+"""Fixtures for model tests: tiny seeded Hugging Face models, built once per session."""
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
-import torch
 
 from pdserve.models.demo import ensure_demo_model
-
-VOCAB = 1024  # the demo tokenizer's size, so every model can share it
-
-# name -> (transformers classes, config overrides). initializer_range 0.2 makes logits peaked, so
-# fp32 summation-order differences cannot flip a near-tie.
-SHAPES = {
-    "llama-mha-untied": ("Llama", {"num_attention_heads": 4, "num_key_value_heads": 4}),
-    "llama-gqa4-tied-llama3rope": ("Llama", {
-        "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": True,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64}}),
-    "qwen2-gqa2-bias": ("Qwen2", {"num_attention_heads": 4, "num_key_value_heads": 2}),
-    "qwen3-gqa2-headdim": ("Qwen3", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
-                                     "tie_word_embeddings": True}),
-    "qwen3-linear-rope": ("Qwen3", {"num_attention_heads": 4, "num_key_value_heads": 1,
-                                    "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
-}
-
-
-def build_hf_model(family: str, overrides: dict, path) -> torch.nn.Module:
-    import transformers
-
-    config_class = getattr(transformers, f"{family}Config")
-    model_class = getattr(transformers, f"{family}ForCausalLM")
-    config = config_class(hidden_size=64, intermediate_size=160, num_hidden_layers=2, vocab_size=VOCAB,
-                          max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-6,
-                          eos_token_id=None, bos_token_id=None, pad_token_id=None, **overrides)
-    torch.manual_seed(zlib.crc32(family.encode()))  # not hash(): it changes per process
-    model = model_class(config).eval()
-    if family == "Qwen2":  # its q/k/v biases start at zero: make them matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.2)
-    model.save_pretrained(str(path))
-    return model
+from tests.models.hf_models import SHAPES, build_hf_model
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from tests.models.conftest import SHAPES, VOCAB
+from tests.models.hf_models import SHAPES, VOCAB, first_divergence, hf_greedy
 
 MAX_NEW = 12
 TIE_MARGIN = 1e-3
@@ -29,42 +29,27 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
-def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """HF's greedy tokens for one prompt, and its log-softmax at each generated position."""
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        # An explicit mask: without one, generate treats every pad-id token in the prompt as padding.
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                             min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-        tokens = out[0, len(prompt):].tolist()
-        logits = model(out[:, :-1]).logits[0, len(prompt) - 1:].float()
-    return tokens, torch.log_softmax(logits, dim=-1)
-
-
 @pytest.fixture(scope="module")
 def hf_reference(hf_models):
-    return {name: [_hf_greedy(model, p) for p in PROMPTS] for name, (_, model) in hf_models.items()}
+    return {name: [hf_greedy(model, p, MAX_NEW) for p in PROMPTS] for name, (_, model) in hf_models.items()}
 
 
 def _compare(name, outputs, reference, check_logprobs=False):
     ties = []
     for prompt_index, (output, (expected, hf_logprobs)) in enumerate(zip(outputs, reference, strict=True)):
         got = output.outputs[0].token_ids
-        for position, (a, b) in enumerate(zip(got, expected, strict=True)):
-            if a != b:
-                top2 = hf_logprobs[position].topk(2).values
-                margin = float(top2[0] - top2[1])
-                if margin < TIE_MARGIN:
-                    ties.append((prompt_index, position, margin))
-                    break  # after a tie the continuations legitimately differ
+        divergence = first_divergence(got, expected, hf_logprobs)
+        if divergence is not None:
+            position, margin = divergence
+            if margin >= TIE_MARGIN:
                 raise AssertionError(f"{name}: prompt {prompt_index} diverges at token {position} "
-                                     f"(ours {a}, HF {b}, HF top-2 margin {margin:.4g})")
-        else:
-            if check_logprobs:
-                ours = torch.tensor([step[token].logprob for step, token in zip(output.outputs[0].logprobs, got,
-                                                                                 strict=True)])
-                theirs = hf_logprobs[torch.arange(len(got)), torch.tensor(got)]
-                torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+                                     f"(ours {got[position]}, HF {expected[position]}, HF top-2 margin {margin:.4g})")
+            ties.append((prompt_index, position, margin))  # after a near-tie continuations may differ
+        elif check_logprobs:
+            ours = torch.tensor([step[token].logprob for step, token in zip(output.outputs[0].logprobs, got,
+                                                                             strict=True)])
+            theirs = hf_logprobs[torch.arange(len(got)), torch.tensor(got)]
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     if ties:
         print(f"{name}: near-ties (not failures), (prompt, position, margin): {ties}")
 

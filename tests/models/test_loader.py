@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.models.config import ModelConfig, UnsupportedModelError, resolve_dtype
 from pdserve.models.loader import load_model
-from tests.models.conftest import build_hf_model
+from tests.models.hf_models import build_hf_model
 
 
 def _params(folder):
