@@ -118,7 +118,8 @@ def check_attention_bandwidth() -> dict:
     copy_seconds = _time(lambda: dest.copy_(big), 3 if DRY_RUN else 10)
     copy_gbps = 2 * big.numel() / copy_seconds / 1e9  # read + write
     attention_gbps = kv_bytes / seconds / 1e9
-    return {"passed": attention_gbps >= 0.7 * copy_gbps, "decodes": num_decodes, "context": context,
+    return {"passed": None if DRY_RUN else attention_gbps >= 0.7 * copy_gbps, "decodes": num_decodes,
+            "context": context,
             "kv_heads": kv_heads, "group": group, "head_dim": head_dim, "dtype": str(dtype)[6:],
             "kernel_ms": seconds * 1e3, "kv_read_gbps": attention_gbps, "copy_gbps": copy_gbps,
             "fraction_of_copy_bandwidth": attention_gbps / copy_gbps, "target": 0.7}
@@ -180,8 +181,8 @@ def check_decode_step() -> dict:
     from pdserve.engine.request import Request
     from pdserve.models.demo import ensure_demo_model
 
-    model = dict(MODEL, num_hidden_layers=2, hidden_size=128, intermediate_size=256, vocab_size=1024) \
-        if DRY_RUN else MODEL
+    model = dict(MODEL, num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=256,
+                 vocab_size=1024) if DRY_RUN else MODEL
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -212,7 +213,8 @@ def check_decode_step() -> dict:
             weight_read = weight_bytes / (copy_gbps / 2 * 1e9)
             results[f"batch_{batch}"] = {"step_ms": step_seconds * 1e3, "weight_read_ms": weight_read * 1e3,
                                          "ratio_to_weight_read": step_seconds / weight_read}
-    return {"passed": results["batch_8"]["ratio_to_weight_read"] <= 1.5, "target_ratio": 1.5,
+    # A target for GPUs: judged only there (None: not judged).
+    return {"passed": None if DRY_RUN else results["batch_8"]["ratio_to_weight_read"] <= 1.5, "target_ratio": 1.5,
             "copy_gbps": copy_gbps, "params": num_params, **results}
 
 
@@ -246,7 +248,7 @@ def main() -> None:
         with open(args.out, "w") as handle:  # after every section: a timeout still leaves results
             json.dump(report, handle, indent=2, default=str)
     failed = [n for n in sections if report[n].get("passed") is False]
-    print(f"GPU check: {len(sections) - len(failed)} of {len(sections)} sections passed or skipped; "
+    print(f"GPU check: {len(sections) - len(failed)} of {len(sections)} sections passed, skipped or not judged; "
           f"failed: {failed or 'none'}; results in {args.out}")
     sys.exit(1 if failed else 0)
 

@@ -19,7 +19,9 @@ def test_gpu_check_dry_run_passes_every_section(tmp_path):
                             env=env, capture_output=True, text=True, timeout=600)
     report = json.loads(out.read_text())
     assert report["dry_run"] is True
-    for section in ("kernels", "parity", "decode_step"):
+    for section in ("kernels", "parity"):
         assert report[section].get("passed") is True, (section, report[section], result.stdout[-3000:])
-    # Bandwidth on CPU through the interpreter is meaningless; the section only has to run.
+    # Speed targets are the GPU's: on CPU (Triton interpreted) these sections only have to run.
     assert "kv_read_gbps" in report["attention_bandwidth"], report["attention_bandwidth"]
+    assert "step_ms" in report["decode_step"]["batch_8"], report["decode_step"]
+    assert result.returncode == 0, result.stdout[-3000:]
