@@ -20,7 +20,7 @@ import torch
 
 from pdserve.engine.outputs import NO_TOKEN, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pdserve.engine.sampler import Sampler, logprob_entries
-from pdserve.kernels.cpu_attention import decode_kernel
+from pdserve.kernels.cpu_kernels import cpu_ops
 from pdserve.kernels.reference import build_attention_metadata
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_model
@@ -90,7 +90,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             retain_freed_memory()
             if config.dtype == torch.float32:
-                decode_kernel()  # build (or load) the fused CPU kernel now, not inside the first request
+                cpu_ops()  # build (or load) the fused CPU kernels now, not inside the first request
         self.num_blocks = config.num_blocks or self._blocks_from_memory()
         self.kv_cache = allocate_kv_cache(model_config, self.num_blocks, self.block_size, config.dtype,
                                           config.device)

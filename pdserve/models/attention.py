@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels import cpu_attention, reference
+from pdserve.kernels import cpu_kernels, reference
 from pdserve.kernels.reference import AttentionMetadata
 
 
@@ -24,7 +24,7 @@ def attention_backend(device: torch.device) -> AttentionBackend:
         from pdserve.kernels import triton_attention  # imports triton: only where it can compile
 
         return AttentionBackend("triton", triton_attention.write_kv, triton_attention.paged_attention)
-    return AttentionBackend("cpu", reference.write_kv, cpu_attention.paged_attention)
+    return AttentionBackend("cpu", reference.write_kv, cpu_kernels.paged_attention)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "attention_backend"]

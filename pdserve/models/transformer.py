@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import cpu_kernels
 from pdserve.kernels.reference import AttentionMetadata
 from pdserve.models.attention import AttentionBackend
 from pdserve.models.config import ModelConfig
@@ -27,11 +28,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of ``x``; given ``residual``, of ``residual + x``, returning (normed, the sum), the
+        sum being the next residual (it may be computed in ``residual``'s memory)."""
+        fused = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+        if fused is not None:
+            return fused if residual is None else (fused, residual)
+        if residual is not None:
+            x = residual = residual + x
         # In float32 whatever the model dtype, as the reference implementations do.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = self.weight * x32.to(x.dtype)
+        return normed if residual is None else (normed, residual)
 
 
 class Linear(nn.Module):
@@ -105,10 +115,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
-                ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the residual add is deferred
+        into the next norm, where it fuses."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class CausalLM(nn.Module):
@@ -126,10 +144,11 @@ class CausalLM(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` of a flattened batch."""
         hidden = self.embed_tokens(input_ids)
+        residual = None
         rope = self.rotary.for_positions(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv_cache, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

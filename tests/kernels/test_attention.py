@@ -105,12 +105,30 @@ def test_triton_kernels_match_the_reference(group, head_dim, block_size):
 
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(1, 16, 4), (2, 24, 16), (4, 64, 16)])
 def test_cpu_decode_kernel_matches_the_reference(group, head_dim, block_size):
-    from pdserve.kernels import cpu_attention
+    from pdserve.kernels import cpu_kernels
 
-    assert cpu_attention.decode_kernel() is not None, "the C++ kernel must build on these machines"
+    assert cpu_kernels.cpu_ops() is not None, "the C++ kernels must build on these machines"
     k_cache, v_cache, metadata, query, new_k, new_v, _, _ = _batch(11 * group, 2, group, head_dim, block_size, SPECS)
     k_cache, v_cache = _engine_layout_views(k_cache, v_cache)
     reference.write_kv(new_k, new_v, k_cache, v_cache, metadata)
     expected = reference.paged_attention(query, k_cache, v_cache, metadata, 0.3)
-    actual = cpu_attention.paged_attention(query, k_cache, v_cache, metadata, 0.3)
+    actual = cpu_kernels.paged_attention(query, k_cache, v_cache, metadata, 0.3)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_fused_add_rms_norm_matches_torch():
+    from pdserve.kernels import cpu_kernels
+
+    gen = torch.Generator().manual_seed(5)
+    x, residual, weight = (torch.randn(37, 96, generator=gen) for _ in range(3))
+    weight = weight[0]
+
+    def torch_norm(v):
+        return weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, weight, 1e-6), torch_norm(x))
+    expected_sum = residual + x
+    normed = cpu_kernels.rms_norm(x, weight, 1e-6, residual)
+    torch.testing.assert_close(residual, expected_sum)  # updated in place: the next residual
+    torch.testing.assert_close(normed, torch_norm(expected_sum))
+    assert cpu_kernels.rms_norm(x.t(), weight[:37], 1e-6) is None  # not contiguous: caller uses torch
