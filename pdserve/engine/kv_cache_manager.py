@@ -154,7 +154,3 @@ class KVCacheManager:
 
     def num_owned_blocks(self, request_id: str) -> int:
         return len(self.req_to_block_ids.get(request_id, ()))
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -49,10 +49,6 @@ class SchedulerOutput:
     # Opaque work order for the worker side of the KV connector (loads to start, ...).
     kv_connector_metadata: Any = None
 
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
 
 @dataclass(slots=True)
 class KVConnectorOutput:

@@ -117,36 +117,28 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.status = status
-            if was_loading:
-                # The worker may still be writing into these blocks: freeing them now could let
-                # another request's KV be overwritten. They are freed when the load drains.
-                self.aborted_while_loading[request_id] = request
-                self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request_id),
-                                                status.finish_reason or "abort")
-                self._finished_since_last_step.add(request_id)
-            else:
-                self._release(request)
+            self._release(request, load_in_flight=was_loading)
 
-    def _release(self, request: Request) -> dict | None:
+    def _release(self, request: Request, load_in_flight: bool = False) -> dict | None:
         """A request just finished: free its blocks, or hold them if the connector asks to."""
         request_id = request.request_id
         self._finished_since_last_step.add(request_id)
         hold, kv_transfer_params = self.connector.request_finished(
             request, self.kv_cache_manager.get_block_ids(request_id), request.status.finish_reason or "abort"
         )
-        if hold:
+        if load_in_flight:
+            # The worker may still be writing into these blocks: freeing them now could let
+            # another request's KV be overwritten. They are freed when the load drains.
+            self.aborted_while_loading[request_id] = request
+        elif hold:
             self.held_for_remote[request_id] = request
         else:
-            self.kv_cache_manager.free(request)
-            del self.requests[request_id]
+            self._drop(request)
         return kv_transfer_params
 
     def _drop(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def has_work(self) -> bool:
         """Unfinished requests, or blocks still waiting on the transfer worker."""
@@ -313,8 +305,7 @@ class Scheduler:
             token = sampled[index]
             if token < 0 or request.status != _RUNNING:
                 continue
-            request.output_token_ids.append(token)
-            request.all_token_ids.append(token)
+            request.append_output_token(token)
             status = self._check_stop(request, token)
             if status is None and logprobs is None and request.prompt_logprobs is None:
                 outputs.append(EngineCoreOutput(request.request_id, [token]))
