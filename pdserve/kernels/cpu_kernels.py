@@ -42,17 +42,19 @@ static inline void prefetch_rows(const float* base, int64_t row_stride, int64_t 
     for (int64_t i = 0; i < row_len; i += 16) __builtin_prefetch(base + r * row_stride + i, 0, 1);
 }
 
-// out[d, h, :] = softmax(scale * q[d, h] . K[d, :len_d]) V[d, :len_d] for every decode d and
-// query head h, reading K/V through block_tables. Cache views are [blocks, block_size, kv_heads,
+// out[rows[d], h, :] = softmax(scale * query[rows[d], h] . K[d, :len_d]) V[d, :len_d] for every
+// decode d and query head h, reading K/V through block_tables (decodes sit among a batch's tokens
+// at rows[d]: no gather or scatter of their queries is needed). Cache views are [blocks, block_size, kv_heads,
 // head_dim] with any strides, head_dim contiguous. Every score is finite (no masking happens in
 // here), which is what lets this file be compiled with -ffast-math (vectorised exp).
-void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor rows, torch::Tensor k_cache,
+                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32,
               "decode_attention: float32 only");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && query.stride(2) == 1 && out.stride(2) == 1,
               "decode_attention: head_dim must be contiguous");
-  const int64_t num_decodes = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_decodes = rows.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t* row_of = rows.data_ptr<int64_t>();
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const float* q_ptr = query.data_ptr<float>();
@@ -83,7 +85,7 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_ca
         if (start + block_size < len) prefetch_rows(k_ptr + table[start / block_size + 1] * kb + h * kh, ks,
                                                     block_size, head_dim);
         for (int64_t g = 0; g < group; ++g) {
-          const float* __restrict__ q = q_ptr + d * qs0 + (h * group + g) * qs1;
+          const float* __restrict__ q = q_ptr + row_of[d] * qs0 + (h * group + g) * qs1;
           for (int64_t r = 0; r < rows; ++r) {
             const float* __restrict__ k = block_k + r * ks;
             float dot = 0.f;
@@ -125,7 +127,7 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_ca
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        float* o = o_ptr + d * os0 + (h * group + g) * os1;
+        float* o = o_ptr + row_of[d] * os0 + (h * group + g) * os1;
         std::copy(acc + g * head_dim, acc + (g + 1) * head_dim, o);
       }
     }
@@ -214,10 +216,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     output = torch.empty_like(query)
     rows = metadata.decode_token_indices
     if len(rows):
-        decoded = torch.empty((len(rows), *query.shape[1:]), dtype=query.dtype, device=query.device)
-        num_decodes = len(rows)
-        ops.decode_attention(decoded, query[rows], k_cache, v_cache,
-                             metadata.decode_block_ids.view(num_decodes, -1), metadata.decode_context_lens, scale)
-        output[rows] = decoded
+        ops.decode_attention(output, query, rows, k_cache, v_cache, metadata.decode_block_ids.view(len(rows), -1),
+                             metadata.decode_context_lens, scale)
     reference.prefill_attention(query, k_cache, v_cache, metadata, scale, output)
     return output
