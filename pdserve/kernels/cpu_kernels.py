@@ -1,11 +1,14 @@
-"""Fused C++ ops for the CPU path (fp32), built on first use: decode paged attention, and
-residual-add + RMSNorm.
+"""Fused C++ ops for the CPU path (fp32), built on first use: decode paged attention, rotary +
+KV write, and residual-add + RMSNorm.
 
 Decode attention: the torch reference path must gather every decoding sequence's blocks into a buffer before it can
 multiply, so a decode step reads the KV from memory and writes and re-reads a copy of it. This
 kernel reads each sequence's blocks in place through its block table, once for K and once for V,
 with the (sequence, KV head) pairs spread over torch's threads: on the 2-core CPU machines it
 roughly halves decode attention time (docs/benchmarks.md).
+
+Rotary + KV write: the rotation of q and k and the stores of k and v into their slots, in one
+pass over the new tokens (seven torch ops otherwise).
 
 Add + RMSNorm: at decode batch sizes a layer's norms are a handful of tiny tensors, and the five
 torch dispatches per norm cost more than the arithmetic; one fused call does the residual add,
@@ -134,6 +137,52 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor rows
   });
 }
 
+// Rotary embedding applied in place to the q and k heads of ``qk`` [tokens, q_heads + kv_heads,
+// head_dim] ("rotate half" layout; cos/sin [tokens, head_dim] with both halves equal), then the
+// k heads (the last kv_heads of qk) and ``v`` [tokens, kv_heads, head_dim] stored in their cache
+// slots: one pass instead of seven torch ops.
+void rope_write_kv(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                   torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_ids, torch::Tensor offsets) {
+  TORCH_CHECK(qk.scalar_type() == torch::kFloat32 && qk.stride(2) == 1 && v.stride(2) == 1 &&
+              cos.is_contiguous() && sin.is_contiguous() && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "rope_write_kv: float32 with head_dim contiguous");
+  const int64_t tokens = qk.size(0), heads = qk.size(1), head_dim = qk.size(2), kv_heads = v.size(1);
+  const int64_t half = head_dim / 2, first_k = heads - kv_heads;
+  float* qk_ptr = qk.data_ptr<float>();
+  const float* v_ptr = v.data_ptr<float>();
+  const float* cos_ptr = cos.data_ptr<float>();
+  const float* sin_ptr = sin.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t* blocks = block_ids.data_ptr<int64_t>();
+  const int64_t* slots = offsets.data_ptr<int64_t>();
+  const int64_t qs0 = qk.stride(0), qs1 = qk.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vsl = v_cache.stride(1), vh = v_cache.stride(2);
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* __restrict__ c = cos_ptr + t * head_dim;
+      const float* __restrict__ s = sin_ptr + t * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* __restrict__ x = qk_ptr + t * qs0 + h * qs1;
+        #pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x[i], b = x[i + half];
+          x[i] = a * c[i] - b * s[i];
+          x[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+      const int64_t block = blocks[t], slot = slots[t];
+      for (int64_t j = 0; j < kv_heads; ++j) {
+        std::copy(qk_ptr + t * qs0 + (first_k + j) * qs1, qk_ptr + t * qs0 + (first_k + j) * qs1 + head_dim,
+                  kc + block * kb + slot * ks + j * kh);
+        std::copy(v_ptr + t * vs0 + j * vs1, v_ptr + t * vs0 + j * vs1 + head_dim,
+                  vc + block * vb + slot * vsl + j * vh);
+      }
+    }
+  });
+}
+
 // out = weight * r / sqrt(mean(r^2) + eps) for each row r, where r = residual + x and residual is
 // updated in place (has_residual), or r = x. All tensors [rows, hidden], contiguous.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps,
@@ -175,7 +224,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor we
 
 @functools.cache
 def cpu_ops():
-    """The compiled extension (``decode_attention``, ``rms_norm``), or None where it cannot be built
+    """The compiled extension (``decode_attention``, ``rms_norm``, ``rope_write_kv``), or None where it cannot be built
     (the reason is logged once)."""
     try:
         from torch.utils.cpp_extension import load_inline
@@ -183,7 +232,7 @@ def cpu_ops():
         return load_inline(
             name="pdserve_cpu_kernels",
             cpp_sources=_SOURCE,
-            functions=["decode_attention", "rms_norm"],
+            functions=["decode_attention", "rms_norm", "rope_write_kv"],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -204,6 +253,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual is None:
         return ops.rms_norm(x, x, weight, eps, False)
     return ops.rms_norm(x, residual, weight, eps, True)
+
+
+def rope_write_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata) -> bool:
+    """Rotate ``qk`` [tokens, q_heads + kv_heads, head_dim] in place and store its k heads and
+    ``value`` in the cache; False (nothing done) when the kernel does not apply (then the caller
+    uses torch ops)."""
+    ops = cpu_ops() if qk.dtype == torch.float32 and qk.device.type == "cpu" else None
+    if ops is None:
+        return False
+    ops.rope_write_kv(qk, value, cos.reshape(len(qk), -1), sin.reshape(len(qk), -1), k_cache, v_cache,
+                      metadata.slot_block_ids, metadata.slot_offsets)
+    return True
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

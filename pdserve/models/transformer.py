@@ -80,17 +80,21 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
         if self.q_norm is None:
             # q and k heads sit side by side: rotate them in one pass.
-            qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim),
-                              *rope)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            if cpu_kernels.rope_write_kv(qk, v, *rope, k_cache, v_cache, metadata):
+                q = qk[:, :self.num_heads]
+            else:
+                qk = apply_rotary(qk, *rope)
+                q = qk[:, :self.num_heads]
+                self.backend.write_kv(qk[:, self.num_heads:], v, k_cache, v_cache, metadata)
         else:
             q = self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, metadata)
+            self.backend.write_kv(k, v, k_cache, v_cache, metadata)
         out = self.backend.paged_attention(q, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -132,3 +132,27 @@ def test_cpu_fused_add_rms_norm_matches_torch():
     torch.testing.assert_close(residual, expected_sum)  # updated in place: the next residual
     torch.testing.assert_close(normed, torch_norm(expected_sum))
     assert cpu_kernels.rms_norm(x.t(), weight[:37], 1e-6) is None  # not contiguous: caller uses torch
+
+
+def test_cpu_fused_rope_and_kv_write_match_torch():
+    from pdserve.kernels import cpu_kernels
+    from pdserve.models.rope import RotaryEmbedding, apply_rotary
+
+    k_cache, v_cache, metadata, _, _, _, _, _ = _batch(9, 2, 2, 16, 4, SPECS)
+    k_cache, v_cache = _engine_layout_views(k_cache, v_cache)
+    num_tokens = metadata.query_start_loc[-1]
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(num_tokens, (4 + 2 + 2) * 16, generator=gen)
+    qk = qkv[:, :6 * 16].view(num_tokens, 6, 16)  # 4 query heads and 2 kv heads, strided like the model's
+    value = qkv[:, 6 * 16:].view(num_tokens, 2, 16)
+    positions = torch.cat([torch.arange(c - q, c) for q, c in zip(
+        [b - a for a, b in zip(metadata.query_start_loc, metadata.query_start_loc[1:], strict=False)],
+        metadata.context_lens, strict=True)])
+    cos, sin = RotaryEmbedding(16, 128, 10000.0, {}).for_positions(positions)
+    expected_qk = apply_rotary(qk, cos, sin)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(expected_qk[:, 4:], value, ref_k, ref_v, metadata)
+    assert cpu_kernels.rope_write_kv(qk, value, cos, sin, k_cache, v_cache, metadata)
+    torch.testing.assert_close(qk, expected_qk)  # rotated in place
+    torch.testing.assert_close(k_cache, ref_k)
+    torch.testing.assert_close(v_cache, ref_v)
