@@ -16,7 +16,7 @@ from pdserve.kernels import cpu_kernels
 from pdserve.kernels.reference import AttentionMetadata
 from pdserve.models.attention import AttentionBackend
 from pdserve.models.config import ModelConfig
-from pdserve.models.rope import RotaryEmbedding, apply_rotary
+from pdserve.models.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K, V), each [blocks, block_size, kv_heads, head_dim]
 Rope = tuple[torch.Tensor, torch.Tensor]  # the batch's (cos, sin), from RotaryEmbedding.for_positions
@@ -82,19 +82,14 @@ class Attention(nn.Module):
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         if self.q_norm is None:
-            # q and k heads sit side by side: rotate them in one pass.
+            # q and k heads sit side by side in qkv: rotate them in place, in one pass.
             qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            if cpu_kernels.rope_write_kv(qk, v, *rope, k_cache, v_cache, metadata):
-                q = qk[:, :self.num_heads]
-            else:
-                qk = apply_rotary(qk, *rope)
-                q = qk[:, :self.num_heads]
-                self.backend.write_kv(qk[:, self.num_heads:], v, k_cache, v_cache, metadata)
         else:
-            q = self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-            self.backend.write_kv(k, v, k_cache, v_cache, metadata)
+            qk = torch.cat([self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)),
+                            self.k_norm(qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads,
+                                                                        self.head_dim))], dim=1)
+        self.backend.rotate_and_cache(qk, v, *rope, k_cache, v_cache, metadata)
+        q = qk[:, :self.num_heads]
         out = self.backend.paged_attention(q, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
