@@ -1,9 +1,11 @@
 """Triton kernels for the GPU path: write new K/V into their slots, and paged attention for a
 batch that mixes prefill chunks and decodes. Same layouts and results as ``reference``.
 
-The attention kernel runs one program per (token, KV head): it loads the query heads that share
-that KV head (GQA: K and V are read once per group), walks the sequence's blocks through its
-block table up to the token's own position (causal), and keeps an online softmax.
+The attention kernel runs one program per (token, KV head, context partition): it loads the query
+heads that share that KV head (GQA: K and V are read once per group), walks its partition of the
+sequence's blocks through the block table up to the token's own position (causal), and keeps an
+online softmax. Long contexts are split into partitions whose partial results a second kernel
+merges (flash-decoding), so a few long decodes still spread over the whole GPU.
 
 ``TRITON_INTERPRET=1`` must be set before this module is imported to run the kernels on CPU
 tensors (the tests do, at small shapes).
@@ -61,23 +63,28 @@ def write_kv(
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr,
+    out_ptr, partial_ptr, stats_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, token_seq_ptr,
+    token_pos_ptr,
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_vcb, stride_vcs, stride_vch,
     stride_table,
+    num_partitions,
     GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_SIZE_PADDED: tl.constexpr,
+    PARTITION_BLOCKS: tl.constexpr, SPLIT: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
+    partition = tl.program_id(2)
     seq = tl.load(token_seq_ptr + token).to(tl.int64)
     position = tl.load(token_pos_ptr + token)
 
-    heads = kv_head * GROUP + tl.arange(0, GROUP_PADDED)
-    in_group = tl.arange(0, GROUP_PADDED) < GROUP
+    group_rows = tl.arange(0, GROUP_PADDED)
+    heads = kv_head * GROUP + group_rows
+    in_group = group_rows < GROUP
     dims = tl.arange(0, HEAD_DIM_PADDED)
     in_dim = dims < HEAD_DIM
     slots = tl.arange(0, BLOCK_SIZE_PADDED)
@@ -90,7 +97,9 @@ def _paged_attention_kernel(
     denominator = tl.zeros([GROUP_PADDED], tl.float32)
     acc = tl.zeros([GROUP_PADDED, HEAD_DIM_PADDED], tl.float32)
     num_blocks = position // BLOCK_SIZE + 1
-    for block_index in range(0, num_blocks):
+    first_block = partition * PARTITION_BLOCKS
+    last_block = tl.minimum(first_block + PARTITION_BLOCKS, num_blocks)
+    for block_index in range(first_block, last_block):
         block = tl.load(block_tables_ptr + seq * stride_table + block_index).to(tl.int64)
         key_positions = block_index * BLOCK_SIZE + slots
         visible = (slots < BLOCK_SIZE) & (key_positions <= position)
@@ -108,9 +117,46 @@ def _paged_attention_kernel(
         acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
         max_score = new_max
 
-    out = acc / denominator[:, None]
-    tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=in_group[:, None] & in_dim[None, :])
+    head_dim_mask = in_group[:, None] & in_dim[None, :]
+    if SPLIT:
+        # Unnormalised partial results of this partition, merged by _merge_partitions_kernel. A
+        # partition past the sequence's end leaves max -inf and sum 0, which the merge ignores.
+        row = (token * (tl.num_programs(1) * GROUP) + heads) * num_partitions + partition
+        tl.store(stats_ptr + row * 2, max_score, mask=in_group)
+        tl.store(stats_ptr + row * 2 + 1, denominator, mask=in_group)
+        tl.store(partial_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_dim_mask)
+    else:
+        out = acc / denominator[:, None]
+        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_dim_mask)
+
+
+@triton.jit
+def _merge_partitions_kernel(
+    out_ptr, partial_ptr, stats_ptr, stride_ot, stride_oh, num_partitions,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PARTITIONS_PADDED: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    parts = tl.arange(0, PARTITIONS_PADDED)
+    in_parts = parts < num_partitions
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    in_dim = dims < HEAD_DIM
+    rows = (token * tl.num_programs(1) + head) * num_partitions + parts
+    maxes = tl.load(stats_ptr + rows * 2, mask=in_parts, other=float("-inf"))
+    sums = tl.load(stats_ptr + rows * 2 + 1, mask=in_parts, other=0.0)
+    overall = tl.max(maxes, axis=0)
+    weights = tl.where(in_parts & (sums > 0), tl.exp(maxes - overall), 0.0)
+    partial = tl.load(partial_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
+                      mask=in_parts[:, None] & in_dim[None, :], other=0.0)
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(sums * weights, axis=0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=in_dim)
+
+
+# Contexts longer than this many blocks are split across programs (flash-decoding): a single
+# program walking a long context one block at a time keeps too few loads in flight to use a
+# GPU's memory bandwidth.
+PARTITION_BLOCKS = 32
 
 
 def paged_attention(
@@ -121,6 +167,7 @@ def paged_attention(
     scale: float,
     token_seq: torch.Tensor | None = None,
     token_pos: torch.Tensor | None = None,
+    partition_blocks: int = PARTITION_BLOCKS,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention``. ``token_seq``/``token_pos`` (each token's
     sequence and position, int32) may be passed in to build them once per step, not per layer."""
@@ -133,17 +180,35 @@ def paged_attention(
     if token_seq is None or token_pos is None:
         token_seq, token_pos = token_positions(metadata, query.device)
     group = num_heads // num_kv_heads
-    _paged_attention_kernel[(num_tokens, num_kv_heads)](
-        output, query, k_cache, v_cache, metadata.block_tables, token_seq, token_pos,
+    longest_blocks = -(-max(metadata.context_lens) // block_size)
+    num_partitions = -(-longest_blocks // partition_blocks)
+    split = num_partitions > 1
+    if split:
+        partial = torch.empty((num_tokens * num_heads * num_partitions, head_dim), dtype=torch.float32,
+                              device=query.device)
+        stats = torch.empty((num_tokens * num_heads * num_partitions, 2), dtype=torch.float32, device=query.device)
+    else:
+        partial = stats = output  # unused
+    head_dim_padded = triton.next_power_of_2(head_dim)
+    _paged_attention_kernel[(num_tokens, num_kv_heads, num_partitions)](
+        output, partial, stats, query, k_cache, v_cache, metadata.block_tables, token_seq, token_pos,
         scale,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         metadata.block_tables.stride(0),
+        num_partitions,
         GROUP=group, GROUP_PADDED=triton.next_power_of_2(group),
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_SIZE=block_size, BLOCK_SIZE_PADDED=triton.next_power_of_2(block_size),
+        PARTITION_BLOCKS=partition_blocks, SPLIT=split,
     )
+    if split:
+        _merge_partitions_kernel[(num_tokens, num_heads)](
+            output, partial, stats, output.stride(0), output.stride(1), num_partitions,
+            HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+            PARTITIONS_PADDED=triton.next_power_of_2(num_partitions),
+        )
     return output
 
 

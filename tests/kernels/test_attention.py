@@ -186,3 +186,14 @@ def test_model_with_triton_kernels_matches_the_cpu_path(tmp_path):
 
     expected = run(None)
     torch.testing.assert_close(run(triton_backend()), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_triton_context_partitions_merge_exactly():
+    # Tiny partitions force the split-and-merge path that long contexts take on a GPU.
+    specs = [(37, 1), (0, 9), (13, 6), (70, 1)]
+    k_cache, v_cache, metadata, query, new_k, new_v, _, _ = _batch(5, 2, 2, 16, 4, specs)
+    reference.write_kv(new_k, new_v, k_cache, v_cache, metadata)
+    expected = reference.paged_attention(query, k_cache, v_cache, metadata, 0.25)
+    for partition_blocks in (1, 3):
+        actual = tri.paged_attention(query, k_cache, v_cache, metadata, 0.25, partition_blocks=partition_blocks)
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
