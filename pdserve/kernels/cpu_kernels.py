@@ -22,7 +22,9 @@ results to float rounding); ``cpu_ops()`` returns None then and says why once.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import platform
 
 import torch
 
@@ -222,6 +224,18 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor we
 """
 
 
+def _cpu_fingerprint() -> str:
+    """Short hash of the CPU's instruction-set flags. The ops are built with -march=native and
+    cached on disk by name; a home directory moved to a different CPU must not load a build that
+    uses instructions it lacks (it would die of SIGILL), so the name carries the flags."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256((flags or platform.machine()).encode()).hexdigest()[:10]
+
+
 @functools.cache
 def cpu_ops():
     """The compiled extension (``decode_attention``, ``rms_norm``, ``rope_write_kv``), or None where it cannot be built
@@ -230,7 +244,7 @@ def cpu_ops():
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name="pdserve_cpu_kernels",
+            name=f"pdserve_cpu_kernels_{_cpu_fingerprint()}",
             cpp_sources=_SOURCE,
             functions=["decode_attention", "rms_norm", "rope_write_kv"],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
