@@ -1,0 +1,264 @@
+"""OpenAI-compatible request and response schemas (msgspec structs), shared by the engine servers
+and the router.
+
+Requests are validated by decoding into these types: a wrong type or a missing field becomes a
+:class:`ProtocolError` naming the field (HTTP 400). Optional fields accept JSON null, meaning
+"use the default". Range checks of sampling values belong to SamplingParams; the same structs
+also generate the JSON schema of the API (``msgspec.json.schema``).
+
+``kv_transfer_params`` is a top-level, nullable object on requests and responses: the P/D
+protocol's contract (shared/DESIGN.md §2), passed through unchanged by anything in between.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+from msgspec import Struct
+
+# ----- requests ------------------------------------------------------------------------------
+
+
+class StreamOptions(Struct, omit_defaults=True):
+    include_usage: bool | None = None
+
+
+class _SamplingFields(Struct, kw_only=True):
+    """Fields both endpoints share; None everywhere means "the default"."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists (msgspec cannot
+    # express that union directly; __post_init__ enforces it).
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt, list):
+            kinds = {type(item) for item in self.prompt}
+            if not self.prompt or len(kinds) > 1:
+                raise ValueError("`prompt` must be a string, a non-empty list of strings, of token ids, or of "
+                                 "token-id lists (not a mix)")
+
+
+class TextContentPart(Struct, kw_only=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# ----- responses -----------------------------------------------------------------------------
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(Struct):
+    """OpenAI's legacy completion logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob]
+    bytes: list[int] | None = None
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(Struct):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion"
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class ChatDelta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str = "pdserve"
+    max_model_len: int | None = None
+    object: str = "model"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+# ----- errors --------------------------------------------------------------------------------
+
+
+class ErrorBody(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorBody
+
+
+class ProtocolError(Exception):
+    """A request the API refuses, with what the client needs to fix it."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 error_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.error_type = error_type
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(ErrorBody(self.message, self.error_type, self.param, self.status))
+
+
+_ERROR_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_OWN_CHECK_FIELD = re.compile(r"^`(\w+)` ")  # our __post_init__ checks name their field first
+
+
+def decode_request(body: bytes, request_type: type[Struct]) -> Any:
+    """Decode and validate a JSON request body, or raise ProtocolError naming the bad field."""
+    try:
+        return msgspec.json.decode(body, type=request_type)
+    except msgspec.ValidationError as error:
+        message = str(error)
+        match = _ERROR_PATH.search(message) or _OWN_CHECK_FIELD.search(message)
+        raise ProtocolError(message, param=(match.group(1) or None) if match else None) from error
+    except msgspec.DecodeError as error:
+        raise ProtocolError(f"the body is not valid JSON: {error}") from error
+
+
+# ----- server-sent events --------------------------------------------------------------------
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: Struct) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
