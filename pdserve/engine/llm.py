@@ -18,17 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from pdserve.api.tokenizer import apply_chat_template, load_tokenizer
-from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.model_runner import ModelRunner, RunnerConfig
+from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.outputs import EngineCoreOutput, TokenLogprobs
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
-from pdserve.models.config import ModelConfig, resolve_dtype
-from pdserve.models.demo import ensure_demo_model
+from pdserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -94,26 +89,14 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_logprobs: int = 20,
     ) -> None:
-        folder = model or str(ensure_demo_model())
-        self.model_config = ModelConfig.from_folder(folder)
-        self.tokenizer = load_tokenizer(tokenizer or folder)
+        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
+                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+                          gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks,
+                          enable_prefix_caching=enable_prefix_caching)
+        self.engine, self.model_config = args.build_engine_core()
+        self.tokenizer = load_tokenizer(tokenizer or args.resolved_model())
         self.max_logprobs = max_logprobs
-        torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        max_model_len = max_model_len or self.model_config.max_model_len
-        runner = ModelRunner(self.model_config, RunnerConfig(
-            model=folder, dtype=resolve_dtype(dtype, torch_device), device=torch_device, block_size=block_size,
-            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-            num_blocks=num_kv_blocks,
-        ))
-        logger.info("model %s (%s, %s on %s); %s", folder, self.model_config.architecture,
-                    runner.config.dtype, torch_device, runner.describe())
-        scheduler = Scheduler(SchedulerConfig(
-            num_blocks=runner.num_blocks, block_size=block_size, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-        ))
-        self.engine = EngineCore(scheduler, runner)
         eos_ids = self.model_config.eos_token_ids or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.eos_token_id = eos_ids[0] if eos_ids else None

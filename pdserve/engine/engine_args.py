@@ -1,0 +1,56 @@
+"""EngineArgs: everything needed to build an EngineCore, in one place for every way of running
+one (the offline LLM, the engine-core process of the servers)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.model_runner import ModelRunner, RunnerConfig
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.models.config import ModelConfig, resolve_dtype
+from pdserve.models.demo import ensure_demo_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # an HF model folder; None: the built-in demo model
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"
+    device: str | None = None  # defaults to cuda when available
+    block_size: int = 16
+    max_model_len: int | None = None  # defaults to the model's
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | None = None  # bytes, CPU
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # fixes the KV block count (tests, benchmarks)
+    enable_prefix_caching: bool = True
+
+    def resolved_model(self) -> str:
+        return self.model or str(ensure_demo_model())
+
+    def build_engine_core(self) -> tuple[EngineCore, ModelConfig]:
+        folder = self.resolved_model()
+        model_config = ModelConfig.from_folder(folder)
+        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        max_model_len = self.max_model_len or model_config.max_model_len
+        runner = ModelRunner(model_config, RunnerConfig(
+            model=folder, dtype=resolve_dtype(self.dtype, device), device=device, block_size=self.block_size,
+            max_model_len=max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_memory=self.kv_cache_memory, gpu_memory_utilization=self.gpu_memory_utilization,
+            num_blocks=self.num_kv_blocks,
+        ))
+        logger.info("model %s (%s, %s on %s); %s", folder, model_config.architecture, runner.config.dtype, device,
+                    runner.describe())
+        scheduler = Scheduler(SchedulerConfig(
+            num_blocks=runner.num_blocks, block_size=self.block_size, max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+        ))
+        return EngineCore(scheduler, runner), model_config
