@@ -1,0 +1,126 @@
+"""The EngineCore process: owns the scheduler, the KV cache and the model, and runs the step loop
+where nothing else can block it. The API process talks to it over two ZMQ sockets with msgpack
+(msgspec) messages; only token ids, parameters and statistics cross, never tensors.
+
+    API process --(AddRequest | AbortRequests | Shutdown)--> core      (PUSH -> PULL)
+    API process <--(CoreReady | CoreOutputs | CoreError)---- core      (PULL <- PUSH)
+
+The loop blocks on its input socket only when it has no work; otherwise it drains whatever
+arrived and steps. Any exception ends the process (the client notices through the process
+sentinel at once and fails what was in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from pdserve.engine.engine_args import EngineArgs
+from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+# Stats go out at least this often while idle, so /metrics never reads stale numbers for long.
+IDLE_STATS_INTERVAL_S = 1.0
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+CoreInput = AddRequest | AbortRequests | Shutdown
+
+
+class CoreReady(msgspec.Struct, tag="ready"):
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+
+
+class CoreError(msgspec.Struct, tag="error"):
+    """A request the core refused (it never entered the scheduler)."""
+
+    request_id: str
+    message: str
+
+
+CoreMessage = CoreReady | CoreOutputs | CoreError
+
+
+def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -> None:
+    """Process entry point: build the core, announce readiness, serve until Shutdown or SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    core, _ = args.build_engine_core()
+    scheduler_config = core.scheduler.config
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_address)
+    encode = msgspec.msgpack.Encoder().encode
+    decode = msgspec.msgpack.Decoder(CoreInput).decode
+    outputs.send(encode(CoreReady(scheduler_config.num_blocks, scheduler_config.block_size,
+                                  scheduler_config.max_model_len)))
+    last_stats = 0.0
+    try:
+        while not stopping:
+            timeout_ms = 0 if core.has_work() else int(IDLE_STATS_INTERVAL_S * 1000)
+            while inputs.poll(timeout_ms):
+                message = decode(inputs.recv())
+                if isinstance(message, Shutdown):
+                    return
+                if isinstance(message, AbortRequests):
+                    core.abort_requests(message.request_ids)
+                else:
+                    try:
+                        core.add_request(Request(
+                            message.request_id, message.prompt_token_ids, message.sampling_params,
+                            message.eos_token_id, message.arrival_time, message.kv_transfer_params,
+                            message.cache_salt))
+                    except ValueError as error:
+                        outputs.send(encode(CoreError(message.request_id, str(error))))
+                timeout_ms = 0
+            results = core.step() if core.has_work() else []
+            now = time.monotonic()
+            if results or now - last_stats >= IDLE_STATS_INTERVAL_S:
+                outputs.send(encode(CoreOutputs(results, core.make_stats())))
+                last_stats = now
+    finally:
+        inputs.close(linger=0)
+        outputs.close(linger=1000)
+        context.term()
