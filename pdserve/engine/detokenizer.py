@@ -23,6 +23,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
                                     skip_special_tokens=skip_special_tokens)
+        self._skip_special_tokens = skip_special_tokens
+        self._token_ids: list[int] = []
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._include_stop = include_stop_str_in_output
@@ -35,6 +37,7 @@ class IncrementalDetokenizer:
         matched, ``stop_string`` is set, the text is cut there, and later tokens are ignored."""
         if self.stop_string is not None:
             return ""
+        self._token_ids.extend(token_ids)
         for token_id in token_ids:
             piece = self._stream.step(self._tokenizer, token_id)
             if not piece:
@@ -46,7 +49,12 @@ class IncrementalDetokenizer:
         return self._take(len(self.text) - self._holdback)
 
     def finish(self) -> str:
-        """The withheld tail, once the request has finished."""
+        """The withheld tail, once the request has finished. Bytes of a character the output cut
+        in half are flushed as U+FFFD, as decoding the whole output at once renders them."""
+        if self.stop_string is None:
+            whole = self._tokenizer.decode(self._token_ids, skip_special_tokens=self._skip_special_tokens)
+            if len(whole) > len(self.text) and whole.startswith(self.text):
+                self.text = whole
         return self._take(len(self.text))
 
     def _find_stop(self, search_from: int) -> bool:

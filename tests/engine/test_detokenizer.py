@@ -46,3 +46,11 @@ def test_tokens_after_a_stop_are_ignored(tokenizer):
     assert detok.add_tokens(tokenizer.encode("a b c")) == "a "
     assert detok.add_tokens(tokenizer.encode(" more")) == ""
     assert detok.finish() == "" and detok.text == "a "
+
+
+def test_a_character_cut_by_the_end_of_output_is_flushed_like_a_full_decode(tokenizer):
+    ids = tokenizer.encode("ok 😀")
+    detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, [], [])
+    streamed = detok.add_tokens(ids[:-1])  # the emoji's last byte never comes
+    streamed += detok.finish()
+    assert streamed == tokenizer.decode(ids[:-1]) and streamed.endswith("\ufffd")

@@ -1,0 +1,170 @@
+"""The colocated engine server on 127.0.0.1 (real core process, real sockets), driven by the
+official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.api_server import start_engine_server
+from pdserve.engine.engine_args import EngineArgs
+from pdserve.models.demo import ensure_demo_model
+
+
+class ServerThread:
+    """Runs the asyncio server in its own thread, as a separate process would."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.running = self.call(start_engine_server(args, served_model_name="demo"))
+
+    def call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=300)
+
+    def close(self) -> None:
+        self.call(self.running.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cache_dir = tmp_path_factory.mktemp("cache")
+    model = str(ensure_demo_model(cache_dir))
+    thread = ServerThread(EngineArgs(model=model, kv_cache_memory=64 << 20, max_model_len=512, device="cpu"))
+    thread.cache_dir = cache_dir
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(server):
+    return LLM(str(ensure_demo_model(server.cache_dir)), kv_cache_memory=64 << 20,
+               max_model_len=512, device="cpu")
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    with urllib.request.urlopen(server.running.url + "/health") as response:
+        assert response.status == 200
+
+
+def test_completions_equal_offline_greedy(client, offline):
+    prompts = ["Hello there", "The router sends", "x"]
+    expected = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    response = client.completions.create(model="demo", prompt=prompts, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == [e.outputs[0].text for e in expected]
+    assert response.usage.completion_tokens == 36
+    assert response.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+
+
+def test_chat_streaming_and_not_agree(client, offline):
+    messages = [{"role": "user", "content": "Say something"}]
+    full = client.chat.completions.create(model="demo", messages=messages, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    expected = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert full.choices[0].message.content == expected[0].outputs[0].text
+    assert full.choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(model="demo", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_thirty_two_concurrent_streams(client, offline):
+    prompts = [f"Prompt number {i} says" for i in range(32)]
+    expected = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+
+    def stream(prompt: str) -> str:
+        chunks = client.completions.create(model="demo", prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        texts = list(pool.map(stream, prompts))
+    assert texts == [e.outputs[0].text for e in expected]
+
+
+def test_stop_strings_n_and_logprobs(client):
+    base = client.completions.create(model="demo", prompt="Once upon", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[len(base) // 2: len(base) // 2 + 2]
+    cut = client.completions.create(model="demo", prompt="Once upon", max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.text == base[:base.index(stop)] and cut.finish_reason == "stop"
+    several = client.completions.create(model="demo", prompt="Once upon", max_tokens=6, temperature=1.0, n=3,
+                                        seed=5, logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in several.choices) == [0, 1, 2]
+    assert all(len(c.logprobs.tokens) == 6 and len(c.logprobs.top_logprobs[0]) == 2 for c in several.choices)
+    echo = client.completions.create(model="demo", prompt="Once upon", max_tokens=2, temperature=0, echo=True,
+                                     logprobs=1, extra_body={"ignore_eos": True}).choices[0]
+    assert echo.text.startswith("Once upon") and echo.logprobs.token_logprobs[0] is None
+
+
+def _post(server, path: str, body: bytes | str) -> tuple[int, dict]:
+    data = body.encode() if isinstance(body, str) else body
+    request = urllib.request.Request(server.running.url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", "{not json", 400),
+    ("/v1/completions", "[]", 400),
+    ("/v1/completions", '{"model": "demo"}', 400),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": "ten"}', 400),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 0}', 400),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 100000}', 400),
+    ("/v1/completions", '{"prompt": "x", "temperature": -1}', 400),
+    ("/v1/completions", '{"prompt": "x", "top_p": 0}', 400),
+    ("/v1/completions", '{"prompt": "x", "n": 1000}', 400),
+    ("/v1/completions", '{"prompt": "x", "logprobs": 50}', 400),
+    ("/v1/completions", '{"prompt": [], "max_tokens": 2}', 400),
+    ("/v1/completions", '{"prompt": [1, 99999999]}', 400),
+    ("/v1/completions", '{"prompt": "x", "model": "other"}', 404),
+    ("/v1/completions", json.dumps({"prompt": [5] * 600}), 400),
+    ("/v1/completions", '{"prompt": "x", "stop": 7}', 400),
+    ("/v1/completions", '{"prompt": "x", "presence_penalty": 5}', 400),
+    ("/v1/chat/completions", '{"messages": []}', 400),
+    ("/v1/chat/completions", '{"messages": "hi"}', 400),
+    ("/v1/chat/completions", '{"messages": [{"content": "no role"}]}', 400),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 99, "logprobs": true}',
+     400),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}', 400),
+    ("/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', 413),
+    ("/v1/nothing", "{}", 404),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(server, path, body, status):
+    code, payload = _post(server, path, body)
+    assert code == status, payload
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+
+
+def test_server_still_serves_after_bad_requests(client):
+    assert client.completions.create(model="demo", prompt="fine", max_tokens=2).choices[0].finish_reason
