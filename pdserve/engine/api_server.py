@@ -48,6 +48,7 @@ from pdserve.api.protocol import (
 from pdserve.api.tokenizer import apply_chat_template
 from pdserve.engine.core_client import EngineCoreClient, EngineDeadError, RequestRejectedError
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -72,6 +73,7 @@ class ChoiceResult:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    first_token_time: float | None = None
 
 
 @dataclass
@@ -84,8 +86,13 @@ class ChoiceDelta:
 
 
 class EngineServer:
-    def __init__(self, client: EngineCoreClient, tokenizer: Any, model_name: str, eos_token_ids: list[int]) -> None:
+    def __init__(self, client: EngineCoreClient, tokenizer: Any, model_name: str, eos_token_ids: list[int],
+                 api_key: str | None = None) -> None:
         self.client = client
+        self.api_key = api_key
+        self.metrics = EngineMetrics(lambda: client.stats, {
+            "block_size": str(client.ready.block_size), "num_gpu_blocks": str(client.ready.num_kv_blocks),
+            "enable_prefix_caching": "True"})
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = client.ready.max_model_len
@@ -94,12 +101,24 @@ class EngineServer:
         self.created = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json, self._check_api_key])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.render_metrics)
         return app
+
+    @web.middleware
+    async def _check_api_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """With an API key set, /v1 needs ``Authorization: Bearer <key>``; /health and /metrics stay open."""
+        if (self.api_key is not None and request.path.startswith("/v1/")
+                and request.headers.get("Authorization", "") != f"Bearer {self.api_key}"):
+            raise ProtocolError("invalid or missing API key", status=401, error_type="authentication_error")
+        return await handler(request)
+
+    async def render_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     # ----- simple endpoints -------------------------------------------------------------
 
@@ -229,6 +248,7 @@ class EngineServer:
                           kv_transfer_params: dict[str, Any] | None, cache_salt: str | None,
                           result: ChoiceResult) -> AsyncIterator[ChoiceDelta | None]:
         """Run one choice, updating ``result`` and yielding what it produced at each output."""
+        arrival = time.monotonic()
         queue = await self.client.add_request(child_id, prompt, params, self.eos_token_id, kv_transfer_params,
                                               cache_salt)
         detokenizer = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, prompt, params.stop,
@@ -239,6 +259,8 @@ class EngineServer:
                 raise ProtocolError(str(output)) from output
             if isinstance(output, Exception):
                 raise output
+            if result.first_token_time is None:
+                result.first_token_time = time.monotonic()
             text = detokenizer.add_tokens(output.new_token_ids)
             result.token_ids.extend(output.new_token_ids)
             new_logprobs = output.new_logprobs or []
@@ -255,6 +277,9 @@ class EngineServer:
                 result.num_cached_tokens = output.num_cached_tokens
                 result.kv_transfer_params = output.kv_transfer_params
             result.text += text
+            if result.finish_reason is not None:
+                self.metrics.observe(result.finish_reason, arrival, result.first_token_time, time.monotonic(),
+                                     len(result.token_ids))
             yield ChoiceDelta(0, text, output.new_token_ids, new_logprobs, result.finish_reason)
 
     def _child_params(self, params: SamplingParams, choice: int) -> SamplingParams:
@@ -298,8 +323,11 @@ class EngineServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             unfinished = [cid for cid, result in zip(child_ids, results, strict=True) if result.finish_reason is None]
-            if unfinished and self.client.alive:
-                await self.client.abort(unfinished)
+            if unfinished:
+                for _ in unfinished:
+                    self.metrics.requests.labels("abort").inc()
+                if self.client.alive:
+                    await self.client.abort(unfinished)
 
     async def _gather(self, request_id: str, children: list[tuple[list[int], int]], params: SamplingParams,
                       kv_transfer_params: dict[str, Any] | None, cache_salt: str | None) -> list[ChoiceResult]:
@@ -435,7 +463,7 @@ class RunningServer:
 
 
 async def start_engine_server(args: Any, host: str = "127.0.0.1", port: int = 0,
-                              served_model_name: str | None = None) -> RunningServer:
+                              served_model_name: str | None = None, api_key: str | None = None) -> RunningServer:
     """Start the core process and the HTTP server; ``port`` 0 picks a free port."""
     from pathlib import Path
 
@@ -448,7 +476,7 @@ async def start_engine_server(args: Any, host: str = "127.0.0.1", port: int = 0,
         tokenizer = load_tokenizer(args.tokenizer or folder)
         eos_ids = ModelConfig.from_folder(folder).eos_token_ids or (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-        server = EngineServer(client, tokenizer, served_model_name or Path(folder).name, eos_ids)
+        server = EngineServer(client, tokenizer, served_model_name or Path(folder).name, eos_ids, api_key)
         runner = web.AppRunner(server.app(), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port)

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -22,11 +23,11 @@ from pdserve.models.demo import ensure_demo_model
 class ServerThread:
     """Runs the asyncio server in its own thread, as a separate process would."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, api_key: str | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.running = self.call(start_engine_server(args, served_model_name="demo"))
+        self.running = self.call(start_engine_server(args, served_model_name="demo", api_key=api_key))
 
     def call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=300)
@@ -168,3 +169,52 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
 
 def test_server_still_serves_after_bad_requests(client):
     assert client.completions.create(model="demo", prompt="fine", max_tokens=2).choices[0].finish_reason
+
+
+def _metrics(server) -> dict[str, float]:
+    with urllib.request.urlopen(server.running.url + "/metrics") as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_use_the_contract_names(server, client):
+    client.completions.create(model="demo", prompt="count me", max_tokens=3, extra_body={"ignore_eos": True})
+    values = _metrics(server)
+    for name in ("pdserve_num_requests_running", "pdserve_num_requests_waiting",
+                 "pdserve_num_requests_waiting_for_remote_kv", "pdserve_kv_cache_usage_ratio",
+                 "pdserve_kv_blocks_held_for_remote", "pdserve_prefix_cache_queries_total",
+                 "pdserve_prefix_cache_hits_total", "pdserve_preemptions_total", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "pdserve_time_to_first_token_seconds_count", "pdserve_time_per_output_token_seconds_count",
+                 "pdserve_e2e_request_latency_seconds_count"):
+        assert name in values, name
+    assert values['pdserve_requests_total{finish_reason="length"}'] >= 1
+    assert any(k.startswith("vllm:cache_config_info{") for k in values)
+
+
+def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
+    import http.client
+    from urllib.parse import urlparse
+
+    url = urlparse(server.running.url)
+    body = json.dumps({"model": "demo", "prompt": "long story", "max_tokens": 400, "stream": True, "ignore_eos": True})
+    for _ in range(20):
+        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        response.read1(64)  # some of the stream arrived: the request is running
+        connection.close()  # gone mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        values = _metrics(server)
+        if (values["pdserve_num_requests_running"], values["pdserve_num_requests_waiting"],
+                values["pdserve_kv_cache_usage_ratio"]) == (0, 0, 0):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"blocks still held after the clients left: {values}")

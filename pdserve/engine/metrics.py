@@ -1,0 +1,79 @@
+"""Prometheus metrics of an engine server (names: shared/DESIGN.md §5, a contract).
+
+Request-level series (finish reasons, TTFT, TPOT, end-to-end latency) are observed by the API
+process as responses finish. Scheduler state (queues, KV usage, prefix-cache and preemption
+totals) lives in the core and arrives with every output message; a collector turns the latest
+snapshot into series at scrape time, so nothing is double-counted and nothing goes stale.
+Engines also export the vLLM-named series that Gateway API inference extensions and autoscalers
+scrape, so pdserve pods can sit behind an InferencePool like vLLM pods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+
+from pdserve.engine.scheduler import SchedulerStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0)
+
+
+class _SchedulerCollector:
+    def __init__(self, stats: Callable[[], SchedulerStats | None], cache_config: dict[str, str]) -> None:
+        self._stats = stats
+        self._cache_config = cache_config
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return
+        gauges = {
+            "pdserve_num_requests_running": ("Requests being computed", stats.num_running),
+            "pdserve_num_requests_waiting": ("Requests queued", stats.num_waiting),
+            "pdserve_num_requests_waiting_for_remote_kv": ("Requests waiting for remote KV blocks",
+                                                           stats.num_waiting_for_remote_kvs),
+            "pdserve_kv_cache_usage_ratio": ("Fraction of KV blocks owned (cached free blocks count as free)",
+                                             stats.kv_cache_usage),
+            "pdserve_kv_blocks_held_for_remote": ("KV blocks held for remote decode", stats.num_blocks_held_for_remote),
+            "vllm:num_requests_running": ("Requests being computed (vLLM name)", stats.num_running),
+            "vllm:num_requests_waiting": ("Requests queued (vLLM name)", stats.num_waiting),
+            "vllm:kv_cache_usage_perc": ("KV cache usage, 1 = full (vLLM name)", stats.kv_cache_usage),
+        }
+        for name, (documentation, value) in gauges.items():
+            yield GaugeMetricFamily(name, documentation, value=value)
+        counters = {
+            "pdserve_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
+            "pdserve_prefix_cache_hits": ("Prompt tokens served from the prefix cache", stats.prefix_cache_hits),
+            "pdserve_preemptions": ("Requests preempted (recomputed later)", stats.num_preemptions),
+        }
+        for name, (documentation, value) in counters.items():
+            yield CounterMetricFamily(name, documentation, value=value)
+        yield InfoMetricFamily("vllm:cache_config", "KV cache configuration (vLLM name)", value=self._cache_config)
+
+
+class EngineMetrics:
+    def __init__(self, stats: Callable[[], SchedulerStats | None], cache_config: dict[str, str]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_requests", "Finished requests", ["finish_reason"], registry=self.registry)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_SchedulerCollector(stats, cache_config))
+
+    def observe(self, finish_reason: str, arrival: float, first_token: float | None, end: float,
+                num_output_tokens: int) -> None:
+        self.requests.labels(finish_reason).inc()
+        self.e2e.observe(end - arrival)
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            if num_output_tokens > 1:
+                self.tpot.observe((end - first_token) / (num_output_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
