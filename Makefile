@@ -15,8 +15,9 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# Colocated until prefill/decode disaggregation (issue #5) makes `pdserve serve` itself run.
 serve: setup
-	$(BIN)/pdserve serve
+	$(BIN)/pdserve serve --mode colocated
 
 lint: setup
 	$(BIN)/ruff check pdserve tests bench

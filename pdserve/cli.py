@@ -1,31 +1,91 @@
 """The ``pdserve`` command line: the one place that wires components together (DESIGN §9).
 
-Subcommands are added as their components land; each is a thin shell over its package.
+Subcommands are added as their components land; each is a thin shell over its package, and heavy
+imports (torch, the model code) happen only inside the subcommand that needs them. Flag names are
+a contract (DESIGN §7): vLLM's where vLLM has one.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
 import sys
 
-_SERVE_NOT_READY = """\
-pdserve serve: the serving stack is not built yet.
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
-What runs today, offline in one process (the engine core, our model code, the sampler):
-  .venv/bin/python -c "from pdserve import LLM, SamplingParams; \\
-      print(LLM().generate('Hello', SamplingParams(max_tokens=16))[0].outputs[0].text)"
-  pdserve demo-model PATH       # write the built-in tiny model and tokenizer
-  make test                     # the test suite
-  make bench                    # scheduler and throughput benchmarks
 
-Still to come: the OpenAI server and colocated mode (issue #4), then prefill/decode
-disaggregation with the router (#5), which `pdserve serve` will start.
-"""
+def parse_size(text: str) -> int:
+    """Bytes from "4GiB", "512MiB", "1.5G" or a plain number of bytes."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4GiB, 512MiB or a number of bytes)")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "")[:1].upper()])
+
+
+def _add_server_flags(parser: argparse.ArgumentParser, port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: env PDSERVE_API_KEY)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    parser.add_argument("--served-model-name", default=None, help="model id in the API (default: folder name)")
+    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, ...")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache size on CPU (default 2GiB)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+
+
+def _engine_args(args: argparse.Namespace):  # -> EngineArgs (imported lazily)
+    from pdserve.engine.engine_args import EngineArgs
+
+    return EngineArgs(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+                      block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      enable_prefix_caching=args.enable_prefix_caching)
+
+
+async def _serve_colocated(args: argparse.Namespace) -> None:
+    from pdserve.engine.api_server import start_engine_server
+
+    running = await start_engine_server(_engine_args(args), args.host, args.port, args.served_model_name,
+                                        args.api_key)
+    print(f"pdserve (colocated) serving {running.server.model_name} at {running.url}/v1", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    logging.getLogger("pdserve").info("shutting down: closing connections, stopping the engine core")
+    await running.close()
 
 
 def _serve(args: argparse.Namespace) -> int:
-    sys.stderr.write(_SERVE_NOT_READY)
-    return 2
+    if args.mode == "disagg":
+        sys.stderr.write(
+            "pdserve serve --mode disagg (router + prefill + decode) arrives with the disaggregation work "
+            "(issue #5).\nWhat runs today: `pdserve serve --mode colocated` (one engine, OpenAI API), and the "
+            "offline API (from pdserve import LLM).\n")
+        return 2
+    logging.getLogger("pdserve").setLevel(args.log_level.upper())
+    asyncio.run(_serve_colocated(args))
+    return 0
 
 
 def _demo_model(args: argparse.Namespace) -> int:
@@ -39,7 +99,10 @@ def _demo_model(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = commands.add_parser("serve", help="run router + prefill + decode locally")
+    serve = commands.add_parser("serve", help="serve the OpenAI API locally (colocated now; disagg with #5)")
+    serve.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    _add_server_flags(serve, 8000)
+    _add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
     demo = commands.add_parser("demo-model", help="write the built-in tiny model and tokenizer to PATH")
     demo.add_argument("path", help="folder to write (created if missing)")

@@ -1,0 +1,64 @@
+"""`pdserve serve --mode colocated` as a user runs it: a real process, a real port, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from pdserve.cli import parse_size
+from pdserve.models.demo import ensure_demo_model
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_serve_colocated_answers_and_stops_cleanly_on_sigterm():
+    ensure_demo_model()  # the user's cache, as `pdserve serve` with no --model uses it
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "colocated", "--port", str(port),
+         "--kv-cache-memory", "32MiB", "--max-model-len", "256", "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                assert process.poll() is None, process.stdout.read()
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.2)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": "hello", "max_tokens": 3}).encode())
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert json.loads(response.read())["model"] == "pdserve-demo-qwen3-v1"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = process.stdout.read()
+    assert f"at http://127.0.0.1:{port}/v1" in output and "KV cache" in output
+
+
+def test_disagg_mode_says_what_runs_until_it_exists():
+    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve"], capture_output=True, text=True)
+    assert result.returncode == 2 and "--mode colocated" in result.stderr
+
+
+@pytest.mark.parametrize(("text", "size"), [("4GiB", 4 << 30), ("512MiB", 512 << 20), ("1.5G", 3 << 29),
+                                            ("1000", 1000)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
