@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -324,16 +325,17 @@ class EngineServer:
             await asyncio.gather(*tasks, return_exceptions=True)
             unfinished = [cid for cid, result in zip(child_ids, results, strict=True) if result.finish_reason is None]
             if unfinished:
-                for _ in unfinished:
-                    self.metrics.requests.labels("abort").inc()
+                self.metrics.requests.labels("abort").inc(len(unfinished))
                 if self.client.alive:
                     await self.client.abort(unfinished)
 
     async def _gather(self, request_id: str, children: list[tuple[list[int], int]], params: SamplingParams,
                       kv_transfer_params: dict[str, Any] | None, cache_salt: str | None) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in children]
-        async for _ in self._choices(request_id, children, params, kv_transfer_params, cache_salt, results):
-            pass
+        async with aclosing(self._choices(request_id, children, params, kv_transfer_params, cache_salt,
+                                          results)) as deltas:
+            async for _ in deltas:
+                pass
         return results
 
     # ----- streaming --------------------------------------------------------------------
@@ -343,12 +345,15 @@ class EngineServer:
         response = await _start_sse(request)
         results = [ChoiceResult() for _ in children]
         created = int(time.time())
-        async for delta in self._choices(request_id, children, params, body.kv_transfer_params, body.cache_salt,
-                                         results):
-            logprobs = self._completion_logprobs(delta.logprobs, delta.token_ids) if body.logprobs is not None else None
-            chunk = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[
-                CompletionChoice(delta.index, delta.text, logprobs, delta.finish_reason)])
-            await response.write(sse_event(chunk))
+        # aclosing: if the client goes away mid-stream, the choices' cleanup (abort) runs right here.
+        async with aclosing(self._choices(request_id, children, params, body.kv_transfer_params, body.cache_salt,
+                                          results)) as deltas:
+            async for delta in deltas:
+                logprobs = (self._completion_logprobs(delta.logprobs, delta.token_ids)
+                            if body.logprobs is not None else None)
+                chunk = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[
+                    CompletionChoice(delta.index, delta.text, logprobs, delta.finish_reason)])
+                await response.write(sse_event(chunk))
         if body.stream_options and body.stream_options.include_usage:
             await response.write(sse_event(CompletionResponse(id=request_id, created=created, model=self.model_name,
                                                               choices=[], usage=self._usage(children, results))))
@@ -367,11 +372,12 @@ class EngineServer:
 
         for _, index in children:
             await response.write(chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))]))
-        async for delta in self._choices(request_id, children, params, body.kv_transfer_params, body.cache_salt,
-                                         results):
-            logprobs = self._chat_logprobs(delta.logprobs) if body.logprobs else None
-            await response.write(chunk([ChatChunkChoice(delta.index, ChatDelta(content=delta.text or None),
-                                                        logprobs, delta.finish_reason)]))
+        async with aclosing(self._choices(request_id, children, params, body.kv_transfer_params, body.cache_salt,
+                                          results)) as deltas:
+            async for delta in deltas:
+                logprobs = self._chat_logprobs(delta.logprobs) if body.logprobs else None
+                await response.write(chunk([ChatChunkChoice(delta.index, ChatDelta(content=delta.text or None),
+                                                            logprobs, delta.finish_reason)]))
         if body.stream_options and body.stream_options.include_usage:
             await response.write(chunk([], self._usage(children, results)))
         await response.write(SSE_DONE)
