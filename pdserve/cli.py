@@ -88,6 +88,26 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from pdserve.bench.loadgen import BenchConfig, format_summary, run_benchmark
+
+    config = BenchConfig(
+        base_url=args.base_url, model=args.model, num_prompts=args.num_prompts, request_rate=args.request_rate,
+        arrival=args.arrival, max_concurrency=args.max_concurrency, input_len=args.input_len,
+        output_len=args.output_len, range_ratio=args.range_ratio, workload=args.workload,
+        prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, vocab_size=args.vocab_size,
+        ignore_eos=args.ignore_eos, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed,
+        api_key=args.api_key, progress=not args.no_progress)
+    summary = asyncio.run(run_benchmark(config))
+    print(format_summary(summary))
+    if args.result_file:
+        with open(args.result_file, "w") as handle:
+            json.dump(summary, handle, indent=2)
+    return 0 if summary["completed"] else 1
+
+
 def _demo_model(args: argparse.Namespace) -> int:
     from pdserve.models.demo import write_demo_model
 
@@ -104,6 +124,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_flags(serve, 8000)
     _add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
+    bench = commands.add_parser("bench", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)")
+    bench.add_argument("--base-url", required=True, help="server URL without /v1, e.g. http://127.0.0.1:8000")
+    bench.add_argument("--model", required=True)
+    bench.add_argument("--num-prompts", type=int, default=100)
+    bench.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)")
+    bench.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
+    bench.add_argument("--max-concurrency", type=int, default=None)
+    bench.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
+    bench.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128)
+    bench.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0)
+    bench.add_argument("--workload", choices=["random", "shared-prefix", "chat"], default="random")
+    bench.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens per prefix")
+    bench.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
+    bench.add_argument("--vocab-size", type=int, default=1000, help="token ids are drawn below this")
+    bench.add_argument("--tokenizer", default=None, help="accepted for vllm bench compatibility; prompts are token ids")
+    bench.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request runs to length")
+    bench.add_argument("--slo-ttft-ms", type=float, default=None)
+    bench.add_argument("--slo-tpot-ms", type=float, default=None)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--result-file", "--result-filename", dest="result_file", default=None)
+    bench.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(handler=_bench)
     demo = commands.add_parser("demo-model", help="write the built-in tiny model and tokenizer to PATH")
     demo.add_argument("path", help="folder to write (created if missing)")
     demo.set_defaults(handler=_demo_model)

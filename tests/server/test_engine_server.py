@@ -3,10 +3,8 @@ official openai client and raw HTTP."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -15,37 +13,7 @@ import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.api_server import start_engine_server
-from pdserve.engine.engine_args import EngineArgs
 from pdserve.models.demo import ensure_demo_model
-
-
-class ServerThread:
-    """Runs the asyncio server in its own thread, as a separate process would."""
-
-    def __init__(self, args: EngineArgs, api_key: str | None = None) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.running = self.call(start_engine_server(args, served_model_name="demo", api_key=api_key))
-
-    def call(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=300)
-
-    def close(self) -> None:
-        self.call(self.running.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    cache_dir = tmp_path_factory.mktemp("cache")
-    model = str(ensure_demo_model(cache_dir))
-    thread = ServerThread(EngineArgs(model=model, kv_cache_memory=64 << 20, max_model_len=512, device="cpu"))
-    thread.cache_dir = cache_dir
-    yield thread
-    thread.close()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.models.demo import ensure_demo_model
-from tests.server.test_engine_server import ServerThread
+from tests.server.helpers import ServerThread
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""``pdserve bench``: the load generator (``loadgen``) behind the serving benchmarks."""

@@ -1,0 +1,28 @@
+"""A real engine server for tests, run on its own event loop in a thread (as a separate process
+would be), on a free port of 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from pdserve.engine.api_server import start_engine_server
+from pdserve.engine.engine_args import EngineArgs
+
+
+class ServerThread:
+    """Runs the asyncio server in its own thread, as a separate process would."""
+
+    def __init__(self, args: EngineArgs, api_key: str | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.running = self.call(start_engine_server(args, served_model_name="demo", api_key=api_key))
+
+    def call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=300)
+
+    def close(self) -> None:
+        self.call(self.running.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
