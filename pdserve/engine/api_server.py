@@ -44,6 +44,7 @@ from pdserve.api.protocol import (
     TopLogprob,
     Usage,
     decode_request,
+    openapi_document,
     sse_event,
 )
 from pdserve.api.tokenizer import apply_chat_template
@@ -108,7 +109,11 @@ class EngineServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.render_metrics)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document(f"pdserve engine ({self.model_name})", "v1"))
 
     @web.middleware
     async def _check_api_key(self, request: web.Request, handler: Any) -> web.StreamResponse:

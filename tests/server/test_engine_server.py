@@ -186,3 +186,17 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
             return
         time.sleep(0.2)
     raise AssertionError(f"blocks still held after the clients left: {values}")
+
+
+def test_openapi_document_describes_the_endpoints(server):
+    with urllib.request.urlopen(server.running.url + "/openapi.json") as response:
+        document = json.loads(response.read())
+    assert document["openapi"] == "3.1.0"
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(document["paths"])
+    schemas = document["components"]["schemas"]
+    request_ref = document["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert request_ref == {"$ref": "#/components/schemas/CompletionRequest"}
+    assert "prompt" in schemas["CompletionRequest"]["required"]
+    refs = json.dumps(document).count("#/components/schemas/")
+    assert refs and all(ref.split("/")[-1] in schemas for ref in
+                        [part.split('"')[0] for part in json.dumps(document).split("#/components/schemas/")[1:]])
