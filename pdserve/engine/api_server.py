@@ -53,6 +53,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.kvtransfer.params import parse_remote_prefill, wants_remote_decode
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class EngineServer:
         self.metrics = EngineMetrics(lambda: client.stats, {
             "block_size": str(client.ready.block_size), "num_gpu_blocks": str(client.ready.num_kv_blocks),
             "enable_prefix_caching": "True"})
+        client.on_stats = self.metrics.observe_stats
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = client.ready.max_model_len
@@ -229,6 +231,13 @@ class EngineServer:
     def _sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
         fields = {name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name) is not None}
+        if self._is_prefill_leg(body):
+            # The prefill leg computes the prompt's KV and samples one token. It must end by length
+            # whatever that token is, so its blocks are always handed over to the decode engine.
+            for name in ("stop", "stop_token_ids", "min_tokens"):
+                fields.pop(name, None)
+            fields["ignore_eos"] = True
+            max_tokens = 1
         try:
             params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                     **fields)
@@ -236,9 +245,26 @@ class EngineServer:
             raise ProtocolError(str(error), param=error.param) from error
         if params.n > MAX_N:
             raise ProtocolError(f"n must be at most {MAX_N}", param="n")
+        if params.n > 1 and body.kv_transfer_params:
+            raise ProtocolError("kv_transfer_params needs n=1 (one request's KV is handed over)", param="n")
         if self.extra_eos_ids and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + self.extra_eos_ids)
         return params
+
+    @staticmethod
+    def _is_prefill_leg(body: Any) -> bool:
+        """Checks kv_transfer_params (client input) and says whether this is a P/D prefill leg."""
+        params = body.kv_transfer_params
+        try:
+            parse_remote_prefill(params)
+        except ValueError as error:
+            raise ProtocolError(str(error), param="kv_transfer_params") from error
+        if not wants_remote_decode(params):
+            return False
+        if body.stream:
+            raise ProtocolError("a prefill leg (kv_transfer_params.do_remote_decode) needs stream=false: its "
+                                "answer carries the transfer parameters", param="stream")
+        return True
 
     def _check_length(self, prompt: list[int], max_tokens: int | None) -> None:
         if len(prompt) >= self.max_model_len:
@@ -277,6 +303,11 @@ class EngineServer:
                 await self.client.abort([child_id])
                 result.finish_reason, result.stop_reason = "stop", detokenizer.stop_string
                 result.num_cached_tokens = output.num_cached_tokens
+            elif output.finish_reason == "error":
+                result.finish_reason = "error"
+                self.metrics.observe("error", arrival, result.first_token_time, time.monotonic(), len(result.token_ids))
+                raise ProtocolError(f"the request failed: {output.stop_reason}", status=503,
+                                    error_type="service_unavailable")
             elif output.finish_reason is not None:
                 text += detokenizer.finish()
                 result.finish_reason, result.stop_reason = output.finish_reason, output.stop_reason
@@ -353,12 +384,15 @@ class EngineServer:
         # aclosing: if the client goes away mid-stream, the choices' cleanup (abort) runs right here.
         async with aclosing(self._choices(request_id, children, params, body.kv_transfer_params, body.cache_salt,
                                           results)) as deltas:
-            async for delta in deltas:
-                logprobs = (self._completion_logprobs(delta.logprobs, delta.token_ids)
-                            if body.logprobs is not None else None)
-                chunk = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[
-                    CompletionChoice(delta.index, delta.text, logprobs, delta.finish_reason)])
-                await response.write(sse_event(chunk))
+            try:
+                async for delta in deltas:
+                    logprobs = (self._completion_logprobs(delta.logprobs, delta.token_ids)
+                                if body.logprobs is not None else None)
+                    chunk = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[
+                        CompletionChoice(delta.index, delta.text, logprobs, delta.finish_reason)])
+                    await response.write(sse_event(chunk))
+            except ProtocolError as error:
+                return await _end_stream_with_error(response, error)
         if body.stream_options and body.stream_options.include_usage:
             await response.write(sse_event(CompletionResponse(id=request_id, created=created, model=self.model_name,
                                                               choices=[], usage=self._usage(children, results))))
@@ -379,10 +413,13 @@ class EngineServer:
             await response.write(chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))]))
         async with aclosing(self._choices(request_id, children, params, body.kv_transfer_params, body.cache_salt,
                                           results)) as deltas:
-            async for delta in deltas:
-                logprobs = self._chat_logprobs(delta.logprobs) if body.logprobs else None
-                await response.write(chunk([ChatChunkChoice(delta.index, ChatDelta(content=delta.text or None),
-                                                            logprobs, delta.finish_reason)]))
+            try:
+                async for delta in deltas:
+                    logprobs = self._chat_logprobs(delta.logprobs) if body.logprobs else None
+                    await response.write(chunk([ChatChunkChoice(delta.index, ChatDelta(content=delta.text or None),
+                                                                logprobs, delta.finish_reason)]))
+            except ProtocolError as error:
+                return await _end_stream_with_error(response, error)
         if body.stream_options and body.stream_options.include_usage:
             await response.write(chunk([], self._usage(children, results)))
         await response.write(SSE_DONE)
@@ -431,6 +468,13 @@ class EngineServer:
 async def _start_sse(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
+    return response
+
+
+async def _end_stream_with_error(response: web.StreamResponse, error: ProtocolError) -> web.StreamResponse:
+    """Headers are gone already: the error travels as an event of the stream (as vLLM sends it)."""
+    await response.write(sse_event(error.to_response()))
+    await response.write(SSE_DONE)
     return response
 
 

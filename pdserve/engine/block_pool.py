@@ -5,12 +5,20 @@ A block with ``ref_cnt == 0`` sits in the free queue. If it carries a hash it st
 reusable prefix: a later request can take it back (a prefix-cache hit) until the block is
 popped for new data, which evicts its hash. Freed blocks join the queue's tail and new blocks
 come from its head, so eviction is least-recently-used.
+
+Each block also has a generation number, bumped whenever the block loses its last owner. A KV
+connector hands a remote reader the generations of the blocks it holds; the reader checks them
+after its read, so a read that raced with the blocks being freed (and maybe overwritten) is
+detected rather than served. The numbers live in one int64 array that a connector can register
+for remote reads.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+
+import numpy as np
 
 from pdserve.engine.block_hash import BlockHash
 
@@ -40,6 +48,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.generations = np.zeros(num_blocks, dtype=np.int64)
 
     @property
     def num_free_blocks(self) -> int:
@@ -82,10 +91,14 @@ class BlockPool:
         Callers pass a request's blocks tail first, so its last (least shared) blocks are evicted first.
         """
         free_queue = self.free_queue
+        freed = []
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 free_queue[block.block_id] = block
+                freed.append(block.block_id)
+        if freed:
+            self.generations[freed] += 1
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Register a full, owned block under its hash.

@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -51,6 +52,7 @@ class EngineCoreClient:
         self.process = process
         self.ready = ready
         self.stats: SchedulerStats | None = None
+        self.on_stats: Callable[[SchedulerStats], None] | None = None  # called with every snapshot
         self._context = context
         self._inputs = inputs
         self._outputs = outputs
@@ -128,6 +130,8 @@ class EngineCoreClient:
             message = decode(await self._outputs.recv())
             if isinstance(message, CoreOutputs):
                 self.stats = message.stats
+                if self.on_stats is not None:
+                    self.on_stats(message.stats)
                 for output in message.outputs:
                     queue = self._queues.get(output.request_id)
                     if queue is not None:

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 # Stats go out at least this often while idle, so /metrics never reads stale numbers for long.
 IDLE_STATS_INTERVAL_S = 1.0
+# While the core only waits on KV transfers (held blocks, loads in flight) it polls this often.
+TRANSFER_POLL_MS = 2
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -99,7 +101,10 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -
     last_stats = 0.0
     try:
         while not stopping:
-            timeout_ms = 0 if core.has_work() else int(IDLE_STATS_INTERVAL_S * 1000)
+            if not core.has_work():
+                timeout_ms = int(IDLE_STATS_INTERVAL_S * 1000)
+            else:
+                timeout_ms = TRANSFER_POLL_MS if core.last_step_idle else 0
             while inputs.poll(timeout_ms):
                 message = decode(inputs.recv())
                 if isinstance(message, Shutdown):
@@ -121,6 +126,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -
                 outputs.send(encode(CoreOutputs(results, core.make_stats())))
                 last_stats = now
     finally:
+        core.close()
         inputs.close(linger=0)
         outputs.close(linger=1000)
         context.term()

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.model_runner import ModelRunner, RunnerConfig
+from pdserve.engine.model_runner import KV_CACHE_LAYOUT, ModelRunner, RunnerConfig
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.models.config import ModelConfig, resolve_dtype
 from pdserve.models.demo import ensure_demo_model
 
@@ -31,6 +32,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # fixes the KV block count (tests, benchmarks)
     enable_prefix_caching: bool = True
+    kv_transfer: KVTransferConfig | None = None  # None: no P/D transfers (colocated)
 
     def resolved_model(self) -> str:
         return self.model or str(ensure_demo_model())
@@ -48,9 +50,28 @@ class EngineArgs:
         ))
         logger.info("model %s (%s, %s on %s); %s", folder, model_config.architecture, runner.config.dtype, device,
                     runner.describe())
+        connector = None
+        if self.kv_transfer is not None:
+            from pdserve.kvtransfer.connector import PDConnectorScheduler
+            from pdserve.kvtransfer.params import kv_compat_hash
+
+            compat_hash = kv_compat_hash(
+                architecture=model_config.architecture, layers=model_config.num_layers,
+                kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+                hidden_size=model_config.hidden_size, vocab_size=model_config.vocab_size,
+                dtype=str(runner.config.dtype), block_size=self.block_size, layout=KV_CACHE_LAYOUT)
+            connector = PDConnectorScheduler(self.kv_transfer, compat_hash, self.block_size)
         scheduler = Scheduler(SchedulerConfig(
             num_blocks=runner.num_blocks, block_size=self.block_size, max_model_len=max_model_len,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
-        ))
+        ), connector)
+        if connector is not None:
+            from pdserve.kvtransfer.agent import TransferAgent
+
+            # The agent registers the KV cache and the block pool's generations, so it comes last.
+            agent = TransferAgent(self.kv_transfer, runner.kv_cache, scheduler.kv_cache_manager.block_pool.generations,
+                                  connector.compat_hash)
+            connector.advertised_port = agent.port
+            runner.kv_transfer_agent = agent
         return EngineCore(scheduler, runner), model_config

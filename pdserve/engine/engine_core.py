@@ -26,6 +26,9 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, model_runner: ModelRunner) -> None:
         self.scheduler = scheduler
         self.model_runner = model_runner
+        # True when the last step computed nothing (it only waited on KV transfers): the process
+        # loop then sleeps briefly instead of spinning.
+        self.last_step_idle = False
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -38,7 +41,13 @@ class EngineCore:
         # An empty schedule still runs the model: the runner polls the KV connector's worker
         # side, which is how loads land and held blocks get released while nothing computes.
         runner_output = self.model_runner.execute_model(scheduler_output)
+        self.last_step_idle = scheduler_output.total_num_scheduled_tokens == 0
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def close(self) -> None:
+        close = getattr(self.model_runner, "close", None)
+        if close is not None:
+            close()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

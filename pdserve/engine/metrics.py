@@ -48,6 +48,11 @@ class _SchedulerCollector:
             "pdserve_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
             "pdserve_prefix_cache_hits": ("Prompt tokens served from the prefix cache", stats.prefix_cache_hits),
             "pdserve_preemptions": ("Requests preempted (recomputed later)", stats.num_preemptions),
+            "pdserve_kv_transfer_bytes": ("KV bytes pulled from remote engines", stats.kv_transfer_bytes),
+            "pdserve_kv_transfer_failures": ("KV pulls that failed (handshake, transfer, stale or expired blocks)",
+                                             stats.kv_transfer_failures),
+            "pdserve_kv_lease_expirations": ("Held KV blocks freed because no decode engine took them in time",
+                                             stats.kv_lease_expirations),
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(name, documentation, value=value)
@@ -64,7 +69,14 @@ class EngineMetrics:
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "End-to-end request latency",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.kv_transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "Duration of one request's KV pull",
+                                             buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_SchedulerCollector(stats, cache_config))
+
+    def observe_stats(self, stats: SchedulerStats) -> None:
+        """Called with every stats snapshot from the core: records what happened since the last one."""
+        for seconds in stats.kv_transfer_seconds:
+            self.kv_transfer_seconds.observe(seconds)
 
     def observe(self, finish_reason: str, arrival: float, first_token: float | None, end: float,
                 num_output_tokens: int) -> None:

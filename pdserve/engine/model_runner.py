@@ -28,6 +28,8 @@ from pdserve.models.loader import load_model
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+# Names the KV cache layout below; engines exchanging blocks must agree on it (KV compatibility hash).
+KV_CACHE_LAYOUT = "blocks,layers,kv,heads,block_size,head_dim"
 
 
 def retain_freed_memory() -> None:
@@ -95,6 +97,8 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(model_config, self.num_blocks, self.block_size, config.dtype,
                                           config.device)
         self.layer_caches = layer_views(self.kv_cache)
+        # The KV connector's worker side (pdserve.kvtransfer.agent.TransferAgent), when P/D is on.
+        self.kv_transfer_agent = None
 
     @property
     def bytes_per_block(self) -> int:
@@ -142,9 +146,12 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.finished_req_ids:
             self.sampler.forget(scheduler_output.finished_req_ids)
+        agent = self.kv_transfer_agent
+        if agent is not None and scheduler_output.kv_connector_metadata is not None:
+            agent.submit(scheduler_output.kv_connector_metadata)
         requests = scheduler_output.requests
         if not requests:
-            return ModelRunnerOutput([])
+            return ModelRunnerOutput([], kv_connector_output=agent.collect() if agent is not None else None)
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -190,7 +197,12 @@ class ModelRunner:
                 for index, entry in zip(sample_requests, row_logprobs, strict=True):
                     logprobs[index] = entry
         prompt_logprobs = self._prompt_logprobs(hidden, requests, prompt_rows) if prompt_rows else None
-        return ModelRunnerOutput(sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return ModelRunnerOutput(sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                 kv_connector_output=agent.collect() if agent is not None else None)
+
+    def close(self) -> None:
+        if self.kv_transfer_agent is not None:
+            self.kv_transfer_agent.close()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, requests: list, prompt_rows: list[tuple[int, int, int, int]]
                          ) -> dict[str, tuple[int, list[TokenLogprobs]]]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.request import Request
+from pdserve.kvtransfer.base import KVConnectorOutput
 
 # A runner's "sampled token" for a request whose scheduled chunk did not reach the end of its
 # known tokens (a partial prefill chunk): nothing was sampled.
@@ -48,14 +49,6 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Opaque work order for the worker side of the KV connector (loads to start, ...).
     kv_connector_metadata: Any = None
-
-
-@dataclass(slots=True)
-class KVConnectorOutput:
-    """What the worker side of the KV connector finished since it was last asked."""
-
-    finished_sending: set[str] = field(default_factory=set)  # held blocks that may now be freed
-    finished_recving: set[str] = field(default_factory=set)  # remote loads that have landed
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.outputs import (
@@ -65,6 +65,11 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # KV transfer: cumulative totals, and the durations of the pulls finished since the last stats.
+    kv_transfer_bytes: int = 0
+    kv_transfer_failures: int = 0
+    kv_lease_expirations: int = 0
+    kv_transfer_seconds: list[float] = field(default_factory=list)
 
 
 class Scheduler:
@@ -72,6 +77,7 @@ class Scheduler:
         self.config = config
         self.connector = connector or NoKVConnector()
         self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.connector.bind_block_generations(self.kv_cache_manager.block_pool.generations)
         # Every request the scheduler still knows: unfinished ones, and finished ones whose blocks
         # are still held (for a remote reader, or until an in-flight load into them drains).
         self.requests: dict[str, Request] = {}
@@ -82,6 +88,10 @@ class Scheduler:
         self.finished_recving: set[str] = set()
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
+        self.kv_transfer_bytes = 0
+        self.kv_transfer_failures = 0
+        self.kv_lease_expirations = 0
+        self._kv_transfer_seconds: list[float] = []
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -100,6 +110,7 @@ class Scheduler:
         request.max_output_tokens = room if max_tokens is None else min(max_tokens, room)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.connector.request_added(request)
 
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -326,7 +337,7 @@ class Scheduler:
         if any_finished:
             self.running = [request for request in self.running if request.status == _RUNNING]
         if runner_output.kv_connector_output is not None:
-            self._update_from_connector(runner_output.kv_connector_output)
+            self._update_from_connector(runner_output.kv_connector_output, outputs)
         return outputs
 
     def _collect_prompt_logprobs(self, prompt_logprobs: dict) -> None:
@@ -356,7 +367,12 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def _update_from_connector(self, connector_output: KVConnectorOutput) -> None:
+    def _update_from_connector(self, connector_output: KVConnectorOutput, outputs: list[EngineCoreOutput]) -> None:
+        for num_bytes, seconds in connector_output.transfers:
+            self.kv_transfer_bytes += num_bytes
+            self._kv_transfer_seconds.append(seconds)
+        self.kv_transfer_failures += connector_output.num_failed_transfers
+        self.kv_lease_expirations += connector_output.num_expired_leases
         for request_id in connector_output.finished_sending:
             request = self.held_for_remote.pop(request_id, None)
             if request is not None:
@@ -367,11 +383,35 @@ class Scheduler:
                 self._drop(request)
             elif request_id in self.requests:
                 self.finished_recving.add(request_id)
+        for request_id in connector_output.failed_recving:
+            request = self.aborted_while_loading.pop(request_id, None)
+            if request is not None:
+                self._drop(request)
+            elif request_id in self.requests:
+                self._load_failed(self.requests[request_id], outputs)
+
+    def _load_failed(self, request: Request, outputs: list[EngineCoreOutput]) -> None:
+        """A remote load failed: recompute the prompt here, or finish the request with an error.
+
+        Its blocks were never cached (caching waits for a load to land), so freeing them cannot
+        leave half-written KV reachable through the prefix cache.
+        """
+        request.num_computed_tokens = 0
+        if self.connector.recompute_failed_loads:
+            self.kv_cache_manager.free(request)
+            request.status = RequestStatus.WAITING  # keeps its place; admitted again as a new request
+            return
+        self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._release(request)  # frees its blocks
+        outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error",
+                                        stop_reason="the remote KV transfer failed"))
 
     # ----- observation ----------------------------------------------------------------------
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
+        transfer_seconds, self._kv_transfer_seconds = self._kv_transfer_seconds, []
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -381,4 +421,8 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            kv_transfer_bytes=self.kv_transfer_bytes,
+            kv_transfer_failures=self.kv_transfer_failures,
+            kv_lease_expirations=self.kv_lease_expirations,
+            kv_transfer_seconds=transfer_seconds,
         )

@@ -11,6 +11,12 @@ KV transfer, so the prefill, decode and colocated roles differ only in the conne
 3. ``request_finished``: a request ended; should its blocks be held for someone to read
    (delay freeing), and what transfer parameters go back to the caller.
 
+Two more moments have default no-op hooks: ``request_added`` (a decode connector starts
+renewing the remote lease of a request as soon as it is queued) and ``bind_block_generations``
+(the block pool's generation array, so held blocks can be handed out with their generations).
+A load the worker side could not complete comes back as failed; ``recompute_failed_loads``
+says whether the request is then recomputed locally or finished with an error.
+
 Each step ``build_connector_meta`` drains what the worker side must start. The worker side
 reports completed sends and loads through ``KVConnectorOutput`` (pdserve.engine.outputs).
 
@@ -21,7 +27,10 @@ small protocol below rather than by the engine's Request class.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import numpy as np
 
 
 class ConnectorRequest(Protocol):
@@ -35,7 +44,32 @@ class ConnectorRequest(Protocol):
     def num_tokens(self) -> int: ...
 
 
+@dataclass(slots=True)
+class KVConnectorOutput:
+    """What the worker side of the KV connector finished since it was last asked."""
+
+    finished_sending: set[str] = field(default_factory=set)  # held blocks that may now be freed
+    finished_recving: set[str] = field(default_factory=set)  # remote loads that have landed
+    # Remote loads that failed (no write into their blocks is in flight any more).
+    failed_recving: set[str] = field(default_factory=set)
+    # Completed pulls as (bytes, seconds), and counts of failed pulls and expired leases.
+    transfers: list[tuple[int, float]] = field(default_factory=list)
+    num_failed_transfers: int = 0
+    num_expired_leases: int = 0
+
+
 class KVConnectorScheduler(ABC):
+    # What a failed remote load does: True recomputes the prompt locally, False fails the request.
+    recompute_failed_loads: bool = True
+
+    def bind_block_generations(self, generations: np.ndarray) -> None:
+        """The block pool's per-block generation numbers (bumped when a block loses its last owner)."""
+        return None
+
+    def request_added(self, request: ConnectorRequest) -> None:
+        """A request entered the scheduler's queue."""
+        return None
+
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int

@@ -1,0 +1,366 @@
+"""TransferAgent: the thread that moves one engine's KV blocks, so the engine loop never blocks
+on the network.
+
+It owns every piece of transfer state, and only this thread touches it:
+
+- the side channel (a ZMQ ROUTER on ``host:port``) where decode engines hand-shake, renew
+  leases, release blocks and (TCP transport) read them;
+- the blocks this engine holds for remote decodes, with their lease deadlines: a release, a
+  completed pull or an expired lease ends a hold, reported as ``finished_sending`` (the
+  scheduler frees the blocks, which bumps their generations, so a later read is detected);
+- the pulls this engine runs as a decode: a lazy handshake per remote engine (compatibility hash
+  checked, a restarted remote replaces the old one), the transfer, the generation check, and
+  lease renewals while requests wait. Every wait has a deadline (``transfer_timeout``).
+
+The engine thread posts a :class:`TransferWork` each step and drains the results with
+:meth:`collect`; both are thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import zmq
+
+from pdserve.kvtransfer import messages
+from pdserve.kvtransfer.base import KVConnectorOutput
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.connector import LoadSpec, TransferWork
+from pdserve.kvtransfer.params import RemotePrefill
+from pdserve.kvtransfer.transport import Pull, Transport, make_transport
+
+logger = logging.getLogger(__name__)
+
+# How often the loop wakes while transfers or holds need polling (NIXL progress, notifications).
+ACTIVE_POLL_MS = 1
+IDLE_POLL_MS = 100
+
+
+@dataclass
+class _Peer:
+    """A remote engine's side channel, and what its handshake told us."""
+
+    address: tuple[str, int]
+    socket: zmq.Socket
+    engine_id: str | None = None  # set once the handshake succeeded
+    handshake_deadline: float | None = None  # set while a handshake is in flight
+    waiting: list[Pull] = field(default_factory=list)  # pulls waiting for the handshake
+
+
+class TransferAgent:
+    def __init__(self, config: KVTransferConfig, kv_cache: torch.Tensor, generations: np.ndarray,
+                 compat_hash: str) -> None:
+        self.config = config
+        self.compat_hash = compat_hash
+        self.faults = config.faults
+        self.generations = generations
+        self.transport: Transport = make_transport(config, kv_cache, generations)
+        self._context = zmq.Context()
+        self._server = self._context.socket(zmq.ROUTER)
+        self._server.setsockopt(zmq.LINGER, 0)
+        self._server.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
+        address = f"tcp://{config.host}:{config.side_channel_port}" if config.side_channel_port else None
+        if address:
+            self._server.bind(address)
+            self.port = config.side_channel_port
+        else:
+            self.port = self._server.bind_to_random_port(f"tcp://{config.host}")
+        self._wake_address = f"inproc://pdserve-kv-agent-{id(self)}"
+        self._wake_recv = self._context.socket(zmq.PULL)
+        self._wake_recv.bind(self._wake_address)
+        self._wake_lock = threading.Lock()
+        self._wake_send = self._context.socket(zmq.PUSH)
+        self._wake_send.connect(self._wake_address)
+        self._inbox: queue.SimpleQueue[TransferWork] = queue.SimpleQueue()
+        self._results_lock = threading.Lock()
+        self._results = KVConnectorOutput()
+        self._stop = threading.Event()
+        # Prefill side: request id -> (held block ids, lease deadline).
+        self._held: dict[str, tuple[list[int], float]] = {}
+        # Decode side.
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._tracked: dict[str, RemotePrefill] = {}  # leases to renew
+        self._delayed: list[Pull] = []  # fault hook: pulls not started yet
+        self._next_renewal = 0.0
+        self._poller = zmq.Poller()
+        self._thread = threading.Thread(target=self._run, name="pdserve-kv-agent", daemon=True)
+        self._thread.start()
+        logger.info("KV transfer agent %s: %s transport, side channel %s:%d, lease %.0f s", config.engine_id[:8],
+                    self.transport.name, config.host, self.port, config.lease_seconds)
+
+    # ----- engine thread ------------------------------------------------------------------
+
+    def submit(self, work: TransferWork) -> None:
+        self._inbox.put(work)
+        with self._wake_lock:
+            self._wake_send.send(b"", zmq.NOBLOCK)
+
+    def collect(self) -> KVConnectorOutput | None:
+        with self._results_lock:
+            results = self._results
+            if not (results.finished_sending or results.finished_recving or results.failed_recving
+                    or results.transfers or results.num_failed_transfers or results.num_expired_leases):
+                return None
+            self._results = KVConnectorOutput()
+        return results
+
+    def close(self) -> None:
+        self._stop.set()
+        self.submit(TransferWork())
+        self._thread.join(5)
+
+    # ----- the agent thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = self._poller
+        poller.register(self._server, zmq.POLLIN)
+        poller.register(self._wake_recv, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                busy = self.transport.busy or self._held or self._delayed
+                for socket, _ in poller.poll(ACTIVE_POLL_MS if busy else IDLE_POLL_MS):
+                    if socket is self._server:
+                        self._serve()
+                    elif socket is self._wake_recv:
+                        while self._wake_recv.poll(0):
+                            self._wake_recv.recv()
+                    else:
+                        self._on_peer_reply(socket)
+                self._take_work()
+                now = time.monotonic()
+                self._start_delayed(now)
+                for request_id in self.transport.poll_releases():
+                    self._release(request_id)
+                for pull, error in self.transport.progress(now):
+                    self._pull_done(pull, error)
+                self._check_deadlines(now)
+        except Exception:
+            logger.exception("KV transfer agent failed")
+            raise
+        finally:
+            for peer in self._peers.values():
+                peer.socket.close(linger=0)
+            self._server.close(linger=0)
+            self._wake_recv.close(linger=0)
+            self._wake_send.close(linger=0)
+            self.transport.close()
+            self._context.term()
+
+    def _take_work(self) -> None:
+        now = time.monotonic()
+        while True:
+            try:
+                work = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            for request_id, block_ids in work.holds:
+                self._held[request_id] = (block_ids, now + self.config.lease_seconds)
+            for request_id, remote in work.tracks:
+                self._tracked[request_id] = remote
+            for request_id, remote in work.releases:
+                self._tracked.pop(request_id)
+                self._send_release(remote)
+            for spec in work.loads:
+                pull = Pull(spec, self.transport.block_bytes * len(spec.local_block_ids))
+                if self.faults.delay_load:
+                    pull.not_before = now + self.faults.delay_load
+                    self._delayed.append(pull)
+                else:
+                    self._start_pull(pull)
+
+    # ----- prefill side: serving the side channel ----------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                frames = self._server.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                continue
+            identity, frame = frames
+            message = messages.decode(frame)
+            if isinstance(message, messages.Handshake):
+                self._server.send_multipart([identity, messages.encode(self._handshake_reply())])
+            elif isinstance(message, messages.RenewLeases):
+                deadline = time.monotonic() + self.config.lease_seconds
+                for request_id in message.request_ids:
+                    if request_id in self._held:
+                        self._held[request_id] = (self._held[request_id][0], deadline)
+            elif isinstance(message, messages.ReleaseBlocks):
+                for request_id in message.request_ids:
+                    self._release(request_id)
+            elif isinstance(message, messages.ReadBlocks):
+                self._serve_read(identity, message)
+            else:
+                logger.warning("side channel: dropped a malformed or unexpected message (%d bytes)", len(frame))
+
+    def _handshake_reply(self) -> messages.HandshakeReply:
+        config = self.config
+        error = "handshake refused (fault injection)" if self.faults.fail_handshake else None
+        return messages.HandshakeReply(config.engine_id, self.compat_hash, self.transport.name,
+                                       self.transport.block_bytes, self.transport.num_blocks,
+                                       self.transport.local_info(), error)
+
+    def _serve_read(self, identity: bytes, message: messages.ReadBlocks) -> None:
+        held = self._held.get(message.request_id)
+        error = None
+        if held is None:
+            error = "the blocks are not held (lease expired or released)"
+        elif not set(message.block_ids) <= set(held[0]):
+            error = "the request does not hold these blocks"
+        elif self.generations[message.block_ids].tolist() != message.generations:
+            error = "block generations changed"
+        if error is not None:
+            self._server.send_multipart([identity, messages.encode(messages.BlocksReply(message.request_id, error))])
+            return
+        data = self.transport.read_local(message.block_ids)
+        self._server.send_multipart([identity, messages.encode(messages.BlocksReply(message.request_id)), data],
+                                    copy=False)
+        if message.release:
+            self._release(message.request_id)
+
+    def _release(self, request_id: str) -> None:
+        if self._held.pop(request_id, None) is not None:
+            with self._results_lock:
+                self._results.finished_sending.add(request_id)
+
+    # ----- decode side: pulling ------------------------------------------------------------------
+
+    def _peer(self, address: tuple[str, int]) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is None:
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, -1)  # block data: bounded by what we asked for, checked on arrival
+            socket.connect(f"tcp://{address[0]}:{address[1]}")
+            self._poller.register(socket, zmq.POLLIN)
+            peer = self._peers[address] = _Peer(address, socket)
+        return peer
+
+    def _drop_peer(self, peer: _Peer) -> None:
+        """Forget a remote engine (dead, restarted, refused): the next use hand-shakes afresh."""
+        self._poller.unregister(peer.socket)
+        peer.socket.close(linger=0)
+        self.transport.forget_peer(peer.address)
+        del self._peers[peer.address]
+
+    def _start_pull(self, pull: Pull) -> None:
+        remote = pull.spec.remote
+        pull.deadline = time.monotonic() + self.config.transfer_timeout
+        peer = self._peer(remote.address)
+        if peer.engine_id is not None and peer.engine_id != remote.engine_id:
+            # Another engine answers there now (a restart): its old memory is gone.
+            self._drop_peer(peer)
+            peer = self._peer(remote.address)
+        if peer.engine_id is not None:
+            self.transport.start_pull(pull, peer.socket)
+            return
+        peer.waiting.append(pull)
+        if peer.handshake_deadline is None:
+            peer.handshake_deadline = time.monotonic() + self.config.transfer_timeout
+            peer.socket.send(messages.encode(messages.Handshake(self.config.engine_id)))
+
+    def _start_delayed(self, now: float) -> None:
+        if not self._delayed:
+            return
+        due = [pull for pull in self._delayed if pull.not_before <= now]
+        if due:
+            self._delayed = [pull for pull in self._delayed if pull.not_before > now]
+            for pull in due:
+                self._start_pull(pull)
+
+    def _on_peer_reply(self, socket: zmq.Socket) -> None:
+        peer = next((p for p in self._peers.values() if p.socket is socket), None)
+        while peer is not None and peer.address in self._peers:  # a reply may drop the peer
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            message = messages.decode(frames[0].bytes)
+            if isinstance(message, messages.HandshakeReply):
+                self._on_handshake(peer, message)
+            elif isinstance(message, messages.BlocksReply):
+                self.transport.on_blocks_reply(message, frames[1].buffer if len(frames) > 1 else None)
+            else:
+                logger.warning("side channel: dropped a malformed reply from %s:%d", *peer.address)
+
+    def _on_handshake(self, peer: _Peer, reply: messages.HandshakeReply) -> None:
+        peer.handshake_deadline = None
+        waiting, peer.waiting = peer.waiting, []
+        error = reply.error
+        if error is None and reply.compat_hash != self.compat_hash:
+            error = "incompatible KV cache (model, dtype, block size or layout differ)"
+        if error is None and reply.transport != self.transport.name:
+            error = f"the remote engine uses the {reply.transport} transport, this one {self.transport.name}"
+        if error is None:
+            try:
+                self.transport.add_peer(peer.address, reply)
+            except Exception as exc:  # a NIXL failure to load the remote's metadata
+                error = f"cannot connect the transport: {exc}"
+        if error is not None:
+            logger.warning("handshake with %s:%d failed: %s", *peer.address, error)
+            self._drop_peer(peer)
+            for pull in waiting:
+                self._pull_done(pull, f"handshake failed: {error}")
+            return
+        peer.engine_id = reply.engine_id
+        logger.info("handshake with engine %s at %s:%d (%s)", reply.engine_id[:8], *peer.address, reply.transport)
+        for pull in waiting:
+            if pull.spec.remote.engine_id != reply.engine_id:
+                self._pull_done(pull, "the prefill engine that held the blocks is gone (another engine answers)")
+            else:
+                self.transport.start_pull(pull, peer.socket)
+
+    def _pull_done(self, pull: Pull, error: str | None) -> None:
+        spec: LoadSpec = pull.spec
+        self._tracked.pop(spec.request_id)
+        if error is None and self.faults.fail_load:
+            error = "failed by fault injection"
+        with self._results_lock:
+            if error is None:
+                self._results.finished_recving.add(spec.request_id)
+                self._results.transfers.append((pull.num_bytes, time.monotonic() - pull.started))
+            else:
+                self._results.failed_recving.add(spec.request_id)
+                self._results.num_failed_transfers += 1
+        if error is not None:
+            logger.warning("request %s: KV pull from %s:%d failed: %s", spec.request_id, *spec.remote.address, error)
+            if not pull.released:
+                self._send_release(spec.remote)
+
+    def _send_release(self, remote: RemotePrefill) -> None:
+        if self.faults.no_release:
+            return
+        self._peer(remote.address).socket.send(messages.encode(messages.ReleaseBlocks([remote.request_id])),
+                                               zmq.NOBLOCK)
+
+    def _check_deadlines(self, now: float) -> None:
+        expired = [rid for rid, (_, deadline) in self._held.items() if deadline <= now]
+        for request_id in expired:
+            logger.warning("request %s: KV lease expired before a decode engine took the blocks", request_id)
+            self._release(request_id)
+        if expired:
+            with self._results_lock:
+                self._results.num_expired_leases += len(expired)
+        for peer in list(self._peers.values()):
+            if peer.handshake_deadline is not None and peer.handshake_deadline <= now:
+                waiting, peer.waiting = peer.waiting, []
+                self._drop_peer(peer)
+                for pull in waiting:
+                    self._pull_done(pull, "handshake timed out")
+        for pull in self.transport.expire(now):
+            self._pull_done(pull, "transfer timed out")
+        if self._tracked and now >= self._next_renewal and not self.faults.no_renew:
+            self._next_renewal = now + self.config.lease_seconds / 3
+            by_peer: dict[tuple[str, int], list[str]] = {}
+            for remote in self._tracked.values():
+                by_peer.setdefault(remote.address, []).append(remote.request_id)
+            for address, request_ids in by_peer.items():
+                self._peer(address).socket.send(messages.encode(messages.RenewLeases(request_ids)), zmq.NOBLOCK)

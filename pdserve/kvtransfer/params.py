@@ -1,0 +1,99 @@
+"""``kv_transfer_params``: what a prefill engine hands back and a decode engine reads.
+
+The field names are vLLM's P/D convention (the contract of shared/DESIGN.md §2), so one proxy
+drives either system. pdserve adds fields of its own, all prefixed ``remote_`` or ``kv_``; a
+proxy passes the whole object through unchanged:
+
+- ``remote_block_generations``: each held block's generation, checked after the pull;
+- ``remote_num_tokens`` and ``remote_prompt_hash``: the tokens whose KV the blocks hold, so a
+  decode engine that tokenized the prompt differently never reads KV of another text;
+- ``kv_compat_hash``: model, dtype, block size and cache layout of the prefill engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+
+def kv_compat_hash(**fields: object) -> str:
+    """A digest of what must match for one engine's KV blocks to be valid in another's cache."""
+    text = ";".join(f"{name}={fields[name]}" for name in sorted(fields))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def prompt_hash(token_ids: list[int]) -> str:
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefill:
+    """Where a decode engine finds a request's prefilled blocks (parsed ``do_remote_prefill`` params)."""
+
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    block_ids: list[int]
+    generations: list[int]
+    num_tokens: int
+    prompt_hash: str
+    compat_hash: str
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+
+def _field(params: dict[str, Any], name: str, kind: type) -> Any:
+    value = params.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ValueError(f"kv_transfer_params.{name} must be a {kind.__name__}")
+    return value
+
+
+def _int_list(params: dict[str, Any], name: str) -> list[int]:
+    value = _field(params, name, list)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError(f"kv_transfer_params.{name} must be a list of non-negative integers")
+    return value
+
+
+def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
+    """The remote blocks a request's params point at; None unless ``do_remote_prefill`` is true.
+
+    Raises ValueError naming the bad field: params are client input, checked before admission.
+    """
+    if not params or params.get("do_remote_prefill") is not True:
+        return None
+    block_ids = _int_list(params, "remote_block_ids")
+    generations = _int_list(params, "remote_block_generations")
+    if len(generations) != len(block_ids):
+        raise ValueError("kv_transfer_params.remote_block_generations must have one entry per remote block")
+    port = _field(params, "remote_port", int)
+    if not 0 < port < 65536:
+        raise ValueError("kv_transfer_params.remote_port must be a TCP port")
+    num_tokens = _field(params, "remote_num_tokens", int)
+    return RemotePrefill(
+        engine_id=_field(params, "remote_engine_id", str), request_id=_field(params, "remote_request_id", str),
+        host=_field(params, "remote_host", str), port=port, block_ids=block_ids, generations=generations,
+        num_tokens=num_tokens, prompt_hash=_field(params, "remote_prompt_hash", str),
+        compat_hash=_field(params, "kv_compat_hash", str))
+
+
+def wants_remote_decode(params: dict[str, Any] | None) -> bool:
+    return bool(params) and params.get("do_remote_decode") is True  # type: ignore[union-attr]
+
+
+def remote_prefill_params(*, engine_id: str, request_id: str, host: str, port: int, block_ids: list[int],
+                          generations: list[int], num_tokens: int, prompt: list[int],
+                          compat_hash: str) -> dict[str, Any]:
+    """What a prefill engine returns for a request whose blocks it now holds."""
+    return {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
+        "remote_request_id": request_id, "remote_block_ids": block_ids, "remote_host": host, "remote_port": port,
+        "remote_block_generations": generations, "remote_num_tokens": num_tokens,
+        "remote_prompt_hash": prompt_hash(prompt), "kv_compat_hash": compat_hash,
+    }

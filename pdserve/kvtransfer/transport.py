@@ -1,0 +1,271 @@
+"""Transports: how a decode engine's blocks get filled from a prefill engine's memory.
+
+- :class:`NixlTransport` (default): both engines register their whole KV cache (and the block
+  generation array) with a NIXL agent (UCX backend; DRAM on CPU, VRAM on GPU). Decode READs the
+  remote blocks straight into its own, then READs the remote generations of those blocks; the
+  second read carries the NIXL notification that tells prefill to free. Data read before a
+  generation that still matches cannot come from a freed or reused block, because a block's
+  generation changes when it loses its last owner, before it can be reused.
+- :class:`TcpTransport`: for hosts where UCX cannot run. The bytes travel on the side channel;
+  prefill checks hold and generations when it copies them out, in the thread that owns the holds.
+
+Both run only in the transfer agent's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from pdserve.kvtransfer import messages
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.connector import LoadSpec
+
+logger = logging.getLogger(__name__)
+
+_RELEASE_TAG = b"release:"
+
+
+@dataclass(eq=False)
+class Pull:
+    """One request's blocks being pulled."""
+
+    spec: LoadSpec
+    num_bytes: int
+    not_before: float = 0.0  # fault hook: do not start before
+    deadline: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    released: bool = False  # prefill was told to free (or frees by itself) once this pull ends
+    state: Any = None  # the transport's own progress record
+
+
+class Transport(ABC):
+    name: str
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.num_blocks = kv_cache.shape[0]
+        self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        self.kv_cache = kv_cache
+        self._blocks = kv_cache.view(torch.uint8).view(self.num_blocks, self.block_bytes)
+        self._pulls: list[Pull] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pulls)
+
+    def local_info(self) -> dict[str, Any]:
+        """What a peer needs, besides the handshake's common fields, to pull from this engine."""
+        return {}
+
+    def add_peer(self, address: tuple[str, int], reply: messages.HandshakeReply) -> None:
+        return None
+
+    def forget_peer(self, address: tuple[str, int]) -> None:
+        return None
+
+    @abstractmethod
+    def start_pull(self, pull: Pull, socket: zmq.Socket) -> None:
+        """Start the transfer (``socket`` is the peer's side channel)."""
+
+    @abstractmethod
+    def progress(self, now: float) -> list[tuple[Pull, str | None]]:
+        """Pulls that ended since the last call, with an error message for the failed ones."""
+
+    def expire(self, now: float) -> list[Pull]:
+        """Pulls past their deadline, cancelled: nothing more is written into their blocks."""
+        expired = [pull for pull in self._pulls if pull.deadline <= now]
+        for pull in expired:
+            self._pulls.remove(pull)
+            self._cancel(pull)
+        return expired
+
+    def _cancel(self, pull: Pull) -> None:
+        return None
+
+    def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None) -> None:
+        logger.warning("side channel: unexpected block data for %s", reply.request_id)
+
+    def poll_releases(self) -> list[str]:
+        """Request ids whose blocks a peer told this engine (through the transport) to free."""
+        return []
+
+    def read_local(self, block_ids: list[int]) -> np.ndarray:
+        """A copy of these blocks' bytes, in order."""
+        return self._blocks[block_ids].cpu().numpy()
+
+    def write_local(self, block_ids: list[int], data: memoryview) -> None:
+        source = np.frombuffer(data, dtype=np.uint8).reshape(len(block_ids), self.block_bytes)
+        if self.kv_cache.is_cuda:
+            self._blocks[block_ids] = torch.from_numpy(source.copy()).to(self.kv_cache.device)
+        else:
+            self._blocks.numpy()[block_ids] = source
+
+    def close(self) -> None:
+        return None
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        super().__init__(kv_cache)
+        self._done: list[tuple[Pull, str | None]] = []
+
+    def start_pull(self, pull: Pull, socket: zmq.Socket) -> None:
+        spec = pull.spec
+        pull.released = True  # the read asks prefill to free once the bytes are sent
+        socket.send(messages.encode(messages.ReadBlocks(spec.remote.request_id, spec.remote_block_ids,
+                                                        spec.generations, release=True)))
+        self._pulls.append(pull)
+
+    def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None) -> None:
+        pull = next((p for p in self._pulls if p.spec.remote.request_id == reply.request_id), None)
+        if pull is None:  # timed out already: its blocks may be someone else's now
+            return
+        self._pulls.remove(pull)
+        if reply.error is not None:
+            self._done.append((pull, reply.error))
+        elif data is None or len(data) != pull.num_bytes:
+            self._done.append((pull, f"expected {pull.num_bytes} bytes, got {0 if data is None else len(data)}"))
+        else:
+            self.write_local(pull.spec.local_block_ids, data)
+            self._done.append((pull, None))
+
+    def progress(self, now: float) -> list[tuple[Pull, str | None]]:
+        done, self._done = self._done, []
+        return done
+
+
+@dataclass
+class _NixlPeer:
+    agent_name: str
+    kv_base: int
+    gen_base: int
+    mem_type: str
+    device_id: int
+
+
+class NixlTransport(Transport):
+    name = "nixl"
+
+    def __init__(self, config: KVTransferConfig, kv_cache: torch.Tensor, generations: np.ndarray) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        super().__init__(kv_cache)
+        # No progress thread: on few cores it costs 2-3x throughput (shared/notes/nixl-cpu.md); the
+        # agent thread polls instead, which also makes the passive side's notifications progress.
+        self.agent = nixl_agent(config.engine_id, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
+        self.device_id = kv_cache.device.index or 0
+        self.kv_base = kv_cache.data_ptr()
+        self.generations = generations
+        # Where pulled generations land: one slot per local block, so concurrent pulls never share one.
+        self.pulled_generations = np.zeros(self.num_blocks, dtype=np.int64)
+        self._registrations = [
+            self.agent.register_memory([(self.kv_base, self.num_blocks * self.block_bytes, self.device_id, "")],
+                                       self.mem_type),
+            self.agent.register_memory([(generations.ctypes.data, generations.nbytes, 0, "")], "DRAM"),
+            self.agent.register_memory([(self.pulled_generations.ctypes.data, self.pulled_generations.nbytes, 0,
+                                         "")], "DRAM"),
+        ]
+        self._peers: dict[tuple[str, int], _NixlPeer] = {}
+
+    def local_info(self) -> dict[str, Any]:
+        return {"agent_metadata": self.agent.get_agent_metadata(), "kv_base": self.kv_base,
+                "gen_base": self.generations.ctypes.data, "mem_type": self.mem_type, "device_id": self.device_id}
+
+    def add_peer(self, address: tuple[str, int], reply: messages.HandshakeReply) -> None:
+        self.forget_peer(address)
+        info = reply.transport_info
+        name = self.agent.add_remote_agent(info["agent_metadata"])
+        self._peers[address] = _NixlPeer(name.decode() if isinstance(name, bytes) else name, int(info["kv_base"]),
+                                         int(info["gen_base"]), str(info["mem_type"]), int(info["device_id"]))
+
+    def forget_peer(self, address: tuple[str, int]) -> None:
+        # A restarted engine comes back with new memory: keeping the old agent mapped is how vLLM
+        # decode pods crashed (vllm#49238); drop it before anything else talks to that address.
+        peer = self._peers.pop(address, None)
+        if peer is not None:
+            try:
+                self.agent.remove_remote_agent(peer.agent_name)
+            except Exception as error:  # already gone on NIXL's side
+                logger.debug("removing NIXL agent %s: %s", peer.agent_name, error)
+
+    def start_pull(self, pull: Pull, socket: zmq.Socket) -> None:
+        peer = self._peers[pull.spec.remote.address]
+        size = self.block_bytes
+        local = [(self.kv_base + b * size, size, self.device_id) for b in pull.spec.local_block_ids]
+        remote = [(peer.kv_base + b * size, size, peer.device_id) for b in pull.spec.remote_block_ids]
+        handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem_type),
+                                            self.agent.get_xfer_descs(remote, peer.mem_type), peer.agent_name)
+        pull.state = ("data", handle, peer)
+        self._pulls.append(pull)
+        if self.agent.transfer(handle) == "ERR":
+            pull.state = ("failed", handle, peer)
+
+    def _start_generation_read(self, pull: Pull, peer: _NixlPeer) -> None:
+        spec = pull.spec
+        local = [(self.pulled_generations.ctypes.data + 8 * b, 8, 0) for b in spec.local_block_ids]
+        remote = [(peer.gen_base + 8 * b, 8, 0) for b in spec.remote_block_ids]
+        handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
+                                            self.agent.get_xfer_descs(remote, "DRAM"), peer.agent_name,
+                                            _RELEASE_TAG + spec.remote.request_id.encode())
+        pull.released = True
+        pull.state = ("generations", handle, peer)
+        if self.agent.transfer(handle) == "ERR":
+            pull.state = ("failed", handle, peer)
+
+    def progress(self, now: float) -> list[tuple[Pull, str | None]]:
+        done: list[tuple[Pull, str | None]] = []
+        for pull in list(self._pulls):
+            stage, handle, peer = pull.state
+            state = "ERR" if stage == "failed" else self.agent.check_xfer_state(handle)
+            if state == "PROC":
+                continue
+            self.agent.release_xfer_handle(handle)
+            if state == "ERR":
+                self._pulls.remove(pull)
+                done.append((pull, f"NIXL transfer failed ({stage})"))
+            elif stage == "data":
+                self._start_generation_read(pull, peer)
+            else:
+                self._pulls.remove(pull)
+                pulled = self.pulled_generations[pull.spec.local_block_ids].tolist()
+                stale = pulled != pull.spec.generations
+                done.append((pull, "the remote blocks were freed or reused before the read ended" if stale else None))
+        return done
+
+    def _cancel(self, pull: Pull) -> None:
+        try:
+            self.agent.release_xfer_handle(pull.state[1])
+        except Exception as error:
+            # UCX could still write into these blocks; nothing better is possible than saying so.
+            logger.error("could not cancel a timed-out NIXL read for %s: %s", pull.spec.request_id, error)
+
+    def poll_releases(self) -> list[str]:
+        released = []
+        for notifications in self.agent.get_new_notifs().values():
+            for message in notifications:
+                if message.startswith(_RELEASE_TAG):
+                    released.append(message[len(_RELEASE_TAG):].decode(errors="replace"))
+        return released
+
+    def close(self) -> None:
+        for registration in self._registrations:
+            try:
+                self.agent.deregister_memory(registration)
+            except Exception as error:
+                logger.debug("NIXL deregistration: %s", error)
+
+
+def make_transport(config: KVTransferConfig, kv_cache: torch.Tensor, generations: np.ndarray) -> Transport:
+    if config.transport == "tcp":
+        return TcpTransport(kv_cache)
+    return NixlTransport(config, kv_cache, generations)

@@ -1,0 +1,7 @@
+"""The OpenAI-compatible router: sends each request through a prefill pod and a decode pod (shared/DESIGN.md
+§2, §5) and streams the decode pod's answer back. Imports only pdserve.api among pdserve's packages."""
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import Router, RunningRouter, start_router
+
+__all__ = ["Router", "RouterConfig", "RunningRouter", "start_router"]

@@ -1,0 +1,111 @@
+"""The router's view of its pods: which exist, how many requests this router has in flight on each, and
+whether each answers. Owns pod choice (least-loaded, round-robin among ties, failed pods last) and the
+health checking that takes pods out of rotation and puts them back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Pod:
+    url: str
+    role: str  # "prefill" or "decode", for logs
+    healthy: bool = True  # optimistic until the first check, so a router serves at once
+    in_flight: int = 0  # requests this router has running on the pod (its load, as this replica sees it)
+
+
+class PodSet:
+    """The pods of one role."""
+
+    def __init__(self, role: str, urls: Sequence[str]) -> None:
+        self.role = role
+        self.pods = [Pod(url.rstrip("/"), role) for url in urls]
+        self._cursor = 0  # where the next scan starts: rotating it makes ties go round-robin
+
+    def __len__(self) -> int:
+        return len(self.pods)
+
+    def any_healthy(self) -> bool:
+        return any(pod.healthy for pod in self.pods)
+
+    def choose(self, exclude: Pod | None = None) -> Pod | None:
+        """The least-loaded pod, healthy ones first; an unhealthy one only when no healthy pod is left
+        (a stale health view must not turn into refusing every request). None when nothing is left."""
+        pods = self.pods
+        count = len(pods)
+        best: Pod | None = None
+        best_key = (True, 0)
+        best_index = 0
+        for step in range(count):
+            index = (self._cursor + step) % count
+            pod = pods[index]
+            if pod is exclude:
+                continue
+            key = (not pod.healthy, pod.in_flight)
+            if best is None or key < best_key:
+                best, best_key, best_index = pod, key, index
+        if best is not None:
+            self._cursor = (best_index + 1) % count
+        return best
+
+    def mark(self, pod: Pod, healthy: bool, reason: str = "") -> bool:
+        """Record a health observation; True when it took the pod out of rotation."""
+        if pod.healthy == healthy:
+            return False
+        pod.healthy = healthy
+        if healthy:
+            logger.info("%s pod %s is back", pod.role, pod.url)
+            return False
+        logger.warning("%s pod %s is out of rotation: %s", pod.role, pod.url, reason)
+        return True
+
+
+class HealthChecker:
+    """GETs every pod's /health each ``interval`` seconds; a pod that fails or answers non-200 is skipped
+    until it answers 200 again."""
+
+    def __init__(self, session: aiohttp.ClientSession, podsets: Sequence[PodSet], interval: float,
+                 on_ejection: Callable[[], None]) -> None:
+        self.session = session
+        self.podsets = podsets
+        self.interval = interval
+        # Short, but not so short that a busy pod on a loaded host flaps.
+        self.timeout = aiohttp.ClientTimeout(total=max(0.5, min(interval, 2.0)))
+        self.on_ejection = on_ejection
+        self._task: asyncio.Task[None] | None = None
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._probe(podset, pod) for podset in self.podsets for pod in podset.pods))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.check_all()
+
+    async def _probe(self, podset: PodSet, pod: Pod) -> None:
+        try:
+            async with self.session.get(pod.url + "/health", timeout=self.timeout) as response:
+                await response.read()
+                healthy, reason = response.status == 200, f"/health answered {response.status}"
+        except (aiohttp.ClientError, TimeoutError) as error:
+            healthy, reason = False, f"/health failed: {type(error).__name__}: {error}"
+        if podset.mark(pod, healthy, reason):
+            self.on_ejection()

@@ -1,0 +1,168 @@
+"""The router's HTTP face: the aiohttp application (OpenAI endpoints, health, metrics, OpenAPI), the API-key
+and error middlewares, the shared client session's life, and ``start_router``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from pdserve.api.protocol import ProtocolError, openapi_document
+from pdserve.router.config import RouterConfig
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pods import HealthChecker, PodSet
+from pdserve.router.proxy import REQUEST_ID, REQUEST_ID_KEY, Proxy
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 << 20
+
+
+class Router:
+    """One router replica. Serve ``app()`` with ``handler_cancellation=True`` (start_router does), so that a
+    client that goes away also cancels the legs still running for it."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        if not config.decode_urls:
+            raise ValueError("the router needs at least one decode pod")
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.prefill = PodSet("prefill", config.prefill_urls)
+        self.decode = PodSet("decode", config.decode_urls)
+        self.proxy = Proxy(config, self.prefill, self.decode, self.metrics)
+        self._health: HealthChecker | None = None
+        self._openapi: bytes | None = None
+        self._bearer = f"Bearer {config.api_key}".encode() if config.api_key is not None else None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json, self._check_api_key])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.render_metrics)
+        app.router.add_get("/openapi.json", self.openapi)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        # One connector for every leg: keep-alive connections are reused across requests (no handshake per leg),
+        # and no pool limit (each pod's own admission control is the limit, not ours).
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout))
+        self.proxy.session = session
+        self._health = HealthChecker(session, [self.prefill, self.decode], self.config.health_interval,
+                                     self.metrics.ejections.inc)
+        await self._health.check_all()  # so /health and the first choices are right from the start
+        self._health.start()
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._health is not None:
+            await self._health.stop()
+        if self.proxy.session is not None:
+            await self.proxy.session.close()
+
+    @web.middleware
+    async def _check_api_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """With an API key set, /v1 needs ``Authorization: Bearer <key>``; /health and /metrics stay open."""
+        if self._bearer is not None and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, self._bearer):  # constant time: no key guessing by timing
+                raise ProtocolError("invalid or missing API key", status=401, error_type="authentication_error")
+        return await handler(request)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.proxy.forward(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.proxy.forward(request, chat=True)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The first healthy decode pod's model list (every pod serves the same model)."""
+        headers = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else {}
+        ordered = sorted(self.decode.pods, key=lambda pod: not pod.healthy)
+        for pod in ordered:
+            try:
+                async with self.proxy.session.get(pod.url + "/v1/models", headers=headers) as answer:
+                    return web.Response(body=await answer.read(), status=answer.status, headers={
+                        "Content-Type": answer.headers.get("Content-Type", "application/json")})
+            except aiohttp.ClientError:
+                continue
+        raise ProtocolError("no decode pod is reachable", 503, error_type="service_unavailable")
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.decode.any_healthy():
+            return web.json_response({"status": "no decode pod is up"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def render_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        if self._openapi is None:
+            self._openapi = msgspec.json.encode(openapi_document("pdserve router", "v1"))
+        return web.Response(body=self._openapi, content_type="application/json")
+
+
+def _error(error: ProtocolError, request: web.Request) -> web.Response:
+    request_id = request.get(REQUEST_ID_KEY)
+    return web.Response(body=msgspec.json.encode(error.to_response()), status=error.status,
+                        content_type="application/json",
+                        headers={REQUEST_ID: request_id} if request_id is not None else None)
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure becomes an OpenAI-style error JSON with the right status."""
+    try:
+        return await handler(request)
+    except ProtocolError as error:
+        return _error(error, request)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        return _error(ProtocolError(error.reason or "error", error.status), request)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise  # the client went away: nobody to answer
+    except Exception as error:
+        logger.exception("request %s %s failed", request.method, request.path)
+        return _error(ProtocolError(f"internal error: {type(error).__name__}", 500,
+                                    error_type="internal_server_error"), request)
+
+
+@dataclass
+class RunningRouter:
+    """A started router: its URL, and how to stop it."""
+
+    url: str
+    router: Router
+    runner: web.AppRunner
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 0) -> RunningRouter:
+    """Start a router on ``host:port`` (0 picks a free port) in the running event loop."""
+    router = Router(config)
+    runner = web.AppRunner(router.app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://[{host}]:{bound_port}" if ":" in host else f"http://{host}:{bound_port}"
+    logger.info("router at %s: %d prefill, %d decode pods", url, len(router.prefill), len(router.decode))
+    return RunningRouter(url, router, runner)
