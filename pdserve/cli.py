@@ -51,41 +51,117 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
 
 
-def _engine_args(args: argparse.Namespace):  # -> EngineArgs (imported lazily)
+def _add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-transfer", choices=["nixl", "tcp"], default="nixl",
+                        help="how KV blocks move between engines (tcp: where UCX cannot run)")
+    parser.add_argument("--kv-side-channel-host", default=os.environ.get("PDSERVE_KV_HOST"),
+                        help="address of the KV side channel, advertised to decode engines (default: env "
+                             "PDSERVE_KV_HOST, else --host)")
+    parser.add_argument("--kv-side-channel-port", type=int, default=0, help="0: a free port (advertised)")
+    parser.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                        help="held blocks are freed if no decode engine takes or renews them within this time")
+    parser.add_argument("--kv-transfer-timeout", type=float, default=10.0,
+                        help="seconds a handshake or one transfer may take")
+    parser.add_argument("--kv-load-failure", choices=["recompute", "fail"], default="recompute",
+                        help="what a failed or expired pull does: recompute the prompt locally, or fail the request")
+
+
+# The engine flags `pdserve serve` forwards to its children (dest -> flag).
+_FORWARDED_ENGINE_FLAGS = ("model", "tokenizer", "served_model_name", "dtype", "device", "block_size",
+                           "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+                           "gpu_memory_utilization", "enable_prefix_caching", "kv_transfer", "kv_lease_seconds",
+                           "kv_transfer_timeout", "kv_load_failure", "api_key", "log_level")
+
+
+def _forwarded_argv(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    argv = []
+    for name in names:
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _engine_args(args: argparse.Namespace, with_kv_transfer: bool = False):  # -> EngineArgs (imported lazily)
     from pdserve.engine.engine_args import EngineArgs
 
+    kv_transfer = None
+    if with_kv_transfer:
+        from pdserve.kvtransfer.config import KVTransferConfig
+
+        kv_transfer = KVTransferConfig(
+            transport=args.kv_transfer, host=args.kv_side_channel_host or args.host,
+            side_channel_port=args.kv_side_channel_port, lease_seconds=args.kv_lease_seconds,
+            transfer_timeout=args.kv_transfer_timeout, load_failure=args.kv_load_failure)
     return EngineArgs(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                       block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                       gpu_memory_utilization=args.gpu_memory_utilization,
-                      enable_prefix_caching=args.enable_prefix_caching)
+                      enable_prefix_caching=args.enable_prefix_caching, kv_transfer=kv_transfer)
 
 
-async def _serve_colocated(args: argparse.Namespace) -> None:
-    from pdserve.engine.api_server import start_engine_server
-
-    running = await start_engine_server(_engine_args(args), args.host, args.port, args.served_model_name,
-                                        args.api_key)
-    print(f"pdserve (colocated) serving {running.server.model_name} at {running.url}/v1", flush=True)
+async def _wait_for_signal() -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
+
+
+async def _run_engine(args: argparse.Namespace, role: str) -> None:
+    from pdserve.engine.api_server import start_engine_server
+
+    running = await start_engine_server(_engine_args(args, with_kv_transfer=role != "colocated"), args.host,
+                                        args.port, args.served_model_name, args.api_key)
+    print(f"pdserve {role} engine serving {running.server.model_name} at {running.url}/v1", flush=True)
+    await _wait_for_signal()
     logging.getLogger("pdserve").info("shutting down: closing connections, stopping the engine core")
     await running.close()
 
 
+def _engine(args: argparse.Namespace) -> int:
+    logging.getLogger("pdserve").setLevel(args.log_level.upper())
+    asyncio.run(_run_engine(args, args.command))
+    return 0
+
+
+async def _run_router(args: argparse.Namespace) -> None:
+    from pdserve.router import RouterConfig, start_router
+
+    running = await start_router(RouterConfig(prefill_urls=args.prefill or [], decode_urls=args.decode,
+                                              api_key=args.api_key), args.host, args.port)
+    print(f"pdserve router serving at {running.url}/v1 (prefill: {', '.join(args.prefill or []) or 'none'}; "
+          f"decode: {', '.join(args.decode)})", flush=True)
+    await _wait_for_signal()
+    await running.close()
+
+
+def _router(args: argparse.Namespace) -> int:
+    logging.getLogger("pdserve").setLevel(args.log_level.upper())
+    asyncio.run(_run_router(args))
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
-    if args.mode == "disagg":
-        sys.stderr.write(
-            "pdserve serve --mode disagg (router + prefill + decode) arrives with the disaggregation work "
-            "(issue #5).\nWhat runs today: `pdserve serve --mode colocated` (one engine, OpenAI API), and the "
-            "offline API (from pdserve import LLM).\n")
+    if args.mode == "colocated":
+        args.command = "colocated"
+        return _engine(args)
+    from pdserve.launcher import run_disaggregated
+
+    if args.prefill < 1 or args.decode < 1:
+        sys.stderr.write("--prefill and --decode must be at least 1\n")
         return 2
     logging.getLogger("pdserve").setLevel(args.log_level.upper())
-    asyncio.run(_serve_colocated(args))
-    return 0
+    if args.model is None:
+        from pdserve.models.demo import ensure_demo_model
+
+        args.model = str(ensure_demo_model())  # built once here, not raced by every child
+    return run_disaggregated(args.host, args.port, args.prefill, args.decode,
+                             _forwarded_argv(args, _FORWARDED_ENGINE_FLAGS),
+                             _forwarded_argv(args, ("api_key", "log_level")))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -119,11 +195,26 @@ def _demo_model(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = commands.add_parser("serve", help="serve the OpenAI API locally (colocated now; disagg with #5)")
+    serve = commands.add_parser("serve", help="serve the OpenAI API locally: router + prefill + decode processes "
+                                              "(--mode disagg, default) or one engine (--mode colocated)")
     serve.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    serve.add_argument("--prefill", type=int, default=1, help="number of prefill engines (disagg)")
+    serve.add_argument("--decode", type=int, default=1, help="number of decode engines (disagg)")
     _add_server_flags(serve, 8000)
     _add_engine_flags(serve)
+    _add_kv_transfer_flags(serve)
     serve.set_defaults(handler=_serve)
+    for role, port in (("prefill", 8100), ("decode", 8200)):
+        engine = commands.add_parser(role, help=f"run one {role} engine (OpenAI API + KV transfer), as a pod does")
+        _add_server_flags(engine, port)
+        _add_engine_flags(engine)
+        _add_kv_transfer_flags(engine)
+        engine.set_defaults(handler=_engine)
+    router = commands.add_parser("router", help="run the router: prefill leg, then decode leg streamed back")
+    _add_server_flags(router, 8000)
+    router.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill engine URLs (without /v1)")
+    router.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode engine URLs (without /v1)")
+    router.set_defaults(handler=_router)
     bench = commands.add_parser("bench", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)")
     bench.add_argument("--base-url", required=True, help="server URL without /v1, e.g. http://127.0.0.1:8000")
     bench.add_argument("--model", required=True)

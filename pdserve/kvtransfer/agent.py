@@ -164,8 +164,10 @@ class TransferAgent:
             for request_id, remote in work.tracks:
                 self._tracked[request_id] = remote
             for request_id, remote in work.releases:
-                self._tracked.pop(request_id)
+                self._tracked.pop(request_id, None)
                 self._send_release(remote)
+            for request_id in work.cancels:
+                self._cancel_pending(request_id)
             for spec in work.loads:
                 pull = Pull(spec, self.transport.block_bytes * len(spec.local_block_ids))
                 if self.faults.delay_load:
@@ -267,6 +269,16 @@ class TransferAgent:
             peer.handshake_deadline = time.monotonic() + self.config.transfer_timeout
             peer.socket.send(messages.encode(messages.Handshake(self.config.engine_id)))
 
+    def _cancel_pending(self, request_id: str) -> None:
+        """The request ended: a pull of it that has not started moving data is dropped. (One that
+        has started drains first: its destination blocks stay allocated until then.)"""
+        for queue_ in [self._delayed, *(peer.waiting for peer in self._peers.values())]:
+            pull = next((p for p in queue_ if p.spec.request_id == request_id), None)
+            if pull is not None:
+                queue_.remove(pull)
+                self._pull_done(pull, "the request ended before its pull started", cancelled=True)
+                return
+
     def _start_delayed(self, now: float) -> None:
         if not self._delayed:
             return
@@ -318,9 +330,10 @@ class TransferAgent:
             else:
                 self.transport.start_pull(pull, peer.socket)
 
-    def _pull_done(self, pull: Pull, error: str | None) -> None:
+    def _pull_done(self, pull: Pull, error: str | None, cancelled: bool = False) -> None:
+        """Report a pull's end; a failed or cancelled one also tells prefill to free (if nothing did)."""
         spec: LoadSpec = pull.spec
-        self._tracked.pop(spec.request_id)
+        self._tracked.pop(spec.request_id, None)
         if error is None and self.faults.fail_load:
             error = "failed by fault injection"
         with self._results_lock:
@@ -329,11 +342,11 @@ class TransferAgent:
                 self._results.transfers.append((pull.num_bytes, time.monotonic() - pull.started))
             else:
                 self._results.failed_recving.add(spec.request_id)
-                self._results.num_failed_transfers += 1
-        if error is not None:
+                self._results.num_failed_transfers += not cancelled
+        if error is not None and not cancelled:
             logger.warning("request %s: KV pull from %s:%d failed: %s", spec.request_id, *spec.remote.address, error)
-            if not pull.released:
-                self._send_release(spec.remote)
+        if error is not None and not pull.released:
+            self._send_release(spec.remote)
 
     def _send_release(self, remote: RemotePrefill) -> None:
         if self.faults.no_release:

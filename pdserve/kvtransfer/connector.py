@@ -51,9 +51,11 @@ class TransferWork:
     tracks: list[tuple[str, RemotePrefill]] = field(default_factory=list)  # decode: renew these leases
     loads: list[LoadSpec] = field(default_factory=list)
     releases: list[tuple[str, RemotePrefill]] = field(default_factory=list)  # decode: tell prefill to free
+    # decode: requests that ended; a pull of theirs not started yet is dropped (and prefill told to free)
+    cancels: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.holds or self.tracks or self.loads or self.releases)
+        return bool(self.holds or self.tracks or self.loads or self.releases or self.cancels)
 
 
 class PDConnectorScheduler(KVConnectorScheduler):
@@ -65,6 +67,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self.recompute_failed_loads = config.load_failure == "recompute"
         self._generations: np.ndarray | None = None
         self._remote: dict[str, RemotePrefill] = {}  # decode: queued requests not yet allocated
+        self._pulling: set[str] = set()  # decode: requests whose pull was handed to the agent
         self._work = TransferWork()
 
     def bind_block_generations(self, generations: np.ndarray) -> None:
@@ -109,6 +112,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return
         first = (request.num_tokens - num_external_tokens) // self.block_size
         last = -(-request.num_tokens // self.block_size)
+        self._pulling.add(request.request_id)
         self._work.loads.append(LoadSpec(request.request_id, remote, block_ids[first:last],
                                          remote.block_ids[first:last], remote.generations[first:last]))
 
@@ -119,6 +123,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
         remote = self._remote.pop(request.request_id, None)
         if remote is not None:  # ended while queued, before any pull
             self._work.releases.append((request.request_id, remote))
+        elif request.request_id in self._pulling:
+            self._pulling.discard(request.request_id)
+            if finish_reason == "abort":
+                self._work.cancels.append(request.request_id)
         if not (wants_remote_decode(request.kv_transfer_params) and finish_reason == "length" and block_ids):
             return False, None
         assert self._generations is not None, "the scheduler binds the block generations at start"

@@ -1,10 +1,13 @@
 """The router's Prometheus series (names are a contract: shared/DESIGN.md §5), in a registry of its own
 so several routers can live in one process (tests) without clashing.
 
-``pdserve_router_errors_total{kind}`` kinds: ``prefill_unreachable``, ``prefill_5xx``, ``prefill_bad_answer``
-(the three that send a request down the fallback path), ``decode_unreachable`` (a decode pod refused or dropped
-the connection before answering), ``no_decode`` (no decode pod could take the request: 503), ``decode_broken``
-(a decode pod failed mid-answer), ``timeout`` (request_timeout expired), ``client_disconnect``.
+``pdserve_router_errors_total{kind}`` kinds:
+- ``prefill_unreachable``, ``prefill_5xx``, ``prefill_bad_answer``, ``no_prefill`` (no prefill pod up): these
+  send a request down the fallback path;
+- ``decode_unreachable``: a decode pod refused or dropped the connection before answering;
+- ``no_decode``: no decode pod could take the request (503);
+- ``decode_broken``: a decode pod failed mid-answer;
+- ``timeout``: request_timeout expired; ``client_disconnect``: the client left before the end.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 PATHS = ("disagg", "decode_only", "fallback")
-ERROR_KINDS = ("prefill_unreachable", "prefill_5xx", "prefill_bad_answer", "decode_unreachable", "no_decode",
-               "decode_broken", "timeout", "client_disconnect")
+ERROR_KINDS = ("prefill_unreachable", "prefill_5xx", "prefill_bad_answer", "no_prefill", "decode_unreachable",
+               "no_decode", "decode_broken", "timeout", "client_disconnect")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 

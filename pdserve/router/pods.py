@@ -37,9 +37,10 @@ class PodSet:
     def any_healthy(self) -> bool:
         return any(pod.healthy for pod in self.pods)
 
-    def choose(self, exclude: Pod | None = None) -> Pod | None:
-        """The least-loaded pod, healthy ones first; an unhealthy one only when no healthy pod is left
-        (a stale health view must not turn into refusing every request). None when nothing is left."""
+    def choose(self, exclude: Pod | None = None, healthy_only: bool = False) -> Pod | None:
+        """The least-loaded pod, healthy ones first; an unhealthy one only when no healthy pod is left (a stale
+        health view must not turn into refusing every request) and ``healthy_only`` is not set. None when
+        nothing is left."""
         pods = self.pods
         count = len(pods)
         best: Pod | None = None
@@ -48,7 +49,7 @@ class PodSet:
         for step in range(count):
             index = (self._cursor + step) % count
             pod = pods[index]
-            if pod is exclude:
+            if pod is exclude or (healthy_only and not pod.healthy):
                 continue
             key = (not pod.healthy, pod.in_flight)
             if best is None or key < best_key:

@@ -4,7 +4,8 @@ byte, and the choice between the three paths (shared/DESIGN.md §2; notes/pd-pro
 - ``disagg``: prefill answered ``kv_transfer_params``; decode gets the client's body plus those params.
 - ``decode_only``: no prefill leg is possible or useful (no prefill pods, several choices or prompts, prompt
   logprobs) or prefill answered without params; decode prefills locally.
-- ``fallback``: the prefill leg failed (unreachable, timeout, 5xx, unreadable answer); decode prefills locally.
+- ``fallback``: the prefill leg failed (unreachable, timeout, 5xx, unreadable answer) or no prefill pod is up;
+  decode prefills locally.
 
 Leaving any leg early (client gone, deadline) closes its upstream connection, which makes the engine abort
 the request and free its KV blocks.
@@ -123,8 +124,11 @@ class Proxy:
             leg["max_completion_tokens"] = 1
         leg["stream"] = False
         leg["kv_transfer_params"] = _REMOTE_DECODE
-        pod = self.prefill.choose()
-        assert pod is not None  # callers check the set is not empty
+        # No healthy prefill pod: decode can prefill at once, which beats waiting on a pod known to be down.
+        pod = self.prefill.choose(healthy_only=True)
+        if pod is None:
+            self.metrics.errors["no_prefill"].inc()
+            return _PrefillResult(failed=True)
         pod.in_flight += 1
         try:
             async with self.session.post(pod.url + exchange.request.path, data=msgspec.json.encode(leg),

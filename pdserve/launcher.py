@@ -1,0 +1,142 @@
+"""``pdserve serve`` in disaggregated mode: router + N prefill + M decode engines as child
+processes on one host, supervised.
+
+Each child is the same command a pod runs (``pdserve prefill|decode|router``), with free ports
+picked here, the engine flags forwarded, and the CPU cores split between the engines (each gets
+its own cores, and torch as many threads, when there are enough cores). The launcher waits for
+every engine's /health before starting the router, prints the router URL, and on Ctrl-C, SIGTERM
+or the death of any child stops every child (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+logger = logging.getLogger("pdserve.launcher")
+
+STARTUP_TIMEOUT_S = 600.0
+STOP_GRACE_S = 15.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def split_cores(num_engines: int) -> list[list[int]]:
+    """Disjoint core sets, one per engine, when there are enough cores; else every engine shares all."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < num_engines:
+        return [cores] * num_engines
+    share = len(cores) // num_engines
+    return [cores[i * share:(i + 1) * share] for i in range(num_engines)]
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    url: str
+
+
+def _start(name: str, command: list[str], cores: list[int] | None, url: str) -> Child:
+    env = dict(os.environ)
+    preexec = None
+    if cores is not None:
+        env["OMP_NUM_THREADS"] = str(len(cores))
+
+        def preexec() -> None:
+            os.sched_setaffinity(0, cores)
+    process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *command], env=env, preexec_fn=preexec)
+    logger.info("started %s (pid %d)%s", name, process.pid, f" on cores {cores}" if cores else "")
+    return Child(name, process, url)
+
+
+def _wait_healthy(children: list[Child], deadline: float, stopping: list[bool]) -> None:
+    pending = list(children)
+    while pending:
+        if stopping[0]:
+            raise KeyboardInterrupt
+        for child in list(pending):
+            if child.process.poll() is not None:
+                raise RuntimeError(f"{child.name} exited during start-up (exit code {child.process.returncode})")
+            try:
+                with urllib.request.urlopen(f"{child.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        pending.remove(child)
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not healthy after {STARTUP_TIMEOUT_S:.0f} s: {', '.join(c.name for c in pending)}")
+        time.sleep(0.2)
+
+
+def _stop(children: list[Child]) -> None:
+    for child in children:
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in children:
+        try:
+            child.process.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop within %.0f s: killing it", child.name, STOP_GRACE_S)
+            child.process.kill()
+            child.process.wait()
+
+
+def run_disaggregated(host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
+                      router_argv: list[str]) -> int:
+    """Start everything, serve until a signal or a child's death; returns the exit code."""
+    stopping = [False]
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping[0] = True
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    children: list[Child] = []
+    try:
+        core_sets = split_cores(num_prefill + num_decode)
+        roles = ["prefill"] * num_prefill + ["decode"] * num_decode
+        counts = {"prefill": 0, "decode": 0}
+        for role, cores in zip(roles, core_sets, strict=True):
+            engine_port = free_port(host)
+            name = f"{role}-{counts[role]}"
+            counts[role] += 1
+            children.append(_start(name, [role, "--host", host, "--port", str(engine_port), *engine_argv],
+                                   cores if len(core_sets) > 1 else None, f"http://{host}:{engine_port}"))
+        _wait_healthy(children, time.monotonic() + STARTUP_TIMEOUT_S, stopping)
+        urls = {role: [c.url for c in children if c.name.startswith(role)] for role in ("prefill", "decode")}
+        router_url = f"http://{host}:{port}"
+        router = _start("router", ["router", "--host", host, "--port", str(port), "--prefill", *urls["prefill"],
+                                   "--decode", *urls["decode"], *router_argv], None, router_url)
+        children.append(router)
+        _wait_healthy([router], time.monotonic() + 60, stopping)
+        print(f"pdserve (disaggregated: {num_prefill} prefill, {num_decode} decode) serving at {router_url}/v1",
+              flush=True)
+        while not stopping[0]:
+            dead = next((c for c in children if c.process.poll() is not None), None)
+            if dead is not None:
+                logger.error("%s exited (code %s): stopping everything", dead.name, dead.process.returncode)
+                return 1
+            time.sleep(0.2)
+        logger.info("shutting down: stopping the router and the engines")
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as error:
+        logger.error("%s", error)
+        return 1
+    finally:
+        _stop(list(reversed(children)))
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

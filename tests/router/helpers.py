@@ -1,0 +1,177 @@
+"""Stand-ins for engines in router tests: small aiohttp apps on 127.0.0.1 that record what they were sent and
+answer like a prefill or decode engine would (real engines behind the router are covered by the end-to-end
+P/D tests). Everything runs on one event loop in a background thread; tests hand it coroutines."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from multidict import CIMultiDict
+
+from pdserve.router import RouterConfig, RunningRouter, start_router
+
+KV_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_request_id": "r",
+             "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 5555, "x_extra": {"a": 1}}
+
+
+class LoopThread:
+    """An event loop in a daemon thread, as a separate process would have."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, Any], timeout: float = 20.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@dataclass
+class Seen:
+    path: str
+    body: dict[str, Any]
+    headers: CIMultiDict[str]  # header names are case-insensitive (aiohttp sends X-Request-ID)
+
+
+def stream_bytes(path: str, tokens: int) -> bytes:
+    """The SSE answer of the decode stub, one event per token, as OpenAI would frame it."""
+    events = []
+    for i in range(tokens):
+        finish = "length" if i == tokens - 1 else None
+        if path.endswith("/chat/completions"):
+            chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "demo",
+                     "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": finish}]}
+        else:
+            chunk = {"id": "c1", "object": "text_completion", "created": 1, "model": "demo",
+                     "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": finish}]}
+        events.append(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+    return b"".join(events) + b"data: [DONE]\n\n"
+
+
+def whole_answer(path: str, text: str, kv_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    if path.endswith("/chat/completions"):
+        return {"id": "c1", "object": "chat.completion", "created": 1, "model": "demo", "kv_transfer_params": kv_params,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": "length"}]}
+    return {"id": "c1", "object": "text_completion", "created": 1, "model": "demo", "kv_transfer_params": kv_params,
+            "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}
+
+
+class Stub:
+    """A prefill or decode engine stand-in. Settable: ``status`` (answer with an error), ``kv_params``
+    (what prefill returns), ``tokens`` and ``delay`` (per token for decode, once for prefill), ``die_after``."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.seen: list[Seen] = []
+        self.status = 200
+        self.kv_params: dict[str, Any] | None = KV_PARAMS
+        self.tokens = 8
+        self.delay = 0.0
+        self.die_after: int | None = None  # decode: drop the connection after this many tokens
+        self.cancelled = threading.Event()  # a handler of ours was cancelled or found its client gone
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> Stub:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": "demo", "object": "model", "created": 1, "owned_by": "pdserve"}]})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(Seen(request.path, body, CIMultiDict(request.headers)))
+        try:
+            if self.status != 200:
+                return web.json_response({"error": {"message": f"stub says {self.status}", "type": "stub",
+                                                    "param": None, "code": self.status}}, status=self.status)
+            if self.role == "prefill":
+                await asyncio.sleep(self.delay)
+                return web.json_response(whole_answer(request.path, "x", self.kv_params))
+            if not body.get("stream"):
+                return web.json_response(whole_answer(request.path, "".join(f"t{i} " for i in range(self.tokens))))
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for i, event in enumerate(stream_bytes(request.path, self.tokens).split(b"\n\n")[:-1]):
+                if i == self.die_after:
+                    request.transport.close()
+                    return response
+                await response.write(event + b"\n\n")
+                await asyncio.sleep(self.delay)
+            await response.write_eof()
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.cancelled.set()
+            raise
+
+
+def free_port_url() -> str:
+    """A URL where nothing listens (connection refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+class Cluster:
+    """Stubs and routers started for one test, stopped after it."""
+
+    def __init__(self, loop: LoopThread) -> None:
+        self.loop = loop
+        self._stubs: list[Stub] = []
+        self._routers: list[RunningRouter] = []
+
+    def stub(self, role: str) -> Stub:
+        stub = self.loop.run(Stub(role).start())
+        self._stubs.append(stub)
+        return stub
+
+    def router(self, prefill: list[str], decode: list[str], **settings: Any) -> RunningRouter:
+        running = self.loop.run(start_router(RouterConfig(prefill, decode, **settings)))
+        self._routers.append(running)
+        return running
+
+    def close(self) -> None:
+        for running in self._routers:
+            self.loop.run(running.close())
+        for stub in self._stubs:
+            self.loop.run(stub.stop())
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample's value from Prometheus text (0 when absent)."""
+    label_text = ",".join(f'{key}="{value}"' for key, value in labels.items())
+    pattern = re.escape(name + (f"{{{label_text}}}" if labels else "")) + r" (\S+)"
+    match = re.search("^" + pattern + "$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0

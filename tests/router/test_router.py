@@ -1,0 +1,314 @@
+"""The router over real sockets on 127.0.0.1. Stubs stand in for the prefill and decode engines here
+(tests/router/helpers.py); real engines behind the router are covered by the end-to-end P/D tests."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+import openai
+import pytest
+
+from tests.router.helpers import KV_PARAMS, free_port_url, metric, stream_bytes
+
+
+async def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    data = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    async with aiohttp.ClientSession() as session, session.post(url, data=data, headers=headers) as response:
+        return response.status, dict(response.headers), await response.read()
+
+
+async def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as response:
+        return response.status, await response.read()
+
+
+def metrics_text(loop, router) -> str:
+    status, text = loop.run(get(router.url + "/metrics"))
+    assert status == 200
+    return text.decode()
+
+
+def assert_openai_error(payload: bytes, status: int) -> dict[str, Any]:
+    error = msgspec.json.decode(payload)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error
+
+
+@pytest.fixture
+def pd(cluster):
+    prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
+    return prefill, decode, cluster.router([prefill.url], [decode.url])
+
+
+def test_completions_legs_rewritten_and_params_passed_unchanged(loop, pd):
+    prefill, decode, router = pd
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 20, "n": 1, "min_tokens": 3, "temperature": 0,
+            "stream_options": {"include_usage": True}, "seed": None, "x_custom": {"keep": [1, 2]}}
+    status, headers, payload = loop.run(post(router.url + "/v1/completions", body, {"X-Request-Id": "req-42"}))
+    assert status == 200 and headers["Content-Type"].startswith("application/json")
+    assert msgspec.json.decode(payload)["choices"][0]["text"] == "t0 t1 t2 t3 t4 t5 t6 t7 "
+    assert prefill.seen[0].path == "/v1/completions"
+    assert prefill.seen[0].body == {"model": "demo", "prompt": "hi", "max_tokens": 1, "temperature": 0, "seed": None,
+                                    "x_custom": {"keep": [1, 2]}, "stream": False,
+                                    "kv_transfer_params": {"do_remote_decode": True}}
+    assert decode.seen[0].body == {**body, "kv_transfer_params": KV_PARAMS}  # the extra field included
+    assert prefill.seen[0].headers["X-Request-Id"] == decode.seen[0].headers["X-Request-Id"] == "req-42"
+    assert headers["X-Request-ID"] == "req-42"
+    text = metrics_text(loop, router)
+    assert metric(text, "pdserve_router_requests_total", path="disagg") == 1
+    assert metric(text, "pdserve_router_request_latency_seconds_count") == 1
+
+
+def test_chat_legs_and_generated_request_id(loop, pd):
+    prefill, decode, router = pd
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9, "stream": False}
+    status, headers, payload = loop.run(post(router.url + "/v1/chat/completions", body))
+    assert status == 200
+    assert msgspec.json.decode(payload)["choices"][0]["message"]["content"].startswith("t0 ")
+    assert prefill.seen[0].body == {"messages": body["messages"], "max_tokens": 1, "max_completion_tokens": 1,
+                                    "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    assert decode.seen[0].body == {**body, "kv_transfer_params": KV_PARAMS}
+    request_id = headers["X-Request-ID"]
+    assert re.fullmatch("[0-9a-f]{32}", request_id)
+    assert prefill.seen[0].headers["X-Request-Id"] == decode.seen[0].headers["X-Request-Id"] == request_id
+
+
+def test_streaming_passes_bytes_through(loop, pd):
+    prefill, decode, router = pd
+    body = {"prompt": [1, 2, 3], "stream": True, "stream_options": {"include_usage": True}}
+    status, headers, payload = loop.run(post(router.url + "/v1/completions", body))
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    assert payload == stream_bytes("/v1/completions", 8)  # byte for byte, [DONE] included
+    assert prefill.seen[0].body["stream"] is False and "stream_options" not in prefill.seen[0].body
+    assert decode.seen[0].body == {**body, "kv_transfer_params": KV_PARAMS}
+
+
+def test_openai_client_streams_chat_through_the_router(loop, cluster):
+    prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
+    router = cluster.router([prefill.url], [decode.url], api_key="sk-test")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="sk-test", max_retries=0, timeout=10)
+    chunks = list(client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=8, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "".join(f"t{i} " for i in range(8))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert prefill.seen[0].headers["Authorization"] == decode.seen[0].headers["Authorization"] == "Bearer sk-test"
+    assert decode.seen[0].body["kv_transfer_params"] == KV_PARAMS
+    assert [m.id for m in client.models.list().data] == ["demo"]
+
+
+def test_decode_only_when_one_prefill_leg_cannot_serve(loop, cluster):
+    prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
+    router = cluster.router([prefill.url], [decode.url])
+    local = [{"prompt": "hi", "n": 2}, {"prompt": "hi", "echo": True, "logprobs": 1},
+             {"prompt": ["a", "b"]}, {"prompt": [[1, 2], [3]]}]
+    for body in local:
+        raw = msgspec.json.encode(body)
+        assert loop.run(post(router.url + "/v1/completions", raw))[0] == 200
+    assert prefill.seen == []
+    assert [seen.body for seen in decode.seen] == local  # the client's bodies, untouched
+    loop.run(post(router.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}))
+    assert prefill.seen == []
+    prefill.kv_params = None  # prefill finished without holding blocks (say, it sampled EOS): decode prefills
+    loop.run(post(router.url + "/v1/completions", {"prompt": "hi"}))
+    assert len(prefill.seen) == 1 and "kv_transfer_params" not in decode.seen[-1].body
+    text = metrics_text(loop, router)
+    assert metric(text, "pdserve_router_requests_total", path="decode_only") == 6
+    assert metric(text, "pdserve_router_requests_total", path="disagg") == 0
+
+    no_prefill = cluster.router([], [decode.url])
+    assert loop.run(post(no_prefill.url + "/v1/completions", {"prompt": "hi", "stream": True}))[2] == stream_bytes(
+        "/v1/completions", 8)
+    assert metric(metrics_text(loop, no_prefill), "pdserve_router_requests_total", path="decode_only") == 1
+
+
+def test_fallback_when_prefill_fails_or_is_down(loop, cluster):
+    prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
+    prefill.status = 500
+    router = cluster.router([prefill.url], [decode.url])
+    body = {"prompt": "hi", "max_tokens": 4}
+    assert loop.run(post(router.url + "/v1/completions", body))[0] == 200
+    assert decode.seen[-1].body == body
+    text = metrics_text(loop, router)
+    assert metric(text, "pdserve_router_requests_total", path="fallback") == 1
+    assert metric(text, "pdserve_router_errors_total", kind="prefill_5xx") == 1
+
+    late = cluster.stub("prefill")
+    dies = cluster.router([late.url], [decode.url], health_interval=60)  # no health check in between
+    loop.run(late.stop())
+    for _ in range(2):  # refused (and taken out), then not tried at all
+        assert loop.run(post(dies.url + "/v1/completions", body))[0] == 200
+        assert decode.seen[-1].body == body
+    text = metrics_text(loop, dies)
+    assert metric(text, "pdserve_router_requests_total", path="fallback") == 2
+    assert metric(text, "pdserve_router_requests_total", path="disagg") == 0
+    assert metric(text, "pdserve_router_errors_total", kind="prefill_unreachable") == 1
+    assert metric(text, "pdserve_router_errors_total", kind="no_prefill") == 1
+    assert metric(text, "pdserve_router_pod_ejections_total") == 1
+
+    down = cluster.router([free_port_url()], [decode.url])  # down from the first health check on
+    assert loop.run(post(down.url + "/v1/completions", body))[0] == 200
+    text = metrics_text(loop, down)
+    assert metric(text, "pdserve_router_requests_total", path="fallback") == 1
+    assert metric(text, "pdserve_router_pod_ejections_total") == 1
+
+
+def test_4xx_answers_pass_through(loop, pd):
+    prefill, decode, router = pd
+    prefill.status = 400
+    status, _, payload = loop.run(post(router.url + "/v1/completions", {"prompt": "hi"}, {"X-Request-Id": "a"}))
+    assert status == 400 and assert_openai_error(payload, 400)["message"] == "stub says 400"
+    assert decode.seen == []  # an invalid request: decode would say the same
+    prefill.status, decode.status = 200, 404
+    status, headers, payload = loop.run(post(router.url + "/v1/completions", {"prompt": "hi", "stream": True}))
+    assert status == 404 and assert_openai_error(payload, 404)["message"] == "stub says 404"
+    assert "X-Request-ID" in headers
+
+
+def test_router_refuses_malformed_bodies_itself(loop, pd):
+    prefill, decode, router = pd
+    url = router.url + "/v1/completions"
+    for body, param, words in [(b"{not json", None, "not valid JSON"), (b"[1]", None, "Expected `object`"),
+                               (b"{}", None, "missing required field `prompt`"),
+                               (b'{"prompt": "x", "max_tokens": "ten"}', "max_tokens", "max_tokens"),
+                               (b'{"prompt": []}', "prompt", "prompt")]:
+        status, _, payload = loop.run(post(url, body))
+        assert status == 400, body
+        error = assert_openai_error(payload, 400)
+        assert error["type"] == "invalid_request_error" and error["param"] == param and words in error["message"]
+    status, _, payload = loop.run(post(router.url + "/v1/chat/completions", {"messages": "hi"}))
+    assert status == 400 and assert_openai_error(payload, 400)["param"] == "messages"
+    status, _, payload = loop.run(post(url, b'{"prompt": "' + b"a" * (5 << 20) + b'"}'))
+    assert status == 413 and assert_openai_error(payload, 413)
+    status, payload = loop.run(get(router.url + "/v1/nothing"))
+    assert status == 404 and assert_openai_error(payload, 404)
+    assert prefill.seen == decode.seen == []
+
+
+def test_api_key(loop, cluster):
+    prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
+    router = cluster.router([prefill.url], [decode.url], api_key="sk-1")
+    for headers in [None, {"Authorization": "Bearer sk-2"}, {"Authorization": "sk-1"}]:
+        status, _, payload = loop.run(post(router.url + "/v1/completions", {"prompt": "hi"}, headers))
+        assert status == 401 and assert_openai_error(payload, 401)["type"] == "authentication_error"
+    assert loop.run(get(router.url + "/v1/models"))[0] == 401
+    assert prefill.seen == decode.seen == []
+    good = {"Authorization": "Bearer sk-1"}
+    assert loop.run(post(router.url + "/v1/completions", {"prompt": "hi"}, good))[0] == 200
+    assert prefill.seen[0].headers["Authorization"] == decode.seen[0].headers["Authorization"] == "Bearer sk-1"
+    assert loop.run(get(router.url + "/health"))[0] == 200  # probes need no key
+    assert loop.run(get(router.url + "/metrics"))[0] == 200
+
+
+def test_models_health_openapi_metrics(loop, cluster):
+    decode = cluster.stub("decode")
+    router = cluster.router([], [decode.url])
+    status, payload = loop.run(get(router.url + "/v1/models"))
+    assert status == 200 and msgspec.json.decode(payload)["data"][0]["id"] == "demo"
+    status, payload = loop.run(get(router.url + "/health"))
+    assert status == 200 and msgspec.json.decode(payload) == {"status": "ok"}
+    status, payload = loop.run(get(router.url + "/openapi.json"))
+    assert status == 200 and "/v1/chat/completions" in msgspec.json.decode(payload)["paths"]
+    text = metrics_text(loop, router)
+    for path in ("disagg", "decode_only", "fallback"):  # pre-initialized: dashboards see 0, not nothing
+        assert f'pdserve_router_requests_total{{path="{path}"}} 0.0' in text
+    assert "pdserve_router_pod_ejections_total 0.0" in text
+
+    dead = cluster.router([], [free_port_url()], connect_timeout=2)
+    assert loop.run(get(dead.url + "/health"))[0] == 503
+    status, _, payload = loop.run(post(dead.url + "/v1/completions", {"prompt": "hi"}))
+    assert status == 503 and assert_openai_error(payload, 503)["type"] == "service_unavailable"
+    assert loop.run(get(dead.url + "/v1/models"))[0] == 503
+
+
+def test_dead_decode_pod_is_skipped_for_a_live_one(loop, cluster):
+    prefill, first, second = cluster.stub("prefill"), cluster.stub("decode"), cluster.stub("decode")
+    router = cluster.router([prefill.url], [first.url, second.url], health_interval=60)  # no check in between
+    loop.run(first.stop())  # dies after the router saw it healthy
+    for stream in (False, True, False, True):
+        assert loop.run(post(router.url + "/v1/completions", {"prompt": "hi", "stream": stream}))[0] == 200
+    assert len(second.seen) == 4
+    text = metrics_text(loop, router)
+    assert metric(text, "pdserve_router_errors_total", kind="decode_unreachable") == 1
+    assert metric(text, "pdserve_router_pod_ejections_total") == 1
+    assert metric(text, "pdserve_router_requests_total", path="disagg") == 4
+
+
+def test_client_disconnect_mid_stream_cancels_decode(loop, pd):
+    _, decode, router = pd
+    decode.tokens, decode.delay = 400, 0.02  # 8 s if nobody stops it
+
+    async def read_a_little() -> None:
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(router.url + "/v1/completions", json={"prompt": "hi", "stream": True})
+            assert (await response.content.readany()).startswith(b"data: ")
+            response.close()  # drops the connection mid-stream
+
+    loop.run(read_a_little())
+    assert decode.cancelled.wait(3), "the decode leg kept running after the client left"
+    assert _settles(lambda: router.router.decode.pods[0].in_flight == 0)
+
+
+def test_client_disconnect_during_prefill_cancels_it(loop, pd):
+    prefill, decode, router = pd
+    prefill.delay = 10
+
+    async def give_up() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(post(router.url + "/v1/completions", {"prompt": "hi"}), 0.3)
+
+    loop.run(give_up())
+    assert prefill.cancelled.wait(3), "the prefill leg kept running after the client left"
+    assert decode.seen == []
+    assert _settles(lambda: metric(metrics_text(loop, router), "pdserve_router_errors_total",
+                                         kind="client_disconnect") == 1)
+
+
+def test_request_timeout_bounds_the_whole_request(loop, cluster):
+    prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
+    prefill.delay = 10
+    router = cluster.router([prefill.url], [decode.url], request_timeout=0.3)
+    status, _, payload = loop.run(post(router.url + "/v1/completions", {"prompt": "hi"}))
+    assert status == 504 and assert_openai_error(payload, 504)["type"] == "timeout"
+    assert prefill.cancelled.wait(3) and decode.seen == []
+
+
+def _settles(condition, seconds: float = 3.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def test_answers_cut_short_end_the_client_connection(loop, cluster):
+    """A stream that cannot finish (deadline, decode pod gone) must not look finished to the client."""
+    prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
+    router = cluster.router([prefill.url], [decode.url], request_timeout=0.5)
+
+    async def read_stream() -> bytes:
+        received = b""
+        async with aiohttp.ClientSession() as session, session.post(
+                router.url + "/v1/completions", json={"prompt": "hi", "stream": True}) as response:
+            assert response.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for chunk in response.content.iter_any():
+                    received += chunk
+        return received
+
+    decode.tokens, decode.delay = 100, 0.02  # 2 s, past the deadline
+    received = loop.run(read_stream())
+    assert received.startswith(b"data: ") and b"[DONE]" not in received
+    assert decode.cancelled.wait(3)
+    decode.cancelled.clear()
+    decode.delay, decode.die_after = 0.0, 3
+    received = loop.run(read_stream())
+    assert received.count(b"data: ") <= 3 and b"[DONE]" not in received
+    text = metrics_text(loop, router)
+    assert metric(text, "pdserve_router_errors_total", kind="timeout") == 1
+    assert metric(text, "pdserve_router_errors_total", kind="decode_broken") == 1
