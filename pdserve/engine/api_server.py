@@ -532,7 +532,9 @@ async def start_engine_server(args: Any, host: str = "127.0.0.1", port: int = 0,
         eos_ids = ModelConfig.from_folder(folder).eos_token_ids or (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         server = EngineServer(client, tokenizer, served_model_name or Path(folder).name, eos_ids, api_key)
-        runner = web.AppRunner(server.app(), access_log=None)
+        # handler_cancellation: a client that leaves while its request waits (queued, or for remote
+        # KV) cancels the handler at once, whose cleanup aborts the request and frees its blocks.
+        runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()

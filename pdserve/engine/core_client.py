@@ -75,7 +75,7 @@ class EngineCoreClient:
         outputs = context.socket(zmq.PULL)
         outputs.bind(output_address)
         process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(args, input_address, output_address), name="pdserve-engine-core",
+            target=run_engine_core, args=(args, input_address, output_address, os.getpid()), name="pdserve-engine-core",
             daemon=True)
         process.start()
         decode = msgspec.msgpack.Decoder(CoreMessage).decode

@@ -12,7 +12,9 @@ sentinel at once and fails what was in flight).
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
 import time
 from typing import Any
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 IDLE_STATS_INTERVAL_S = 1.0
 # While the core only waits on KV transfers (held blocks, loads in flight) it polls this often.
 TRANSFER_POLL_MS = 2
+_PR_SET_PDEATHSIG = 1
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -76,8 +79,20 @@ class CoreError(msgspec.Struct, tag="error"):
 CoreMessage = CoreReady | CoreOutputs | CoreError
 
 
-def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """A core outliving its API process (killed with SIGKILL, say) would keep its KV memory, its
+    NIXL agent and its side-channel port alive, serving blocks nobody owns: die with the parent."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux/glibc: the loop's parent check below still ends the process
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: int) -> None:
     """Process entry point: build the core, announce readiness, serve until Shutdown or SIGTERM."""
+    _die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     stopping = False
@@ -123,6 +138,9 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -
             results = core.step() if core.has_work() else []
             now = time.monotonic()
             if results or now - last_stats >= IDLE_STATS_INTERVAL_S:
+                if os.getppid() != parent_pid:
+                    logger.error("the API process is gone: stopping the engine core")
+                    return
                 outputs.send(encode(CoreOutputs(results, core.make_stats())))
                 last_stats = now
     finally:

@@ -163,6 +163,7 @@ class TransferAgent:
                 self._held[request_id] = (block_ids, now + self.config.lease_seconds)
             for request_id, remote in work.tracks:
                 self._tracked[request_id] = remote
+                self._next_renewal = min(self._next_renewal, now + remote.lease_seconds / 3)
             for request_id, remote in work.releases:
                 self._tracked.pop(request_id, None)
                 self._send_release(remote)
@@ -371,7 +372,8 @@ class TransferAgent:
         for pull in self.transport.expire(now):
             self._pull_done(pull, "transfer timed out")
         if self._tracked and now >= self._next_renewal and not self.faults.no_renew:
-            self._next_renewal = now + self.config.lease_seconds / 3
+            # Three renewals per lease of the shortest lease asked for: one lost message is harmless.
+            self._next_renewal = now + min(remote.lease_seconds for remote in self._tracked.values()) / 3
             by_peer: dict[tuple[str, int], list[str]] = {}
             for remote in self._tracked.values():
                 by_peer.setdefault(remote.address, []).append(remote.request_id)

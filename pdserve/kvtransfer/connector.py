@@ -136,7 +136,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
         return True, remote_prefill_params(
             engine_id=self.config.engine_id, request_id=request.request_id, host=self.config.host,
             port=self.advertised_port, block_ids=list(held), generations=self._generations[held].tolist(),
-            num_tokens=num_tokens, prompt=request.prompt_token_ids, compat_hash=self.compat_hash)
+            num_tokens=num_tokens, prompt=request.prompt_token_ids, compat_hash=self.compat_hash,
+            lease_seconds=self.config.lease_seconds)
 
     def build_connector_meta(self) -> TransferWork | None:
         if not self._work:

@@ -7,7 +7,8 @@ proxy passes the whole object through unchanged:
 - ``remote_block_generations``: each held block's generation, checked after the pull;
 - ``remote_num_tokens`` and ``remote_prompt_hash``: the tokens whose KV the blocks hold, so a
   decode engine that tokenized the prompt differently never reads KV of another text;
-- ``kv_compat_hash``: model, dtype, block size and cache layout of the prefill engine.
+- ``kv_compat_hash``: model, dtype, block size and cache layout of the prefill engine;
+- ``remote_lease_seconds``: how long the blocks stay held without a renewal.
 """
 
 from __future__ import annotations
@@ -41,16 +42,18 @@ class RemotePrefill:
     num_tokens: int
     prompt_hash: str
     compat_hash: str
+    lease_seconds: float
 
     @property
     def address(self) -> tuple[str, int]:
         return self.host, self.port
 
 
-def _field(params: dict[str, Any], name: str, kind: type) -> Any:
+def _field(params: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     value = params.get(name)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ValueError(f"kv_transfer_params.{name} must be a {kind.__name__}")
+    if not isinstance(value, kind) or isinstance(value, bool):
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        raise ValueError(f"kv_transfer_params.{name} must be a {' or '.join(k.__name__ for k in kinds)}")
     return value
 
 
@@ -76,11 +79,14 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
     if not 0 < port < 65536:
         raise ValueError("kv_transfer_params.remote_port must be a TCP port")
     num_tokens = _field(params, "remote_num_tokens", int)
+    lease_seconds = _field(params, "remote_lease_seconds", (int, float))
+    if not lease_seconds > 0:
+        raise ValueError("kv_transfer_params.remote_lease_seconds must be positive")
     return RemotePrefill(
         engine_id=_field(params, "remote_engine_id", str), request_id=_field(params, "remote_request_id", str),
         host=_field(params, "remote_host", str), port=port, block_ids=block_ids, generations=generations,
         num_tokens=num_tokens, prompt_hash=_field(params, "remote_prompt_hash", str),
-        compat_hash=_field(params, "kv_compat_hash", str))
+        compat_hash=_field(params, "kv_compat_hash", str), lease_seconds=float(lease_seconds))
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
@@ -88,12 +94,13 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
 
 
 def remote_prefill_params(*, engine_id: str, request_id: str, host: str, port: int, block_ids: list[int],
-                          generations: list[int], num_tokens: int, prompt: list[int],
-                          compat_hash: str) -> dict[str, Any]:
+                          generations: list[int], num_tokens: int, prompt: list[int], compat_hash: str,
+                          lease_seconds: float) -> dict[str, Any]:
     """What a prefill engine returns for a request whose blocks it now holds."""
     return {
         "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
         "remote_request_id": request_id, "remote_block_ids": block_ids, "remote_host": host, "remote_port": port,
         "remote_block_generations": generations, "remote_num_tokens": num_tokens,
         "remote_prompt_hash": prompt_hash(prompt), "kv_compat_hash": compat_hash,
+        "remote_lease_seconds": lease_seconds,
     }

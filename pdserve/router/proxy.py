@@ -72,6 +72,7 @@ class Proxy:
             self.metrics.ejections.inc()
 
     async def forward(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        """Serve one /v1/completions (or, with ``chat``, /v1/chat/completions) request."""
         started = time.perf_counter()
         try:
             raw = await request.read()
@@ -118,17 +119,17 @@ class Proxy:
         return await self._decode_leg(exchange, msgspec.json.encode(body))
 
     async def _prefill_leg(self, exchange: _Exchange, body: dict[str, Any], chat: bool) -> _PrefillResult:
+        # No healthy prefill pod: decode can prefill at once, which beats waiting on a pod known to be down.
+        pod = self.prefill.choose(healthy_only=True)
+        if pod is None:
+            self.metrics.errors["no_prefill"].inc()
+            return _PrefillResult(failed=True)
         leg = {key: value for key, value in body.items() if key not in _PREFILL_DROPPED}
         leg["max_tokens"] = 1
         if chat:
             leg["max_completion_tokens"] = 1
         leg["stream"] = False
         leg["kv_transfer_params"] = _REMOTE_DECODE
-        # No healthy prefill pod: decode can prefill at once, which beats waiting on a pod known to be down.
-        pod = self.prefill.choose(healthy_only=True)
-        if pod is None:
-            self.metrics.errors["no_prefill"].inc()
-            return _PrefillResult(failed=True)
         pod.in_flight += 1
         try:
             async with self.session.post(pod.url + exchange.request.path, data=msgspec.json.encode(leg),

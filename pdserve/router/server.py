@@ -75,7 +75,7 @@ class Router:
     async def _check_api_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """With an API key set, /v1 needs ``Authorization: Bearer <key>``; /health and /metrics stay open."""
         if self._bearer is not None and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").encode()
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, self._bearer):  # constant time: no key guessing by timing
                 raise ProtocolError("invalid or missing API key", status=401, error_type="authentication_error")
         return await handler(request)
