@@ -12,6 +12,7 @@ sentinel at once and fails what was in flight).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -82,10 +83,8 @@ CoreMessage = CoreReady | CoreOutputs | CoreError
 def _die_with_parent(parent_pid: int) -> None:
     """A core outliving its API process (killed with SIGKILL, say) would keep its KV memory, its
     NIXL agent and its side-channel port alive, serving blocks nobody owns: die with the parent."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux/glibc: the loop's parent check still works
         ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux/glibc: the loop's parent check below still ends the process
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 

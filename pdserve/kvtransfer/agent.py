@@ -112,37 +112,23 @@ class TransferAgent:
 
     def close(self) -> None:
         self._stop.set()
-        self.submit(TransferWork())
-        self._thread.join(5)
+        if self._thread.is_alive():
+            self.submit(TransferWork())
+            self._thread.join(5)
 
     # ----- the agent thread -----------------------------------------------------------------
 
     def _run(self) -> None:
-        poller = self._poller
-        poller.register(self._server, zmq.POLLIN)
-        poller.register(self._wake_recv, zmq.POLLIN)
+        self._poller.register(self._server, zmq.POLLIN)
+        self._poller.register(self._wake_recv, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                busy = self.transport.busy or self._held or self._delayed
-                for socket, _ in poller.poll(ACTIVE_POLL_MS if busy else IDLE_POLL_MS):
-                    if socket is self._server:
-                        self._serve()
-                    elif socket is self._wake_recv:
-                        while self._wake_recv.poll(0):
-                            self._wake_recv.recv()
-                    else:
-                        self._on_peer_reply(socket)
-                self._take_work()
-                now = time.monotonic()
-                self._start_delayed(now)
-                for request_id in self.transport.poll_releases():
-                    self._release(request_id)
-                for pull, error in self.transport.progress(now):
-                    self._pull_done(pull, error)
-                self._check_deadlines(now)
-        except Exception:
-            logger.exception("KV transfer agent failed")
-            raise
+                try:
+                    self._step()
+                except Exception:
+                    # One bad message or transfer must not stop every other transfer of this engine.
+                    logger.exception("KV transfer agent: unexpected error (continuing)")
+                    time.sleep(0.01)
         finally:
             for peer in self._peers.values():
                 peer.socket.close(linger=0)
@@ -151,6 +137,25 @@ class TransferAgent:
             self._wake_send.close(linger=0)
             self.transport.close()
             self._context.term()
+
+    def _step(self) -> None:
+        busy = self.transport.busy or self._held or self._delayed
+        for socket, _ in self._poller.poll(ACTIVE_POLL_MS if busy else IDLE_POLL_MS):
+            if socket is self._server:
+                self._serve()
+            elif socket is self._wake_recv:
+                while self._wake_recv.poll(0):
+                    self._wake_recv.recv()
+            else:
+                self._on_peer_reply(socket)
+        self._take_work()
+        now = time.monotonic()
+        self._start_delayed(now)
+        for request_id in self.transport.poll_releases():
+            self._release(request_id)
+        for pull, error in self.transport.progress(now):
+            self._pull_done(pull, error)
+        self._check_deadlines(now)
 
     def _take_work(self) -> None:
         now = time.monotonic()
@@ -346,6 +351,10 @@ class TransferAgent:
                 self._results.num_failed_transfers += not cancelled
         if error is not None and not cancelled:
             logger.warning("request %s: KV pull from %s:%d failed: %s", spec.request_id, *spec.remote.address, error)
+            peer = self._peers.get(spec.remote.address)
+            if peer is not None and peer.engine_id is not None and pull.peer_failed:
+                # The engine may be dead or restarted: the next pull from there hand-shakes afresh.
+                self._drop_peer(peer)
         if error is not None and not pull.released:
             self._send_release(spec.remote)
 

@@ -43,6 +43,7 @@ class Pull:
     deadline: float = 0.0
     started: float = field(default_factory=time.monotonic)
     released: bool = False  # prefill was told to free (or frees by itself) once this pull ends
+    peer_failed: bool = False  # failed in the transport (dead or unreachable peer), not by the peer's answer
     state: Any = None  # the transport's own progress record
 
 
@@ -83,6 +84,7 @@ class Transport(ABC):
         expired = [pull for pull in self._pulls if pull.deadline <= now]
         for pull in expired:
             self._pulls.remove(pull)
+            pull.peer_failed = True
             self._cancel(pull)
         return expired
 
@@ -203,36 +205,48 @@ class NixlTransport(Transport):
         size = self.block_bytes
         local = [(self.kv_base + b * size, size, self.device_id) for b in pull.spec.local_block_ids]
         remote = [(peer.kv_base + b * size, size, peer.device_id) for b in pull.spec.remote_block_ids]
-        handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem_type),
-                                            self.agent.get_xfer_descs(remote, peer.mem_type), peer.agent_name)
-        pull.state = ("data", handle, peer)
         self._pulls.append(pull)
-        if self.agent.transfer(handle) == "ERR":
-            pull.state = ("failed", handle, peer)
+        self._post(pull, "data", peer, local, self.mem_type, remote, peer.mem_type)
+
+    def _post(self, pull: Pull, stage: str, peer: _NixlPeer, local: list, local_mem: str, remote: list,
+              remote_mem: str, notification: bytes = b"") -> None:
+        """Create and post one READ; NIXL errors (a peer that died, say) mark the pull failed."""
+        handle = None
+        try:
+            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, local_mem),
+                                                self.agent.get_xfer_descs(remote, remote_mem), peer.agent_name,
+                                                notification)
+            pull.state = (stage, handle, peer)
+            if self.agent.transfer(handle) == "ERR":
+                pull.state = ("failed", handle, peer, "the transfer could not be posted")
+        except Exception as error:
+            pull.state = ("failed", handle, peer, f"{type(error).__name__}: {error}")
 
     def _start_generation_read(self, pull: Pull, peer: _NixlPeer) -> None:
         spec = pull.spec
         local = [(self.pulled_generations.ctypes.data + 8 * b, 8, 0) for b in spec.local_block_ids]
         remote = [(peer.gen_base + 8 * b, 8, 0) for b in spec.remote_block_ids]
-        handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
-                                            self.agent.get_xfer_descs(remote, "DRAM"), peer.agent_name,
-                                            _RELEASE_TAG + spec.remote.request_id.encode())
         pull.released = True
-        pull.state = ("generations", handle, peer)
-        if self.agent.transfer(handle) == "ERR":
-            pull.state = ("failed", handle, peer)
+        self._post(pull, "generations", peer, local, "DRAM", remote, "DRAM",
+                   _RELEASE_TAG + spec.remote.request_id.encode())
 
     def progress(self, now: float) -> list[tuple[Pull, str | None]]:
         done: list[tuple[Pull, str | None]] = []
         for pull in list(self._pulls):
-            stage, handle, peer = pull.state
-            state = "ERR" if stage == "failed" else self.agent.check_xfer_state(handle)
+            stage, handle, peer = pull.state[:3]
+            reason = pull.state[3] if stage == "failed" else "the transfer failed"
+            try:
+                state = "ERR" if stage == "failed" else self.agent.check_xfer_state(handle)
+            except Exception as error:
+                state, reason = "ERR", f"{type(error).__name__}: {error}"
             if state == "PROC":
                 continue
-            self.agent.release_xfer_handle(handle)
+            if handle is not None:
+                self._release_handle(handle)
             if state == "ERR":
                 self._pulls.remove(pull)
-                done.append((pull, f"NIXL transfer failed ({stage})"))
+                pull.peer_failed = True
+                done.append((pull, f"NIXL read failed: {reason}"))
             elif stage == "data":
                 self._start_generation_read(pull, peer)
             else:
@@ -242,16 +256,27 @@ class NixlTransport(Transport):
                 done.append((pull, "the remote blocks were freed or reused before the read ended" if stale else None))
         return done
 
-    def _cancel(self, pull: Pull) -> None:
+    def _release_handle(self, handle: Any) -> bool:
         try:
-            self.agent.release_xfer_handle(pull.state[1])
+            self.agent.release_xfer_handle(handle)
+            return True
         except Exception as error:
+            logger.debug("releasing a NIXL transfer handle: %s", error)
+            return False
+
+    def _cancel(self, pull: Pull) -> None:
+        if pull.state[1] is not None and not self._release_handle(pull.state[1]):
             # UCX could still write into these blocks; nothing better is possible than saying so.
-            logger.error("could not cancel a timed-out NIXL read for %s: %s", pull.spec.request_id, error)
+            logger.error("could not cancel a timed-out NIXL read for %s", pull.spec.request_id)
 
     def poll_releases(self) -> list[str]:
         released = []
-        for notifications in self.agent.get_new_notifs().values():
+        try:
+            notifications_by_agent = self.agent.get_new_notifs()
+        except Exception as error:  # a peer's disconnect surfaces here too
+            logger.debug("NIXL notifications: %s", error)
+            return released
+        for notifications in notifications_by_agent.values():
             for message in notifications:
                 if message.startswith(_RELEASE_TAG):
                     released.append(message[len(_RELEASE_TAG):].decode(errors="replace"))
