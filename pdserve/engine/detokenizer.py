@@ -21,8 +21,12 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
                  skip_special_tokens: bool = True, include_stop_str_in_output: bool = False) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
-                                    skip_special_tokens=skip_special_tokens)
+        context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
+        if tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            # The prompt ends inside a character: seeded with it, the stream would emit the prompt's
+            # dangling bytes with the first output token. Output text is the output's own bytes.
+            context = []
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self._skip_special_tokens = skip_special_tokens
         self._token_ids: list[int] = []
         self._stop = stop

@@ -54,3 +54,16 @@ def test_a_character_cut_by_the_end_of_output_is_flushed_like_a_full_decode(toke
     streamed = detok.add_tokens(ids[:-1])  # the emoji's last byte never comes
     streamed += detok.finish()
     assert streamed == tokenizer.decode(ids[:-1]) and streamed.endswith("\ufffd")
+
+
+def test_a_prompt_ending_inside_a_character_adds_nothing_to_the_output():
+    tokenizer = load_tokenizer(str(ensure_demo_model())).backend_tokenizer
+    euro = tokenizer.encode("€", add_special_tokens=False).ids  # three bytes: byte-level BPE may split them
+    prompt = tokenizer.encode("price: ", add_special_tokens=False).ids + euro[:1]
+    if not tokenizer.decode(prompt).endswith("\ufffd"):
+        prompt = prompt + [tokenizer.token_to_id("Ã")]  # any lone lead byte of a two-byte character
+    assert tokenizer.decode(prompt).endswith("\ufffd")
+    output = tokenizer.encode(" ok", add_special_tokens=False).ids
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt, [])
+    text = detokenizer.add_tokens(output) + detokenizer.finish()
+    assert text == tokenizer.decode(output)

@@ -1,0 +1,96 @@
+"""Disaggregated serving through the router equals colocated serving, token for token: 1P1D over
+NIXL and over TCP, and 2P2D over NIXL, each a real cluster of processes started once."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.models.demo import ensure_demo_model
+from tests.pd.cluster import Cluster, metrics, post
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_TOKENS = 8
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(10, 1000) for _ in range(100)] for _ in range(3)]
+    prompts = []
+    for index in range(32):
+        if index % 3 == 0:
+            prompts.append([rng.randrange(10, 1000) for _ in range(rng.randrange(5, 300))])
+        else:  # shares a 100-token prefix with other prompts
+            prompts.append(prefixes[index % 3] + [rng.randrange(10, 1000) for _ in range(rng.randrange(1, 150))])
+    assert sum(len(p) > 8 * 16 for p in prompts) >= 8
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[str]:
+    llm = LLM(str(ensure_demo_model()), device="cpu", max_model_len=512, num_kv_blocks=256)
+    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return [output.outputs[0].text for output in outputs]
+
+
+@pytest.fixture(scope="module", params=[("nixl", 1, 1), ("tcp", 1, 1), ("nixl", 2, 2)],
+                ids=["nixl-1p1d", "tcp-1p1d", "nixl-2p2d"])
+def cluster(request, tmp_path_factory):
+    transport, num_prefill, num_decode = request.param
+    cluster = Cluster.start(tmp_path_factory.mktemp(f"{transport}-{num_prefill}p{num_decode}d"), transport,
+                            num_prefill, num_decode)
+    yield cluster
+    cluster.stop()
+
+
+def _complete(cluster: Cluster, prompt: list[int], **extra) -> dict:
+    status, answer = post(cluster.router.url + "/v1/completions",
+                          {"model": "demo", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra})
+    assert status == 200, answer
+    return answer
+
+
+def test_disaggregated_outputs_equal_colocated(cluster, expected):
+    texts = [_complete(cluster, prompt)["choices"][0]["text"] for prompt in _prompts()]
+    assert texts == expected
+    router = metrics(cluster.router.url)
+    assert router['pdserve_router_requests_total{path="disagg"}'] == len(expected)
+    assert router['pdserve_router_requests_total{path="fallback"}'] == 0
+    pulled = sum(metrics(d.url)["pdserve_kv_transfer_bytes_total"] for d in cluster.decodes)
+    failures = sum(metrics(d.url)["pdserve_kv_transfer_failures_total"] for d in cluster.decodes)
+    assert pulled > 0 and failures == 0
+    if len(cluster.decodes) > 1:  # both decode engines took part
+        assert all(metrics(d.url)["pdserve_kv_transfer_bytes_total"] > 0 for d in cluster.decodes)
+
+
+def test_streamed_chat_through_the_router(cluster):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.router.url + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Tell me about the sea. " * 10}]
+    whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    stream = client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == \
+        whole.choices[0].message.content
+
+
+def test_a_prefix_cached_on_decode_is_not_pulled_again(cluster):
+    if len(cluster.decodes) > 1:
+        pytest.skip("which decode engine serves a request is the router's choice")
+    rng = random.Random(11)
+    prefix = [rng.randrange(10, 1000) for _ in range(160)]  # 10 full blocks
+
+    def pulled() -> float:
+        return metrics(cluster.decodes[0].url)["pdserve_kv_transfer_bytes_total"]
+
+    before = pulled()
+    _complete(cluster, prefix + [rng.randrange(10, 1000) for _ in range(20)])  # 180 tokens: 12 blocks
+    first = pulled() - before
+    _complete(cluster, prefix + [rng.randrange(10, 1000) for _ in range(20)])  # same 10 blocks, new tail
+    second = pulled() - first - before
+    block_bytes = first / 12
+    assert first > 0 and second == 2 * block_bytes, (first, second)
