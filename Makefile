@@ -15,9 +15,9 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# Colocated until prefill/decode disaggregation (issue #5) makes `pdserve serve` itself run.
+# Router + one prefill + one decode engine on 127.0.0.1 (the built-in demo model); Ctrl-C stops all.
 serve: setup
-	$(BIN)/pdserve serve --mode colocated
+	$(BIN)/pdserve serve
 
 lint: setup
 	$(BIN)/ruff check pdserve tests bench

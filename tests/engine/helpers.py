@@ -112,6 +112,7 @@ class _Transfer:
     block_ids: list[int] | None = None
     start: int = 0
     token_ids: list[int] | None = None
+    fail: bool = False
 
 
 class FakeRemoteWorker:
@@ -128,6 +129,10 @@ class FakeRemoteWorker:
             if transfer.steps_left > 0:
                 transfer.steps_left -= 1
                 still_in_flight.append(transfer)
+            elif transfer.kind == "load" and transfer.fail:
+                # A transfer that broke half way: wrong KV in the blocks, reported as failed.
+                runner.write_tokens(transfer.block_ids, transfer.start, [(t + 1) % VOCAB for t in transfer.token_ids])
+                output.failed_recving.add(transfer.request_id)
             elif transfer.kind == "load":
                 runner.write_tokens(transfer.block_ids, transfer.start, transfer.token_ids)
                 output.finished_recving.add(transfer.request_id)
@@ -139,10 +144,12 @@ class FakeRemoteWorker:
 
 class FakeRemoteConnector(KVConnectorScheduler):
     """kv_transfer_params {"do_remote_prefill": True, "delay": k}: the prompt's uncached tokens
-    are loaded asynchronously, landing k steps later. {"do_remote_decode": True, "delay": k}: on
-    a length-capped finish the blocks are held for k steps, then released."""
+    are loaded asynchronously, landing k steps later (with "fail": True, the load writes wrong KV
+    and fails). {"do_remote_decode": True, "delay": k}: on a length-capped finish the blocks are
+    held for k steps, then released."""
 
-    def __init__(self) -> None:
+    def __init__(self, recompute_failed_loads: bool = True) -> None:
+        self.recompute_failed_loads = recompute_failed_loads
         self.worker = FakeRemoteWorker()
         self._pending: list[_Transfer] = []
         self.num_loads = 0
@@ -165,7 +172,7 @@ class FakeRemoteConnector(KVConnectorScheduler):
             self.num_loads += 1
             self._pending.append(_Transfer(
                 "load", request.request_id, params.get("delay", 0), list(block_ids), start,
-                list(request.prompt_token_ids[start:]),
+                list(request.prompt_token_ids[start:]), bool(params.get("fail")),
             ))
 
     def build_connector_meta(self) -> Any:

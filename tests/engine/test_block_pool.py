@@ -69,3 +69,15 @@ def test_errors_and_reset():
     pool.free_blocks([block])
     assert pool.reset_prefix_cache()
     assert pool.get_cached_block(_hash(3)) is None
+
+
+def test_a_block_generation_changes_when_it_loses_its_last_owner():
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(2)
+    pool.touch(blocks[:1])  # block 0 now has two owners
+    pool.free_blocks(blocks)
+    assert pool.generations.tolist() == [0, 1, 0, 0]  # block 0 still owned: unchanged
+    pool.free_blocks(blocks[:1])
+    assert pool.generations.tolist() == [1, 1, 0, 0]
+    pool.touch(blocks[:1])  # a prefix-cache hit on a free block: same content, same generation
+    assert pool.generations.tolist() == [1, 1, 0, 0]

@@ -202,6 +202,29 @@ def test_finished_prefill_holds_its_blocks_until_the_send_finishes():
     assert_nothing_leaks(scheduler)
 
 
+def test_a_failed_remote_load_is_recomputed_from_scratch():
+    engine = make_engine(FakeRemoteConnector(), num_blocks=16, block_size=4, max_model_len=64)
+    request = make_request("r", prompt_of(10, seed=3), {"do_remote_prefill": True, "delay": 1, "fail": True},
+                           max_tokens=3, ignore_eos=True)
+    engine.add_request(request)
+    run_to_completion(engine)
+    # The failed load wrote wrong KV; none of it is used (the blocks were never cached).
+    assert request.output_token_ids == expected_output(request)[0]
+    assert engine.scheduler.make_stats().num_preemptions == 0
+    assert_nothing_leaks(engine.scheduler)
+
+
+def test_a_failed_remote_load_under_the_fail_policy_ends_with_an_error():
+    engine = make_engine(FakeRemoteConnector(recompute_failed_loads=False), num_blocks=16, block_size=4,
+                         max_model_len=64)
+    request = make_request("r", prompt_of(10, seed=3), {"do_remote_prefill": True, "delay": 1, "fail": True},
+                           max_tokens=3, ignore_eos=True)
+    engine.add_request(request)
+    assert run_to_completion(engine) == {"r": "error"}
+    assert request.output_token_ids == []
+    assert_nothing_leaks(engine.scheduler)
+
+
 def test_requests_that_can_never_run_are_rejected():
     engine = make_engine(num_blocks=4, block_size=4, max_model_len=16)
     with pytest.raises(ValueError, match="context length is 16"):

@@ -56,8 +56,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=2),
         remote=st.sampled_from([None, "do_remote_prefill", "do_remote_decode"]),
         delay=st.integers(0, 3),
+        fail=st.booleans(),
     )
-    def add(self, data, max_tokens, min_tokens, ignore_eos, stop_token_ids, remote, delay):
+    def add(self, data, max_tokens, min_tokens, ignore_eos, stop_token_ids, remote, delay, fail):
         max_prompt = self.scheduler.config.max_model_len - 1
         prefix = data.draw(st.sampled_from(self.prefixes))[:max_prompt]
         suffix = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=max_prompt - len(prefix)))
@@ -68,7 +69,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         request_id = f"r{self.next_id}"
         self.next_id += 1
-        kv_transfer_params = {remote: True, "delay": delay} if remote else None
+        kv_transfer_params = {remote: True, "delay": delay, "fail": fail} if remote else None
         request = Request(request_id, prompt, params, eos_token_id=EOS, kv_transfer_params=kv_transfer_params)
         self.engine.add_request(request)
         self.requests[request_id] = request
@@ -157,6 +158,7 @@ def workloads(draw):
             "abort": draw(st.one_of(st.none(), st.integers(0, 40))),
             "remote": draw(st.sampled_from([None, None, "do_remote_prefill", "do_remote_decode"])),
             "delay": draw(st.integers(0, 4)),
+            "fail": draw(st.booleans()),
         })
     config = {
         "num_blocks": num_blocks,
@@ -183,7 +185,8 @@ def test_random_workload_keeps_invariants_and_outputs(workload):
             request_id = f"r{index}"
             if spec["arrival"] == step:
                 params = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
-                kv_params = {spec["remote"]: True, "delay": spec["delay"]} if spec["remote"] else None
+                kv_params = ({spec["remote"]: True, "delay": spec["delay"], "fail": spec["fail"]}
+                             if spec["remote"] else None)
                 requests[request_id] = Request(request_id, spec["prompt"], params, EOS, kv_transfer_params=kv_params)
                 engine.add_request(requests[request_id])
             if spec["abort"] == step and request_id in requests:

@@ -53,12 +53,44 @@ def test_serve_colocated_answers_and_stops_cleanly_on_sigterm():
     assert f"at http://127.0.0.1:{port}/v1" in output and "KV cache" in output
 
 
-def test_disagg_mode_says_what_runs_until_it_exists():
-    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve"], capture_output=True, text=True)
-    assert result.returncode == 2 and "--mode colocated" in result.stderr
+def test_serve_disaggregated_runs_router_prefill_and_decode_and_stops_them_all():
+    ensure_demo_model()
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--kv-cache-memory", "32MiB",
+         "--max-model-len", "256", "--device", "cpu", "--kv-transfer", "tcp"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                assert process.poll() is None, process.stdout.read()
+                assert time.monotonic() < deadline, "the router did not come up"
+                time.sleep(0.3)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": "hello there", "max_tokens": 3}).encode())
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert len(json.loads(response.read())["choices"]) == 1
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            assert 'pdserve_router_requests_total{path="disagg"} 1.0' in response.read().decode()
+        children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 3  # router, prefill, decode
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        for pid in children:  # every child (and its engine core) is gone
+            assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = process.stdout.read()
+    assert f"serving at http://127.0.0.1:{port}/v1" in output
 
 
-@pytest.mark.parametrize(("text", "size"), [("4GiB", 4 << 30), ("512MiB", 512 << 20), ("1.5G", 3 << 29),
-                                            ("1000", 1000)])
-def test_sizes(text, size):
-    assert parse_size(text) == size
+def test_serve_rejects_empty_pools():
+    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--decode", "0"], capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and "--decode" in result.stderr
