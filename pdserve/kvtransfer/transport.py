@@ -233,6 +233,15 @@ class NixlTransport(Transport):
     def progress(self, now: float) -> list[tuple[Pull, str | None]]:
         done: list[tuple[Pull, str | None]] = []
         for pull in list(self._pulls):
+            result = self._advance(pull)
+            if result is not None:
+                self._pulls.remove(pull)
+                done.append(result)
+        return done
+
+    def _advance(self, pull: Pull) -> tuple[Pull, str | None] | None:
+        """Move a pull through its stages as far as it goes now; its result once it has ended."""
+        while True:
             stage, handle, peer = pull.state[:3]
             reason = pull.state[3] if stage == "failed" else "the transfer failed"
             try:
@@ -240,21 +249,17 @@ class NixlTransport(Transport):
             except Exception as error:
                 state, reason = "ERR", f"{type(error).__name__}: {error}"
             if state == "PROC":
-                continue
+                return None
             if handle is not None:
                 self._release_handle(handle)
             if state == "ERR":
-                self._pulls.remove(pull)
                 pull.peer_failed = True
-                done.append((pull, f"NIXL read failed: {reason}"))
-            elif stage == "data":
-                self._start_generation_read(pull, peer)
-            else:
-                self._pulls.remove(pull)
+                return pull, f"NIXL read failed: {reason}"
+            if stage == "generations":
                 pulled = self.pulled_generations[pull.spec.local_block_ids].tolist()
                 stale = pulled != pull.spec.generations
-                done.append((pull, "the remote blocks were freed or reused before the read ended" if stale else None))
-        return done
+                return pull, "the remote blocks were freed or reused before the read ended" if stale else None
+            self._start_generation_read(pull, peer)  # and check it at once: small reads often end inside post
 
     def _release_handle(self, handle: Any) -> bool:
         try:

@@ -94,3 +94,9 @@ def test_serve_rejects_empty_pools():
     result = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--decode", "0"], capture_output=True,
                             text=True)
     assert result.returncode == 2 and "--decode" in result.stderr
+
+
+@pytest.mark.parametrize(("text", "size"), [("4GiB", 4 << 30), ("512MiB", 512 << 20), ("1.5G", 3 << 29),
+                                            ("1000", 1000)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
