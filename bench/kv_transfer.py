@@ -34,6 +34,7 @@ def _agent(transport: str):
     from pdserve.kvtransfer.config import KVTransferConfig
 
     kv_cache = torch.zeros((NUM_BLOCKS, BLOCK_BYTES // 4), dtype=torch.float32)
+    kv_cache.fill_(1.0)  # touch every page now, as a serving engine's cache is after warm-up
     generations = np.zeros(NUM_BLOCKS, dtype=np.int64)
     config = KVTransferConfig(transport=transport, lease_seconds=60)
     return TransferAgent(config, kv_cache, generations, "bench"), kv_cache, generations
@@ -43,7 +44,6 @@ def _prefill(transport: str, pipe) -> None:
     from pdserve.kvtransfer.connector import TransferWork
 
     agent, kv_cache, generations = _agent(transport)
-    kv_cache.normal_()
     pipe.send((agent.config.engine_id, agent.port))
     while True:
         message = pipe.recv()

@@ -140,7 +140,7 @@ class TransferAgent:
 
     def _step(self) -> None:
         busy = self.transport.busy or self._held or self._delayed
-        for socket, _ in self._poller.poll(ACTIVE_POLL_MS if busy else IDLE_POLL_MS):
+        for socket, _ in self._poller.poll((0 if self.transport.busy else ACTIVE_POLL_MS) if busy else IDLE_POLL_MS):
             if socket is self._server:
                 self._serve()
             elif socket is self._wake_recv:
@@ -355,7 +355,7 @@ class TransferAgent:
             if peer is not None and peer.engine_id is not None and pull.peer_failed:
                 # The engine may be dead or restarted: the next pull from there hand-shakes afresh.
                 self._drop_peer(peer)
-        if error is not None and not pull.released:
+        if not pull.released:
             self._send_release(spec.remote)
 
     def _send_release(self, remote: RemotePrefill) -> None:

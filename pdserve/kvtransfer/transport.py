@@ -2,8 +2,8 @@
 
 - :class:`NixlTransport` (default): both engines register their whole KV cache (and the block
   generation array) with a NIXL agent (UCX backend; DRAM on CPU, VRAM on GPU). Decode READs the
-  remote blocks straight into its own, then READs the remote generations of those blocks; the
-  second read carries the NIXL notification that tells prefill to free. Data read before a
+  remote blocks straight into its own, then READs the remote generations of those blocks, then
+  sends the NIXL notification that tells prefill to free. Data read before a
   generation that still matches cannot come from a freed or reused block, because a block's
   generation changes when it loses its last owner, before it can be reused.
 - :class:`TcpTransport`: for hosts where UCX cannot run. The bytes travel on the side channel;
@@ -226,9 +226,7 @@ class NixlTransport(Transport):
         spec = pull.spec
         local = [(self.pulled_generations.ctypes.data + 8 * b, 8, 0) for b in spec.local_block_ids]
         remote = [(peer.gen_base + 8 * b, 8, 0) for b in spec.remote_block_ids]
-        pull.released = True
-        self._post(pull, "generations", peer, local, "DRAM", remote, "DRAM",
-                   _RELEASE_TAG + spec.remote.request_id.encode())
+        self._post(pull, "generations", peer, local, "DRAM", remote, "DRAM")
 
     def progress(self, now: float) -> list[tuple[Pull, str | None]]:
         done: list[tuple[Pull, str | None]] = []
@@ -256,10 +254,21 @@ class NixlTransport(Transport):
                 pull.peer_failed = True
                 return pull, f"NIXL read failed: {reason}"
             if stage == "generations":
+                self._notify_release(pull, peer)
                 pulled = self.pulled_generations[pull.spec.local_block_ids].tolist()
                 stale = pulled != pull.spec.generations
                 return pull, "the remote blocks were freed or reused before the read ended" if stale else None
             self._start_generation_read(pull, peer)  # and check it at once: small reads often end inside post
+
+    def _notify_release(self, pull: Pull, peer: _NixlPeer) -> None:
+        """Both reads are done: tell prefill it may free, with a NIXL notification. (Sent on its
+        own, not attached to the generation read: an attached one delays the read's completion
+        until prefill's agent next makes progress.)"""
+        try:
+            self.agent.send_notif(peer.agent_name, _RELEASE_TAG + pull.spec.remote.request_id.encode())
+            pull.released = True
+        except Exception as error:  # the side channel's release message is sent instead
+            logger.debug("NIXL release notification to %s: %s", peer.agent_name, error)
 
     def _release_handle(self, handle: Any) -> bool:
         try:
