@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pdserve.engine.outputs import NO_TOKEN, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -57,8 +59,18 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
     Block-major: one block of every layer is a single contiguous region (one transfer descriptor).
     Head-major inside a block: a head's slab is contiguous, which the CPU decode path gathers.
     """
-    return torch.zeros((num_blocks, config.num_layers, 2, config.num_kv_heads, block_size, config.head_dim),
-                       dtype=dtype, device=device)
+    return allocate_kv_memory((num_blocks, config.num_layers, 2, config.num_kv_heads, block_size, config.head_dim),
+                              dtype, device)
+
+
+def allocate_kv_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor for KV blocks. On CPU the memory comes from numpy, which asks Linux for
+    transparent huge pages on large arrays (torch does not): a NIXL pull between processes then
+    pins and walks 512x fewer pages, and ran 15-25% faster for it (bench/kv_transfer.py)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def layer_views(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
