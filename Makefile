@@ -29,5 +29,8 @@ test-slow: setup
 	$(BIN)/python -m pytest -m slow
 
 bench: setup
+	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/scheduler.py
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/kv_transfer.py
+	$(BIN)/python bench/router.py
