@@ -70,7 +70,7 @@ def _add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
 _FORWARDED_ENGINE_FLAGS = ("model", "tokenizer", "served_model_name", "dtype", "device", "block_size",
                            "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
                            "gpu_memory_utilization", "enable_prefix_caching", "kv_transfer", "kv_lease_seconds",
-                           "kv_transfer_timeout", "kv_load_failure", "api_key", "log_level")
+                           "kv_transfer_timeout", "kv_load_failure", "log_level")
 
 
 def _forwarded_argv(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -159,9 +159,10 @@ def _serve(args: argparse.Namespace) -> int:
         from pdserve.models.demo import ensure_demo_model
 
         args.model = str(ensure_demo_model())  # built once here, not raced by every child
+    if args.api_key:  # children read it from the environment: a command line is visible to every user
+        os.environ["PDSERVE_API_KEY"] = args.api_key
     return run_disaggregated(args.host, args.port, args.prefill, args.decode,
-                             _forwarded_argv(args, _FORWARDED_ENGINE_FLAGS),
-                             _forwarded_argv(args, ("api_key", "log_level")))
+                             _forwarded_argv(args, _FORWARDED_ENGINE_FLAGS), _forwarded_argv(args, ("log_level",)))
 
 
 def _bench(args: argparse.Namespace) -> int:
