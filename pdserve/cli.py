@@ -131,10 +131,14 @@ def _engine(args: argparse.Namespace) -> int:
 async def _run_router(args: argparse.Namespace) -> None:
     from pdserve.router import RouterConfig, start_router
 
-    running = await start_router(RouterConfig(prefill_urls=args.prefill or [], decode_urls=args.decode,
-                                              api_key=args.api_key), args.host, args.port)
-    print(f"pdserve router serving at {running.url}/v1 (prefill: {', '.join(args.prefill or []) or 'none'}; "
-          f"decode: {', '.join(args.decode)})", flush=True)
+    if args.discovery == "static" and not args.decode:
+        raise SystemExit("pdserve router: --decode URL ... is required with --discovery static")
+    running = await start_router(RouterConfig(
+        prefill_urls=args.prefill, decode_urls=args.decode or [], api_key=args.api_key, discovery=args.discovery,
+        namespace=args.namespace, selector=args.selector), args.host, args.port)
+    pods = (f"prefill: {', '.join(args.prefill) or 'none'}; decode: {', '.join(args.decode)}"
+            if args.discovery == "static" else f"pods found by Kubernetes discovery ({args.selector or 'all'})")
+    print(f"pdserve router serving at {running.url}/v1 ({pods})", flush=True)
     await _wait_for_signal()
     await running.close()
 
@@ -214,7 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     router = commands.add_parser("router", help="run the router: prefill leg, then decode leg streamed back")
     _add_server_flags(router, 8000)
     router.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill engine URLs (without /v1)")
-    router.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode engine URLs (without /v1)")
+    router.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode engine URLs (without /v1)")
+    router.add_argument("--discovery", choices=["static", "kubernetes"], default="static",
+                        help="static: the URLs given; kubernetes: watch the pods matching --selector")
+    router.add_argument("--namespace", default=None, help="kubernetes discovery: namespace (default: the router's)")
+    router.add_argument("--selector", default="", help="kubernetes discovery: label selector of the engine pods")
     router.set_defaults(handler=_router)
     bench = commands.add_parser("bench", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)")
     bench.add_argument("--base-url", required=True, help="server URL without /v1, e.g. http://127.0.0.1:8000")

@@ -31,6 +31,12 @@ class PodSet:
         self.pods = [Pod(url.rstrip("/"), role) for url in urls]
         self._cursor = 0  # where the next scan starts: rotating it makes ties go round-robin
 
+    def set_urls(self, urls: Sequence[str]) -> None:
+        """Replace the pod list (discovery); pods that stay keep their load and health."""
+        known = {pod.url: pod for pod in self.pods}
+        self.pods = [known.get(url.rstrip("/")) or Pod(url.rstrip("/"), self.role) for url in urls]
+        self._cursor = 0
+
     def __len__(self) -> int:
         return len(self.pods)
 

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from pdserve.api.protocol import ProtocolError, openapi_document
 from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import KubernetesDiscovery
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pods import HealthChecker, PodSet
 from pdserve.router.proxy import REQUEST_ID, REQUEST_ID_KEY, Proxy
@@ -30,14 +31,17 @@ class Router:
     client that goes away also cancels the legs still running for it."""
 
     def __init__(self, config: RouterConfig) -> None:
-        if not config.decode_urls:
-            raise ValueError("the router needs at least one decode pod")
+        if config.discovery not in ("static", "kubernetes"):
+            raise ValueError(f"discovery must be static or kubernetes, got {config.discovery!r}")
+        if config.discovery == "static" and not config.decode_urls:
+            raise ValueError("the router needs at least one decode pod (or --discovery kubernetes)")
         self.config = config
         self.metrics = RouterMetrics()
         self.prefill = PodSet("prefill", config.prefill_urls)
         self.decode = PodSet("decode", config.decode_urls)
         self.proxy = Proxy(config, self.prefill, self.decode, self.metrics)
         self._health: HealthChecker | None = None
+        self._discovery: KubernetesDiscovery | None = None
         self._openapi: bytes | None = None
         self._bearer = f"Bearer {config.api_key}".encode() if config.api_key is not None else None
 
@@ -64,8 +68,19 @@ class Router:
                                      self.metrics.ejections.inc)
         await self._health.check_all()  # so /health and the first choices are right from the start
         self._health.start()
+        if self.config.discovery == "kubernetes":
+            self._discovery = KubernetesDiscovery(self.config.namespace or _own_namespace(), self.config.selector,
+                                                  self._apply_snapshot, asyncio.get_running_loop())
+            self._discovery.start()
+
+    def _apply_snapshot(self, snapshot: dict[str, list[str]]) -> None:
+        self.prefill.set_urls(snapshot["prefill"])
+        self.decode.set_urls(snapshot["decode"])
+        logger.info("pods: prefill %s; decode %s", snapshot["prefill"] or "none", snapshot["decode"] or "none")
 
     async def _stop(self, app: web.Application) -> None:
+        if self._discovery is not None:
+            self._discovery.stop()
         if self._health is not None:
             await self._health.stop()
         if self.proxy.session is not None:
@@ -111,6 +126,15 @@ class Router:
         if self._openapi is None:
             self._openapi = msgspec.json.encode(openapi_document("pdserve router", "v1"))
         return web.Response(body=self._openapi, content_type="application/json")
+
+
+def _own_namespace() -> str:
+    """The pod's namespace inside a cluster (its service account's), else "default"."""
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as handle:
+            return handle.read().strip()
+    except OSError:
+        return "default"
 
 
 def _error(error: ProtocolError, request: web.Request) -> web.Response:
