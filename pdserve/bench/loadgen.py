@@ -211,6 +211,10 @@ def summarise(config: BenchConfig, results: list[RequestResult], duration: float
     summary.update(_percentiles(tpots, "tpot"))
     summary.update(_percentiles([gap for r in done for gap in r.itl], "itl"))
     summary.update(_percentiles([r.e2e for r in done], "e2el"))
+    # Per-request values (completed requests, in workload order), for distributions and plots.
+    summary["ttfts_ms"] = [r.ttft * 1e3 for r in done]
+    summary["tpots_ms"] = [(r.e2e - r.ttft) / (r.output_tokens - 1) * 1e3 if r.output_tokens > 1 else None
+                           for r in done]
     return summary
 
 

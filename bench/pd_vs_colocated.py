@@ -1,0 +1,180 @@
+"""Colocated vs 1P1D on this machine, same offered load: TTFT, TPOT and goodput, and a plot.
+
+Model: a ~85M Llama (hidden 768, 12 layers, 12 heads, intermediate 2048) with the demo model's
+1024-token vocabulary and tokenizer, random seeded weights, fp32. Workload: random prompts of
+512 tokens, 64 output tokens (EOS ignored), Poisson arrivals at --request-rate, through
+`pdserve bench`'s load generator (in this process).
+
+- colocated: one engine (`pdserve serve --mode colocated`), both cores, 2 torch threads;
+- 1P1D: `pdserve prefill` pinned to core 0 and `pdserve decode` to core 1 (taskset, 1 thread
+  each), `pdserve router` unpinned, KV over NIXL.
+
+What 2 cores can show: with one core per role, decode steps never wait behind a prefill, so
+TPOT is flat under load, while each role has half the compute (prefill is slower). What they
+cannot: the router, the load generator and the transfer agents share the same two cores with
+the engines, and there is no network between the "pods" (UCX moves KV through shared memory).
+
+Writes docs/img/pd_vs_colocated.png and prints a table; last line JSON. About 4 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
+         "num_key_value_heads": 12, "vocab_size": 1024, "tie_word_embeddings": True, "max_position_embeddings": 2048}
+ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "1024", "--kv-cache-memory", "1GiB", "--served-model-name",
+                "bench", "--log-level", "warning"]
+
+
+def build_model(folder: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pdserve.models.demo import ensure_demo_model
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**MODEL)).eval().save_pretrained(str(folder))
+    demo = ensure_demo_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (demo / name).exists():
+            shutil.copy(demo / name, folder / name)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start(argv: list[str], cores: str | None, threads: int, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    prefix = ["taskset", "-c", cores] if cores else []
+    with open(log, "wb") as handle:
+        return subprocess.Popen([*prefix, sys.executable, "-m", "pdserve.cli", *argv], env=env, stdout=handle,
+                                stderr=subprocess.STDOUT)
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"a server exited during start-up ({url})")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy")
+
+
+def run_load(url: str, args: argparse.Namespace) -> dict:
+    from pdserve.bench.loadgen import BenchConfig, run_benchmark
+
+    config = BenchConfig(base_url=url, model="bench", num_prompts=args.num_prompts, request_rate=args.request_rate,
+                         input_len=args.input_len, output_len=args.output_len, ignore_eos=True,
+                         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=1, progress=False)
+    warmup = BenchConfig(base_url=url, model="bench", num_prompts=2, input_len=64, output_len=4, ignore_eos=True,
+                         seed=2, progress=False)
+    asyncio.run(run_benchmark(warmup))
+    return asyncio.run(run_benchmark(config))
+
+
+def run_setup(name: str, folder: Path, logs: Path, args: argparse.Namespace) -> dict:
+    processes = []
+    try:
+        if name == "colocated":
+            port = free_port()
+            processes.append(start(["serve", "--mode", "colocated", "--port", str(port), "--model", str(folder),
+                                    *ENGINE_FLAGS], "0,1", 2, logs / "colocated.log"))
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, processes[0])
+        else:
+            engines = []
+            for role, core in (("prefill", "0"), ("decode", "1")):
+                port = free_port()
+                processes.append(start([role, "--port", str(port), "--model", str(folder), *ENGINE_FLAGS], core, 1,
+                                       logs / f"{role}.log"))
+                engines.append(f"http://127.0.0.1:{port}")
+            for url, process in zip(engines, processes, strict=True):
+                wait_healthy(url, process)
+            port = free_port()
+            processes.append(start(["router", "--port", str(port), "--log-level", "warning", "--prefill", engines[0],
+                                    "--decode", engines[1]], None, 1, logs / "router.log"))
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, processes[-1])
+        return run_load(url, args)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(30)
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, summary in results.items():
+        for axis, key, label in ((axes[0], "ttfts_ms", "TTFT (ms)"), (axes[1], "tpots_ms", "TPOT (ms)")):
+            values = sorted(v for v in summary[key] if v is not None)
+            axis.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
+            axis.set_xlabel(label)
+            axis.set_ylabel("fraction of requests")
+            axis.grid(alpha=0.3)
+    axes[0].legend()
+    figure.suptitle("colocated vs 1P1D, 2 cores, same offered load (bench/pd_vs_colocated.py)")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=40)
+    parser.add_argument("--request-rate", type=float, default=1.0)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000)
+    parser.add_argument("--slo-tpot-ms", type=float, default=100)
+    parser.add_argument("--plot", default=str(ROOT / "docs" / "img" / "pd_vs_colocated.png"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) / "model"
+        build_model(folder)
+        results = {name: run_setup(name, folder, Path(scratch), args) for name in ("colocated", "1P1D")}
+    print(f"{args.num_prompts} requests, {args.input_len} in / {args.output_len} out, Poisson {args.request_rate}/s; "
+          f"SLO TTFT {args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms")
+    print(f"{'setup':<10} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'TPOT p50':>9} {'p90':>7} {'p99':>7} "
+          f"{'goodput':>8} {'tok/s':>7} {'failed':>6}")
+    for name, s in results.items():
+        print(f"{name:<10} {s['median_ttft_ms']:9.0f} {s['p90_ttft_ms']:7.0f} {s['p99_ttft_ms']:7.0f} "
+              f"{s['median_tpot_ms']:9.1f} {s['p90_tpot_ms']:7.1f} {s['p99_tpot_ms']:7.1f} "
+              f"{s['goodput']:8.2f} {s['output_throughput']:7.1f} {s['failed']:6d}")
+    plot(results, Path(args.plot))
+    print(f"plot: {args.plot}")
+    print(json.dumps({"bench": "pd_vs_colocated", **{
+        f"{name}_{key}": round(s[key], 2) for name, s in results.items()
+        for key in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "goodput")}}))
+
+
+if __name__ == "__main__":
+    main()
