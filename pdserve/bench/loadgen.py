@@ -151,10 +151,10 @@ async def _send(session: aiohttp.ClientSession, config: BenchConfig, request: Be
                 choices = payload.get("choices") or []
                 if not choices:
                     continue
-                choice = choices[0]
-                text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                if not text:
-                    continue
+                # A chunk is a token's arrival even when its text is empty: a token that ends inside a
+                # character streams as an empty delta, and its text comes with a later one.
+                if "role" in (choices[0].get("delta") or {}):
+                    continue  # the chat role announcement carries no token
                 now = time.perf_counter()
                 if chunks == 0:
                     result.ttft = now - start
