@@ -10,7 +10,8 @@ the moment it reports the blocks landed, after one warm-up pull (the handshake).
 copies the same kind of block sets (random, cold) between two such caches in one process with
 numpy. Best of 5 each.
 
-Runs in about 40 s. Last line: {"bench": "kv_transfer", "nixl_16mib_gbps", "memcpy_16mib_gbps", "ratio"}.
+Writes docs/img/kv_transfer.png. Runs in about 40 s.
+Last line: {"bench": "kv_transfer", "nixl_16mib_gbps", "memcpy_16mib_gbps", "ratio"}.
 """
 
 from __future__ import annotations
@@ -156,6 +157,12 @@ def main() -> None:
               f"{nixl[size] / memcpy[size]:12.2f} {tcp[size] / memcpy[size]:11.2f}")
     print(f"one contiguous cache-warm 16 MiB numpy copy: {contiguous:.2f} GB/s (nixl at 16 MiB: "
           f"{nixl[16] / contiguous:.2f} of it)")
+    from plots import bar_chart
+
+    path = bar_chart("kv_transfer", "KV pull between two processes vs numpy copying the same blocks (GB/s)",
+                     "GB/s", {f"{size} MiB": {"numpy, same blocks": memcpy[size], "NIXL": nixl[size], "TCP": tcp[size]}
+                              for size in SIZES_MIB})
+    print(f"plot: {path}")
     print(json.dumps({"bench": "kv_transfer", "nixl_16mib_gbps": round(nixl[16], 2),
                       "memcpy_16mib_gbps": round(memcpy[16], 2), "ratio": round(nixl[16] / memcpy[16], 2),
                       "tcp_16mib_gbps": round(tcp[16], 2), "nixl_256mib_gbps": round(nixl[256], 2),

@@ -318,6 +318,13 @@ async def run(requests: int, seconds: float) -> None:
               f"{'-' if row is direct else f'{added:+.3f}':>14}{row['rps']:>9.0f}")
     router = rows[1]
     baseline = rows[2] if len(rows) > 2 else None
+    from plots import bar_chart
+
+    bar_chart("router_latency", "two legs, streamed: latency with 1 request in flight (ms)", "ms",
+              {row["name"]: {"p50": row["p50_ms"], "p99": row["p99_ms"]} for row in rows})
+    path = bar_chart("router_throughput", f"requests/s with {CONCURRENCY} in flight", "requests/s",
+                     {row["name"]: {"req/s": row["rps"]} for row in rows}, log=True)
+    print(f"plots: {path.parent}/router_latency.png, {path}")
     print(json.dumps({
         "bench": "router", "overhead_p50_ms": round(router["p50_ms"] - direct["p50_ms"], 3),
         "router_rps": round(router["rps"], 1), "baseline_rps": round(baseline["rps"], 1) if baseline else None,

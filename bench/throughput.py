@@ -147,6 +147,13 @@ def main() -> None:
             hf_tok_s = run_hf(folder, prompts, args.new_tokens)
             print(f"transformers generate_batch: {hf_tok_s:8.1f} output tok/s ({HF_CB})")
             print(f"ratio: {pdserve_tok_s / hf_tok_s:.2f}x")
+            from plots import bar_chart
+
+            path = bar_chart("throughput", f"offline generation, {args.requests} x ({args.prompt_len} + "
+                             f"{args.new_tokens}) tokens, ~110M Llama fp32", "output tokens/s",
+                             {"pdserve LLM.generate": {"tok/s": pdserve_tok_s},
+                              "transformers generate_batch": {"tok/s": hf_tok_s}})
+            print(f"plot: {path}")
     print(json.dumps({"bench": "throughput", "pdserve_tok_s": round(pdserve_tok_s, 1),
                       "hf_tok_s": None if hf_tok_s is None else round(hf_tok_s, 1),
                       "ratio": None if hf_tok_s is None else round(pdserve_tok_s / hf_tok_s, 2)}))
