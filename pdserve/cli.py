@@ -49,6 +49,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache size on CPU (default 2GiB)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--max-pending-requests", type=int, default=4096,
+                        help="requests (choices) running or queued beyond which new ones get 503 + Retry-After")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds a request may take before it is aborted with 504 (default: no bound)")
+    parser.add_argument("--drain-timeout", type=float, default=None,
+                        help="on SIGTERM, seconds to let running requests finish and held KV blocks be pulled "
+                             "(default: the KV lease + 15 s)")
 
 
 def _add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +77,8 @@ def _add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
 _FORWARDED_ENGINE_FLAGS = ("model", "tokenizer", "served_model_name", "dtype", "device", "block_size",
                            "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
                            "gpu_memory_utilization", "enable_prefix_caching", "kv_transfer", "kv_lease_seconds",
-                           "kv_transfer_timeout", "kv_load_failure", "log_level")
+                           "kv_transfer_timeout", "kv_load_failure", "max_pending_requests", "request_timeout",
+                           "drain_timeout", "log_level")
 
 
 def _forwarded_argv(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -112,13 +120,19 @@ async def _wait_for_signal() -> None:
 
 
 async def _run_engine(args: argparse.Namespace, role: str) -> None:
-    from pdserve.engine.api_server import start_engine_server
+    from pdserve.engine.api_server import ServerLimits, start_engine_server
 
+    limits = ServerLimits(max_in_flight=args.max_pending_requests, request_timeout=args.request_timeout)
     running = await start_engine_server(_engine_args(args, with_kv_transfer=role != "colocated"), args.host,
-                                        args.port, args.served_model_name, args.api_key)
+                                        args.port, args.served_model_name, args.api_key, limits)
     print(f"pdserve {role} engine serving {running.server.model_name} at {running.url}/v1", flush=True)
     await _wait_for_signal()
-    logging.getLogger("pdserve").info("shutting down: closing connections, stopping the engine core")
+    log = logging.getLogger("pdserve")
+    timeout = args.drain_timeout if args.drain_timeout is not None else args.kv_lease_seconds + 15
+    log.info("draining: refusing new requests; waiting up to %.0f s for running ones and held KV blocks", timeout)
+    if not await running.drain(timeout):
+        log.warning("drain timed out: stopping with work still in flight")
+    log.info("shutting down: closing connections, stopping the engine core")
     await running.close()
 
 

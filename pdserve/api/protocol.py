@@ -227,12 +227,17 @@ class ProtocolError(Exception):
     """A request the API refuses, with what the client needs to fix it."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 error_type: str = "invalid_request_error") -> None:
+                 error_type: str = "invalid_request_error", retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.error_type = error_type
+        self.retry_after = retry_after  # seconds, sent as the Retry-After header (503 overload, draining)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(ErrorBody(self.message, self.error_type, self.param, self.status))

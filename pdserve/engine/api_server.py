@@ -88,11 +88,24 @@ class ChoiceDelta:
     finish_reason: str | None
 
 
+@dataclass
+class ServerLimits:
+    """Bounds that keep an overloaded or stopping server answering (every one a clear error)."""
+
+    # Core requests (choices) in flight beyond which new requests get 503 + Retry-After: the
+    # engine's waiting queue stays bounded, and a router can send the request elsewhere.
+    max_in_flight: int = 4096
+    request_timeout: float | None = None  # seconds for a whole request; None: unbounded
+    retry_after: int = 1  # seconds, in 503 answers
+
+
 class EngineServer:
     def __init__(self, client: EngineCoreClient, tokenizer: Any, model_name: str, eos_token_ids: list[int],
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, limits: ServerLimits | None = None) -> None:
         self.client = client
         self.api_key = api_key
+        self.limits = limits or ServerLimits()
+        self.draining = False  # set on shutdown: new requests are refused, running ones finish
         self.metrics = EngineMetrics(lambda: client.stats, {
             "block_size": str(client.ready.block_size), "num_gpu_blocks": str(client.ready.num_kv_blocks),
             "enable_prefix_caching": "True"})
@@ -137,7 +150,19 @@ class EngineServer:
     async def health(self, request: web.Request) -> web.Response:
         if not self.client.alive:
             return web.json_response({"status": "engine core is not running"}, status=503)
+        if self.draining:
+            return web.json_response({"status": "shutting down"}, status=503)
         return web.json_response({"status": "ok"})
+
+    def _admit(self, num_choices: int) -> None:
+        """Refuse new work while draining or when the engine already has too much in flight."""
+        if self.draining:
+            raise ProtocolError("the server is shutting down; retry on another replica", 503,
+                                error_type="service_unavailable", retry_after=self.limits.retry_after)
+        if self.client.num_in_flight + num_choices > self.limits.max_in_flight:
+            raise ProtocolError(f"the server is overloaded ({self.client.num_in_flight} requests in flight); "
+                                "retry later", 503, error_type="service_unavailable",
+                                retry_after=self.limits.retry_after)
 
     # ----- generation endpoints ---------------------------------------------------------
 
@@ -154,6 +179,7 @@ class EngineServer:
             self._check_length(prompt, params.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         children = [(prompt, index * params.n + k) for index, prompt in enumerate(prompts) for k in range(params.n)]
+        self._admit(len(children))
         if body.stream:
             return await self._stream_completion(request, body, request_id, children, params)
         results = await self._gather(request_id, children, params, body.kv_transfer_params, body.cache_salt)
@@ -193,6 +219,7 @@ class EngineServer:
         self._check_length(prompt, params.max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         children = [(prompt, k) for k in range(params.n)]
+        self._admit(len(children))
         if body.stream:
             return await self._stream_chat(request, body, request_id, children, params)
         results = await self._gather(request_id, children, params, body.kv_transfer_params, body.cache_salt)
@@ -285,8 +312,14 @@ class EngineServer:
                                               cache_salt)
         detokenizer = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, prompt, params.stop,
                                              params.skip_special_tokens, params.include_stop_str_in_output)
+        timeout = self.limits.request_timeout
+        deadline = None if timeout is None else arrival + timeout
         while result.finish_reason is None:
-            output = await queue.get()
+            try:
+                output = await asyncio.wait_for(queue.get(), None if deadline is None else deadline - time.monotonic())
+            except TimeoutError:
+                raise ProtocolError(f"the request did not finish within {timeout:g} s", 504,
+                                    error_type="timeout") from None
             if isinstance(output, RequestRejectedError):
                 raise ProtocolError(str(output)) from output
             if isinstance(output, Exception):
@@ -488,7 +521,9 @@ async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamRespo
     try:
         return await handler(request)
     except ProtocolError as error:
-        return _json(error.to_response(), status=error.status)
+        response = _json(error.to_response(), status=error.status)
+        response.headers.update(error.headers)
+        return response
     except EngineDeadError as error:
         return _json(ProtocolError(str(error), 503, error_type="service_unavailable").to_response(), status=503)
     except web.HTTPException as error:
@@ -512,13 +547,28 @@ class RunningServer:
     server: EngineServer
     runner: web.AppRunner
 
+    async def drain(self, timeout: float) -> bool:
+        """Stop taking new requests (503, /health fails) and wait, at most ``timeout`` seconds, until
+        the running ones have finished and no blocks are held for a remote decode (a prefill keeps
+        serving pulls for what it holds). True when everything drained in time."""
+        self.server.draining = True
+        client = self.server.client
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and client.alive:
+            stats = client.stats
+            if client.num_in_flight == 0 and (stats is None or stats.num_blocks_held_for_remote == 0):
+                return True
+            await asyncio.sleep(0.1)
+        return not client.alive
+
     async def close(self) -> None:
         await self.runner.cleanup()  # stops accepting, closes connections (their handlers abort)
         await self.server.client.shutdown()
 
 
 async def start_engine_server(args: Any, host: str = "127.0.0.1", port: int = 0,
-                              served_model_name: str | None = None, api_key: str | None = None) -> RunningServer:
+                              served_model_name: str | None = None, api_key: str | None = None,
+                              limits: ServerLimits | None = None) -> RunningServer:
     """Start the core process and the HTTP server; ``port`` 0 picks a free port."""
     from pathlib import Path
 
@@ -531,7 +581,7 @@ async def start_engine_server(args: Any, host: str = "127.0.0.1", port: int = 0,
         tokenizer = load_tokenizer(args.tokenizer or folder)
         eos_ids = ModelConfig.from_folder(folder).eos_token_ids or (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-        server = EngineServer(client, tokenizer, served_model_name or Path(folder).name, eos_ids, api_key)
+        server = EngineServer(client, tokenizer, served_model_name or Path(folder).name, eos_ids, api_key, limits)
         # handler_cancellation: a client that leaves while its request waits (queued, or for remote
         # KV) cancels the handler at once, whose cleanup aborts the request and frees its blocks.
         runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)

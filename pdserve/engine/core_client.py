@@ -99,6 +99,11 @@ class EngineCoreClient:
             raise
 
     @property
+    def num_in_flight(self) -> int:
+        """Core requests sent and not finished (running or queued in the core)."""
+        return len(self._queues)
+
+    @property
     def alive(self) -> bool:
         return self._dead is None
 

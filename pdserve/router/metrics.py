@@ -5,6 +5,7 @@ so several routers can live in one process (tests) without clashing.
 - ``prefill_unreachable``, ``prefill_5xx``, ``prefill_bad_answer``, ``no_prefill`` (no prefill pod up): these
   send a request down the fallback path;
 - ``decode_unreachable``: a decode pod refused or dropped the connection before answering;
+- ``decode_unavailable``: a decode pod answered 503 (overloaded or draining); the request went to another;
 - ``no_decode``: no decode pod could take the request (503);
 - ``decode_broken``: a decode pod failed mid-answer;
 - ``timeout``: request_timeout expired; ``client_disconnect``: the client left before the end.
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 PATHS = ("disagg", "decode_only", "fallback")
 ERROR_KINDS = ("prefill_unreachable", "prefill_5xx", "prefill_bad_answer", "no_prefill", "decode_unreachable",
-               "no_decode", "decode_broken", "timeout", "client_disconnect")
+               "decode_unavailable", "no_decode", "decode_broken", "timeout", "client_disconnect")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 

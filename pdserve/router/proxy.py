@@ -175,6 +175,12 @@ class Proxy:
                         self.eject(self.decode, pod, f"connection failed: {error}")
                     failed = pod
                     continue
+                if answer.status == 503 and len(self.decode) > 1 and failed is None:
+                    # Overloaded or draining: nothing was generated, so another pod may take it.
+                    self.metrics.errors["decode_unavailable"].inc()
+                    answer.release()
+                    failed = pod
+                    continue
                 try:
                     return await self._relay(exchange, answer)
                 finally:
@@ -195,8 +201,10 @@ class Proxy:
                 self.metrics.errors["decode_broken"].inc()
                 raise ProtocolError(f"the decode pod failed mid-answer: {type(error).__name__}", 502,
                                     error_type="bad_gateway") from error
-            return web.Response(body=payload, status=answer.status,
-                                headers={"Content-Type": content_type, REQUEST_ID: exchange.request_id})
+            headers = {"Content-Type": content_type, REQUEST_ID: exchange.request_id}
+            if "Retry-After" in answer.headers:  # an overloaded or draining pod's hint, for the client
+                headers["Retry-After"] = answer.headers["Retry-After"]
+            return web.Response(body=payload, status=answer.status, headers=headers)
         response = web.StreamResponse(status=answer.status, headers={
             "Content-Type": content_type, "Cache-Control": "no-cache", REQUEST_ID: exchange.request_id})
         exchange.response = response

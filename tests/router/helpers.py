@@ -116,7 +116,8 @@ class Stub:
         try:
             if self.status != 200:
                 return web.json_response({"error": {"message": f"stub says {self.status}", "type": "stub",
-                                                    "param": None, "code": self.status}}, status=self.status)
+                                                    "param": None, "code": self.status}}, status=self.status,
+                                         headers={"Retry-After": "2"} if self.status == 503 else None)
             if self.role == "prefill":
                 await asyncio.sleep(self.delay)
                 return web.json_response(whole_answer(request.path, "x", self.kv_params))

@@ -238,6 +238,20 @@ def test_dead_decode_pod_is_skipped_for_a_live_one(loop, cluster):
     assert metric(text, "pdserve_router_requests_total", path="disagg") == 4
 
 
+def test_an_overloaded_decode_pod_sends_the_request_to_another_or_its_503_on(loop, cluster):
+    prefill, busy, free = cluster.stub("prefill"), cluster.stub("decode"), cluster.stub("decode")
+    busy.status = 503  # overloaded or draining: it answers 503 + Retry-After before generating anything
+    router = cluster.router([prefill.url], [busy.url, free.url], health_interval=60)
+    for _ in range(3):
+        assert loop.run(post(router.url + "/v1/completions", {"prompt": "hi", "stream": True}))[0] == 200
+    assert len(free.seen) == 3
+    alone = cluster.router([prefill.url], [busy.url], health_interval=60)
+    status, headers, payload = loop.run(post(alone.url + "/v1/completions", {"prompt": "hi"}))
+    assert status == 503 and headers["Retry-After"] == "2"
+    assert_openai_error(payload, 503)
+    assert metric(metrics_text(loop, router), "pdserve_router_errors_total", kind="decode_unavailable") >= 1
+
+
 def test_client_disconnect_mid_stream_cancels_decode(loop, pd):
     _, decode, router = pd
     decode.tokens, decode.delay = 400, 0.02  # 8 s if nobody stops it

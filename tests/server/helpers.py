@@ -6,18 +6,18 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from pdserve.engine.api_server import start_engine_server
+from pdserve.engine.api_server import ServerLimits, start_engine_server
 from pdserve.engine.engine_args import EngineArgs
 
 
 class ServerThread:
     """Runs the asyncio server in its own thread, as a separate process would."""
 
-    def __init__(self, args: EngineArgs, api_key: str | None = None) -> None:
+    def __init__(self, args: EngineArgs, api_key: str | None = None, limits: ServerLimits | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.running = self.call(start_engine_server(args, served_model_name="demo", api_key=api_key))
+        self.running = self.call(start_engine_server(args, served_model_name="demo", api_key=api_key, limits=limits))
 
     def call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=300)

@@ -59,3 +59,95 @@ def test_killing_the_core_makes_health_fail_and_requests_503(args):
         assert caught.value.status_code == 503 and time.monotonic() - started < 10
     finally:
         server.close()
+
+
+def _open_stream(url: str, max_tokens: int = 200):
+    """A streaming completion whose first bytes have arrived (the request is running)."""
+    import http.client
+    import json
+    from urllib.parse import urlparse
+
+    parts = urlparse(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(
+        {"model": "demo", "prompt": "tell me more", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    response.read1(16)
+    return connection, response
+
+
+def _completion(url: str, **body) -> tuple[int, dict[str, str], dict]:
+    import json
+
+    payload = json.dumps({"model": "demo", "prompt": "hi", "max_tokens": 2, **body}).encode()
+    request = urllib.request.Request(url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=payload)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), json.loads(error.read())
+
+
+def test_overload_is_refused_with_503_and_retry_after(args):
+    from pdserve.engine.api_server import ServerLimits
+
+    server = ServerThread(args, limits=ServerLimits(max_in_flight=2, retry_after=3))
+    try:
+        url = server.running.url
+        streams = [_open_stream(url) for _ in range(2)]
+        status, headers, body = _completion(url)
+        assert status == 503 and headers["Retry-After"] == "3" and "overloaded" in body["error"]["message"]
+        for connection, _ in streams:
+            connection.close()  # the two leave: their requests are aborted, room comes back
+        deadline = time.monotonic() + 20
+        while _completion(url)[0] != 200:
+            assert time.monotonic() < deadline, "the server never took requests again"
+            time.sleep(0.1)
+    finally:
+        server.close()
+
+
+def test_a_request_past_its_timeout_is_aborted_with_504(args):
+    from pdserve.engine.api_server import ServerLimits
+
+    server = ServerThread(args, limits=ServerLimits(request_timeout=0.3))
+    try:
+        url = server.running.url
+        started = time.monotonic()
+        status, _, body = _completion(url, max_tokens=200, ignore_eos=True)
+        assert status == 504 and body["error"]["type"] == "timeout" and time.monotonic() - started < 10
+        deadline = time.monotonic() + 10
+        while server.running.server.client.num_in_flight or server.running.server.client.stats.kv_cache_usage:
+            assert time.monotonic() < deadline, "the timed-out request kept running"
+            time.sleep(0.1)
+    finally:
+        server.close()
+
+
+def test_drain_refuses_new_work_and_lets_running_streams_finish(args):
+    import asyncio
+    import threading
+
+    server = ServerThread(args)
+    try:
+        url = server.running.url
+        connection, response = _open_stream(url, max_tokens=150)
+        received: list[bytes] = []
+        reader = threading.Thread(target=lambda: received.append(response.read()))
+        reader.start()
+        future = asyncio.run_coroutine_threadsafe(server.running.drain(30), server.loop)
+        time.sleep(0.2)
+        status, headers, body = _completion(url)
+        assert status == 503 and "shutting down" in body["error"]["message"] and headers["Retry-After"] == "1"
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(url + "/health")
+        assert caught.value.code == 503
+        assert future.result(30) is True
+        reader.join(30)
+        assert received and received[0].rstrip().endswith(b"data: [DONE]")  # the stream ran to its end
+        connection.close()
+    finally:
+        server.close()

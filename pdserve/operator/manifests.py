@@ -1,0 +1,106 @@
+"""The objects one PDService owns, built as plain dicts (pure functions; the handlers apply them).
+
+Per PDService N: PDPools N-prefill and N-decode, Deployments and Services N-router, N-prefill,
+N-decode, and the router's ServiceAccount, Role and RoleBinding N-router. Owner references are
+not set here: the handlers adopt the objects into the live PDService.
+"""
+
+from typing import Any
+
+from pdserve.operator.names import (
+    API_VERSION,
+    ENGINE_ROLES,
+    KV_SIDE_CHANNEL_PORT,
+    PORTS,
+    ROUTER,
+    labels,
+    object_name,
+    selector,
+)
+from pdserve.operator.pods import engine_pod, router_pod
+
+
+def _meta(service: str, namespace: str, role: str) -> dict[str, Any]:
+    return {"name": object_name(service, role), "namespace": namespace, "labels": labels(service, role)}
+
+
+def pool(service: str, namespace: str, role: str, replicas: int) -> dict[str, Any]:
+    """The PDPool of an engine pool; `replicas` only seeds it (see `POOL_CREATE_ONLY`)."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "PDPool",
+        "metadata": _meta(service, namespace, role),
+        "spec": {"service": service, "role": role, "replicas": replicas},
+    }
+
+
+# kubectl scale and HPAs own a PDPool's size once it exists; the operator never writes it again.
+POOL_CREATE_ONLY = (("spec", "replicas"),)
+
+
+def deployment(service: str, namespace: str, role: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(service, namespace, role),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(service, role)},
+            "template": template,
+        },
+    }
+
+
+def service(service: str, namespace: str, role: str) -> dict[str, Any]:
+    """ClusterIP for the router (the serving endpoint); headless for engines (for people and monitoring)."""
+    ports = [{"name": "http", "port": PORTS[role], "targetPort": "http", "protocol": "TCP"}]
+    spec: dict[str, Any] = {"selector": selector(service, role), "ports": ports}
+    if role == ROUTER:
+        spec["type"] = "ClusterIP"
+    else:
+        spec["clusterIP"] = "None"
+        ports.append({"name": "kv-side", "port": KV_SIDE_CHANNEL_PORT, "targetPort": "kv-side", "protocol": "TCP"})
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(service, namespace, role), "spec": spec}
+
+
+def router_rbac(service: str, namespace: str) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding that let the router watch the pods it routes to."""
+    meta = _meta(service, namespace, ROUTER)
+    name = meta["name"]
+    rbac = "rbac.authorization.k8s.io/v1"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
+        {
+            "apiVersion": rbac,
+            "kind": "Role",
+            "metadata": dict(meta),
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        },
+        {
+            "apiVersion": rbac,
+            "kind": "RoleBinding",
+            "metadata": dict(meta),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+    ]
+
+
+def owned_objects(
+    service_name: str, namespace: str, spec: dict[str, Any], pool_replicas: dict[str, int]
+) -> list[dict[str, Any]]:
+    """Everything but the PDPools, in creation order (RBAC before the router that needs it).
+
+    `spec` has its defaults filled (`spec.with_defaults`); `pool_replicas` maps each engine role
+    to its PDPool's spec.replicas, the authoritative size of that pool.
+    """
+    objects = router_rbac(service_name, namespace)
+    for role in (ROUTER, *ENGINE_ROLES):
+        objects.append(service(service_name, namespace, role))
+    objects.append(deployment(
+        service_name, namespace, ROUTER, spec[ROUTER]["replicas"], router_pod(service_name, namespace, spec)
+    ))
+    for role in ENGINE_ROLES:
+        template = engine_pod(service_name, role, spec)
+        objects.append(deployment(service_name, namespace, role, pool_replicas[role], template))
+    return objects

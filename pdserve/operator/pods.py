@@ -1,0 +1,187 @@
+"""Pod templates of the router and the engine pools of one PDService (pure functions of the spec).
+
+Owns what runs in the pods: the `pdserve router|prefill|decode` command lines (DESIGN §7 flag names),
+environment, ports, probes, resources, the model volume and the security context.
+"""
+
+import math
+from typing import Any
+
+from pdserve.operator.names import KV_SIDE_CHANNEL_PORT, MODEL_DIR, PORTS, ROUTER, labels, object_name
+
+# The image's non-root user (its HOME is writable: Triton and CPU kernel caches); /tmp is an
+# emptyDir so scratch files stay off the container's writable layer.
+USER_ID = 1000
+SCRATCH_DIR = "/tmp"
+
+# Model loading can take many minutes (large weights over network storage); the startup probe
+# holds liveness off for up to 30 minutes before the pod counts as failed.
+ENGINE_STARTUP_FAILURES = 180
+ROUTER_STARTUP_FAILURES = 30
+
+# Runs in the init container of `source: huggingface`; arguments: repo, revision, target folder.
+# It needs network access to the Hugging Face Hub (or a mirror through HF_ENDPOINT) from the cluster.
+HF_DOWNLOAD = (
+    "import sys; from huggingface_hub import snapshot_download; "
+    "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])"
+)
+
+
+def number(value: float) -> str:
+    """A flag value for a number: 30 not 30.0, 2.5 stays 2.5."""
+    return f"{value:g}"
+
+
+def engine_command(service: str, role: str, spec: dict[str, Any]) -> list[str]:
+    model, kv = spec["model"], spec["kvTransfer"]
+    model_dir = f"{MODEL_DIR}/{model['path']}".rstrip("/")
+    return [
+        "pdserve", role,
+        "--host", "0.0.0.0", "--port", str(PORTS[role]),
+        "--model", model_dir,
+        "--served-model-name", model.get("servedModelName") or service,
+        "--kv-transfer", kv["backend"],
+        "--kv-side-channel-port", str(KV_SIDE_CHANNEL_PORT),
+        "--kv-lease-seconds", number(kv["leaseSeconds"]),
+        "--kv-transfer-timeout", number(kv["transferTimeoutSeconds"]),
+        "--kv-load-failure", kv["loadFailure"],
+        *spec[role].get("engineArgs", []),
+    ]
+
+
+def router_command(service: str, namespace: str, spec: dict[str, Any]) -> list[str]:
+    return [
+        "pdserve", ROUTER,
+        "--host", "0.0.0.0", "--port", str(PORTS[ROUTER]),
+        "--discovery", "kubernetes", "--namespace", namespace,
+        "--selector", f"app.kubernetes.io/instance={service}",
+        *spec[ROUTER].get("args", []),
+    ]
+
+
+def _field_env(name: str, field: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field}}}
+
+
+def _probes(startup_failures: int) -> dict[str, Any]:
+    check = {"httpGet": {"path": "/health", "port": "http"}}
+    return {
+        "startupProbe": {**check, "periodSeconds": 10, "failureThreshold": startup_failures},
+        "readinessProbe": {**check, "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 2},
+        "livenessProbe": {**check, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+    }
+
+
+def _engine_resources(role: str, spec: dict[str, Any]) -> dict[str, Any]:
+    resources = dict(spec[role].get("resources") or {})
+    limits = dict(resources.get("limits") or {})
+    if spec[role]["gpus"] > 0:
+        limits["nvidia.com/gpu"] = str(spec[role]["gpus"])
+    if spec["kvTransfer"].get("rdmaResource"):
+        limits[spec["kvTransfer"]["rdmaResource"]] = "1"
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def _model_volume(model: dict[str, Any]) -> dict[str, Any]:
+    if model["source"] == "pvc":
+        return {"name": "model", "persistentVolumeClaim": {"claimName": model["claimName"], "readOnly": True}}
+    if model["source"] == "hostPath":
+        return {"name": "model", "hostPath": {"path": model["hostPath"], "type": "Directory"}}
+    return {"name": "model", "emptyDir": {}}
+
+
+def _model_download(spec: dict[str, Any], security: dict[str, Any]) -> dict[str, Any]:
+    model = spec["model"]
+    return {
+        "name": "model-download",
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": ["python", "-c", HF_DOWNLOAD, model["repo"], model["revision"], MODEL_DIR],
+        "env": [{"name": "HF_HOME", "value": f"{SCRATCH_DIR}/huggingface"}],
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, {"name": "scratch", "mountPath": SCRATCH_DIR}],
+        "securityContext": security,
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    # Meets the "restricted" Pod Security Standard (but for hostPath model volumes).
+    return {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The pod template of a prefill or decode engine."""
+    kv = spec["kvTransfer"]
+    container = {
+        "name": role,
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": engine_command(service, role, spec),
+        "env": [
+            # The engines advertise this address to decode peers as remote_host.
+            _field_env("PDSERVE_KV_HOST", "status.podIP"),
+            _field_env("POD_NAME", "metadata.name"),
+            _field_env("POD_NAMESPACE", "metadata.namespace"),
+            # Between pods UCX must use TCP or RDMA; shared-memory transports cannot cross pods.
+            {"name": "UCX_TLS", "value": kv["ucxTransports"]},
+            # Without it torch's OpenMP threads spin-wait and starve the API process.
+            {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"},
+        ],
+        "ports": [
+            {"name": "http", "containerPort": PORTS[role], "protocol": "TCP"},
+            {"name": "kv-side", "containerPort": KV_SIDE_CHANNEL_PORT, "protocol": "TCP"},
+        ],
+        "resources": _engine_resources(role, spec),
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODEL_DIR, "readOnly": True},
+            {"name": "scratch", "mountPath": SCRATCH_DIR},
+        ],
+        "securityContext": _container_security(),
+        **_probes(ENGINE_STARTUP_FAILURES),
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "initContainers": [_model_download(spec, _container_security())]
+        if spec["model"]["source"] == "huggingface" else None,
+        "volumes": [_model_volume(spec["model"]), {"name": "scratch", "emptyDir": {}}],
+        "securityContext": _pod_security(),
+        "automountServiceAccountToken": False,
+        # Prefill drains: blocks held for decode peers stay readable until their lease ends.
+        "terminationGracePeriodSeconds": math.ceil(kv["leaseSeconds"]) + 30,
+        # None: a merge patch removes a selector or tolerations the user took out of the spec.
+        "nodeSelector": spec[role].get("nodeSelector") or None,
+        "tolerations": spec[role].get("tolerations") or None,
+    }
+    return {"metadata": {"labels": labels(service, role)}, "spec": pod_spec}
+
+
+def router_pod(service: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The pod template of the router (discovers the engines through the Kubernetes API)."""
+    container = {
+        "name": ROUTER,
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": router_command(service, namespace, spec),
+        "env": [
+            _field_env("POD_NAME", "metadata.name"),
+            _field_env("POD_NAMESPACE", "metadata.namespace"),
+        ],
+        "ports": [{"name": "http", "containerPort": PORTS[ROUTER], "protocol": "TCP"}],
+        "resources": dict(spec[ROUTER].get("resources") or {}),
+        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH_DIR}],
+        "securityContext": _container_security(),
+        **_probes(ROUTER_STARTUP_FAILURES),
+    }
+    pod_spec = {
+        "serviceAccountName": object_name(service, ROUTER),
+        "containers": [container],
+        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "securityContext": _pod_security(),
+    }
+    return {"metadata": {"labels": labels(service, ROUTER)}, "spec": pod_spec}

@@ -1,0 +1,79 @@
+"""What the operator does for one PDService, whatever woke it up (the handlers only decide when).
+
+`ensure_objects` creates or patches everything a valid PDService owns. `sync` is level-based and
+safe to call any number of times: it makes each engine Deployment's size follow its PDPool (the one
+authoritative count) and writes the PDPool and PDService statuses from the Deployments.
+"""
+
+import collections
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from pdserve.operator import manifests, status
+from pdserve.operator.kube import Kube, is_subset
+from pdserve.operator.names import ENGINE_ROLES, ROLES, ROUTER, object_name
+from pdserve.operator.spec import problems, with_defaults
+
+# One sync at a time per PDService: kopf runs handlers of different Deployments in parallel
+# threads, and a sync that read older counts must not write after one that read newer ones.
+_locks: collections.defaultdict[tuple[str, str], threading.Lock] = collections.defaultdict(threading.Lock)
+_locks_lock = threading.Lock()
+
+
+def ensure_objects(kube: Kube, body: Mapping[str, Any]) -> None:
+    """Create or patch the PDPools, Deployments, Services and router RBAC of a valid PDService."""
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    spec = with_defaults(body["spec"])
+    replicas = {}
+    for role in ENGINE_ROLES:
+        pool = manifests.pool(name, namespace, role, spec[role]["replicas"])
+        kopf.adopt(pool, owner=body)
+        replicas[role] = kube.apply(pool, create_only=manifests.POOL_CREATE_ONLY)["spec"]["replicas"]
+    objects = manifests.owned_objects(name, namespace, spec, replicas)
+    kopf.adopt(objects, owner=body)
+    for obj in objects:
+        kube.apply(obj)
+
+
+def sync(kube: Kube, namespace: str, name: str) -> None:
+    """Engine Deployments follow their PDPools; PDPool and PDService statuses follow the Deployments."""
+    with _locks_lock:
+        lock = _locks[namespace, name]
+    with lock:
+        service = kube.get("PDService", namespace, name)
+        if service is None or service["metadata"].get("deletionTimestamp"):
+            return  # gone or going: the garbage collector removes the rest
+        deployments = {role: kube.get("Deployment", namespace, object_name(name, role)) for role in ROLES}
+        desired = {ROUTER: _router_size(service, deployments[ROUTER])}
+        for role in ENGINE_ROLES:
+            desired[role], deployments[role] = _follow_pool(kube, namespace, name, role, deployments[role])
+        ready = {role: ((dep or {}).get("status") or {}).get("readyReplicas", 0) for role, dep in deployments.items()}
+        found = problems(name, service.get("spec") or {})
+        new = status.service_status(name, namespace, found, desired, ready, service.get("status") or {})
+        if not is_subset(new, service.get("status") or {}):
+            kube.patch("PDService", namespace, name, {"status": new}, status=True)
+
+
+def _router_size(service: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> int:
+    replicas = with_defaults(service.get("spec") or {})[ROUTER]["replicas"]
+    if isinstance(replicas, int) and not isinstance(replicas, bool):
+        return replicas
+    return (deployment or {}).get("spec", {}).get("replicas", 0)  # spec unusable: report what runs
+
+
+def _follow_pool(kube: Kube, namespace: str, name: str, role: str,
+                 deployment: dict[str, Any] | None) -> tuple[int, dict[str, Any] | None]:
+    """Scale the role's Deployment to its PDPool and write the PDPool's status; returns (desired, deployment)."""
+    pool = kube.get("PDPool", namespace, object_name(name, role))
+    if pool is None:
+        return (deployment or {}).get("spec", {}).get("replicas", 0), deployment
+    wanted = pool["spec"]["replicas"]
+    if deployment is not None and deployment["spec"].get("replicas") != wanted:
+        deployment = kube.patch("Deployment", namespace, object_name(name, role), {"spec": {"replicas": wanted}})
+    pool_status = status.pool_status(name, role, deployment)
+    if not is_subset(pool_status, pool.get("status") or {}):
+        kube.patch("PDPool", namespace, object_name(name, role), {"status": pool_status}, status=True)
+    return wanted, deployment

@@ -1,0 +1,156 @@
+"""A PDService spec as the operator reads it: the CRD's defaults, and the checks a schema cannot express.
+
+The API server applies the CRD's defaults, but the operator fills them again (`with_defaults`) so
+that it never depends on them (older objects, emulated API servers); tests keep the two in step.
+`problems` lists what makes a spec unusable, before anything is created for it.
+"""
+
+import copy
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pdserve.operator.names import DECODE, ENGINE_ROLES, PREFILL, ROUTER
+
+MODEL_SOURCES = ("pvc", "hostPath", "huggingface")
+KV_BACKENDS = ("nixl", "tcp")
+LOAD_FAILURE = ("recompute", "fail")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+# Flags the operator writes into the pod commands; a user's value would contradict the ports,
+# probes, volumes or discovery the operator wires around them.
+RESERVED_ENGINE_FLAGS = (
+    "--host", "--port", "--model", "--served-model-name", "--kv-transfer", "--kv-side-channel-host",
+    "--kv-side-channel-port", "--kv-lease-seconds", "--kv-transfer-timeout", "--kv-load-failure",
+)
+RESERVED_ROUTER_FLAGS = ("--host", "--port", "--discovery", "--namespace", "--selector", "--prefill", "--decode")
+
+# `<name>-prefill` must still be a DNS-1035 label (Services), so the name leaves room for the suffix.
+MAX_NAME_LENGTH = 63 - len("-prefill")
+_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def plain(value: Any) -> Any:
+    """A deep copy made of dicts and lists only (kopf hands out read-only mapping views)."""
+    if isinstance(value, Mapping):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(item) for item in value]
+    return copy.copy(value)
+
+
+def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec with every default of the CRD filled in (a new dict; the argument is not changed)."""
+    full = plain(spec)
+    full.setdefault("imagePullPolicy", "IfNotPresent")
+    model = full.setdefault("model", {})
+    model.setdefault("path", "")
+    model.setdefault("revision", "main")
+    kv = full.setdefault("kvTransfer", {})
+    kv.setdefault("backend", "nixl")
+    kv.setdefault("leaseSeconds", 30)
+    kv.setdefault("transferTimeoutSeconds", 10)
+    kv.setdefault("loadFailure", "recompute")
+    kv.setdefault("ucxTransports", "tcp,self")
+    full.setdefault(ROUTER, {}).setdefault("replicas", 1)
+    for role in ENGINE_ROLES:
+        pool = full.setdefault(role, {})
+        pool.setdefault("replicas", 1)
+        pool.setdefault("gpus", 1)
+    return full
+
+
+def problems(name: str, spec: Mapping[str, Any]) -> list[str]:
+    """Why this PDService cannot be served, one sentence each; empty when it can."""
+    if not _NAME.match(name) or len(name) > MAX_NAME_LENGTH:
+        return [f"name {name!r} must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters"]
+    sections = ("model", "kvTransfer", ROUTER, PREFILL, DECODE)
+    wrong = [key for key in sections if not isinstance(spec.get(key, {}), Mapping)]
+    if wrong:
+        return [f"spec.{key} must be an object" for key in wrong]
+    spec = with_defaults(spec)
+    found: list[str] = []
+    if not isinstance(spec.get("image"), str) or not spec["image"]:
+        found.append("spec.image is required")
+    if spec["imagePullPolicy"] not in PULL_POLICIES:
+        found.append(f"spec.imagePullPolicy must be one of {', '.join(PULL_POLICIES)}")
+    found += _model_problems(spec["model"])
+    found += _kv_problems(spec["kvTransfer"])
+    found += _count_problems(f"spec.{ROUTER}.replicas", spec[ROUTER]["replicas"])
+    found += _args_problems(f"spec.{ROUTER}.args", spec[ROUTER].get("args", []), RESERVED_ROUTER_FLAGS)
+    found += _resources_problems(f"spec.{ROUTER}.resources", spec[ROUTER].get("resources", {}))
+    for role in (PREFILL, DECODE):
+        found += _pool_problems(f"spec.{role}", spec[role])
+    return found
+
+
+def _model_problems(model: dict[str, Any]) -> list[str]:
+    source = model.get("source")
+    if source not in MODEL_SOURCES:
+        return [f"spec.model.source must be one of {', '.join(MODEL_SOURCES)}"]
+    needed = {"pvc": "claimName", "hostPath": "hostPath", "huggingface": "repo"}[source]
+    found = []
+    if not isinstance(model.get(needed), str) or not model[needed]:
+        found.append(f"spec.model.{needed} is required when spec.model.source is {source}")
+    elif source == "hostPath" and not model["hostPath"].startswith("/"):
+        found.append("spec.model.hostPath must be an absolute path")
+    path = model["path"]
+    if not isinstance(path, str) or path.startswith("/") or ".." in path.split("/"):
+        found.append("spec.model.path must be a relative folder inside the volume (no '..')")
+    return found
+
+
+def _kv_problems(kv: dict[str, Any]) -> list[str]:
+    found = []
+    if kv["backend"] not in KV_BACKENDS:
+        found.append(f"spec.kvTransfer.backend must be one of {', '.join(KV_BACKENDS)}")
+    if kv["loadFailure"] not in LOAD_FAILURE:
+        found.append(f"spec.kvTransfer.loadFailure must be one of {', '.join(LOAD_FAILURE)}")
+    for key in ("leaseSeconds", "transferTimeoutSeconds"):
+        value = kv[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 1:
+            found.append(f"spec.kvTransfer.{key} must be a number >= 1")
+    if not isinstance(kv["ucxTransports"], str) or not kv["ucxTransports"]:
+        found.append("spec.kvTransfer.ucxTransports must be a non-empty string")
+    return found
+
+
+def _pool_problems(where: str, pool: dict[str, Any]) -> list[str]:
+    found = _count_problems(f"{where}.replicas", pool["replicas"]) + _count_problems(f"{where}.gpus", pool["gpus"])
+    found += _args_problems(f"{where}.engineArgs", pool.get("engineArgs", []), RESERVED_ENGINE_FLAGS)
+    found += _resources_problems(f"{where}.resources", pool.get("resources", {}))
+    selector = pool.get("nodeSelector", {})
+    if not isinstance(selector, dict) or not all(isinstance(v, str) for v in selector.values()):
+        found.append(f"{where}.nodeSelector must map strings to strings")
+    tolerations = pool.get("tolerations", [])
+    if not isinstance(tolerations, list) or not all(isinstance(t, dict) for t in tolerations):
+        found.append(f"{where}.tolerations must be a list of objects")
+    return found
+
+
+def _count_problems(where: str, value: Any) -> list[str]:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return [f"{where} must be an integer >= 0"]
+    return []
+
+
+def _args_problems(where: str, args: Any, reserved: tuple[str, ...]) -> list[str]:
+    if not isinstance(args, list) or not all(isinstance(arg, str) for arg in args):
+        return [f"{where} must be a list of strings"]
+    # argparse also accepts unambiguous prefixes (`--mod` for `--model`), so prefixes count too.
+    taken = sorted({
+        flag for arg in args if arg.startswith("--") and len(arg) > 2
+        for flag in reserved if flag.startswith(arg.split("=", 1)[0])
+    })
+    if taken:
+        return [f"{where} must not set {', '.join(taken)} (the operator sets them)"]
+    return []
+
+
+def _resources_problems(where: str, resources: Any) -> list[str]:
+    if not isinstance(resources, dict) or set(resources) - {"limits", "requests", "claims"}:
+        return [f"{where} must be a ResourceRequirements object (limits, requests, claims)"]
+    for section in ("limits", "requests"):
+        if "nvidia.com/gpu" in (resources.get(section) or {}):
+            return [f"{where}.{section} must not name nvidia.com/gpu (set the pool's gpus instead)"]
+    return []
