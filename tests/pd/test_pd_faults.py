@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import threading
 from urllib.parse import urlparse
 
@@ -32,7 +33,7 @@ def cluster(tmp_path_factory):
 
 
 def _body(prompt: str, **extra) -> dict:
-    return {"model": "demo", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **extra}
+    return {"model": "demo", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True} | extra
 
 
 def _prefill_leg(cluster: Cluster, prompt: str) -> dict:
@@ -129,3 +130,37 @@ def test_prefill_killed_while_requests_wait_then_restarted(cluster):
     decode = metrics(cluster.decodes[0].url)
     assert decode["pdserve_kv_transfer_bytes_total"] > bytes_before
     assert decode["pdserve_kv_transfer_failures_total"] == failures_before + len(prompts)
+
+
+def test_sigterm_drains_prefill_after_its_held_blocks_are_pulled_and_decode_after_its_streams(cluster):
+    """Runs last: it stops both engines. Prefill holds blocks that decode pulls only after 5 s;
+    prefill gets SIGTERM at once, refuses new work, serves the pull, then exits. Decode gets
+    SIGTERM mid-stream and finishes the stream before exiting."""
+    prefill, decode = cluster.prefills[0], cluster.decodes[0]
+    prompt = _prompt("drain")
+    status, reference = post(prefill.url + "/v1/completions", _body(prompt, max_tokens=150))
+    assert status == 200
+    params = _prefill_leg(cluster, prompt)
+    failures = metrics(decode.url)["pdserve_kv_transfer_failures_total"]
+    url = urlparse(decode.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(_body(prompt, stream=True, max_tokens=150,
+                                                                   kv_transfer_params=params)),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    wait_for(lambda: metrics(decode.url)["pdserve_num_requests_waiting_for_remote_kv"] == 1, 10, "no pending pull")
+    prefill.process.send_signal(signal.SIGTERM)
+    wait_for(lambda: post(prefill.url + "/v1/completions", _body("new work"))[0] == 503, 10,
+             "a draining prefill still takes new requests")
+    assert prefill.process.poll() is None, "prefill exited while holding blocks for a pending pull"
+    wait_for(lambda: metrics(decode.url)["pdserve_num_requests_waiting_for_remote_kv"] == 0, DELAY_S + 10,
+             "the pull never happened")
+    assert metrics(decode.url)["pdserve_kv_transfer_failures_total"] == failures, "pull from a draining prefill failed"
+    decode.process.send_signal(signal.SIGTERM)  # mid-stream: the stream must still run to its end
+    stream = response.read().decode()
+    assert stream.rstrip().endswith("data: [DONE]")
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.splitlines()
+                   if line.startswith("data: {"))
+    assert text == reference["choices"][0]["text"]
+    assert prefill.process.wait(30) == 0 and decode.process.wait(30) == 0
