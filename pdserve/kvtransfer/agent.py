@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -229,8 +230,13 @@ class TransferAgent:
             self._server.send_multipart([identity, messages.encode(messages.BlocksReply(message.request_id, error))])
             return
         data = self.transport.read_local(message.block_ids)
-        self._server.send_multipart([identity, messages.encode(messages.BlocksReply(message.request_id)), data],
-                                    copy=False)
+        checksum = zlib.crc32(data)
+        if self.faults.corrupt_blocks:
+            data.reshape(-1)[len(data.reshape(-1)) // 2] ^= 0xFF
+        if self.faults.truncate_blocks:
+            data = data.reshape(-1)[:-1]
+        reply = messages.BlocksReply(message.request_id, checksum=checksum)
+        self._server.send_multipart([identity, messages.encode(reply), data], copy=False)
         if message.release:
             self._release(message.request_id)
 

@@ -10,7 +10,8 @@ starts, so tests can stage races deterministically in real processes:
 - ``delay_load=S``: wait S seconds before starting each pull (requests sit in WAITING_FOR_REMOTE_KVS);
 - ``fail_load``: every pull fails after its transfer (as a broken connection would);
 - ``fail_handshake``: this engine refuses handshakes (answers with an error);
-- ``no_renew``: never renew remote leases; ``no_release``: never tell the prefill side to free.
+- ``no_renew``: never renew remote leases; ``no_release``: never tell the prefill side to free;
+- ``corrupt_blocks`` / ``truncate_blocks``: (TCP) serve block bytes with one byte flipped / cut short.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class KVFaults:
     fail_handshake: bool = False
     no_renew: bool = False
     no_release: bool = False
+    corrupt_blocks: bool = False
+    truncate_blocks: bool = False
 
     @classmethod
     def from_env(cls) -> KVFaults:
@@ -42,7 +45,7 @@ class KVFaults:
             name, _, value = item.strip().partition("=")
             if name == "delay_load":
                 values[name] = float(value)
-            elif name in ("fail_load", "fail_handshake", "no_renew", "no_release"):
+            elif name in ("fail_load", "fail_handshake", "no_renew", "no_release", "corrupt_blocks", "truncate_blocks"):
                 values[name] = True
             else:
                 raise ValueError(f"{FAULTS_ENV}: unknown fault {name!r}")

@@ -50,6 +50,7 @@ class ReadBlocks(msgspec.Struct, tag="read"):
 class BlocksReply(msgspec.Struct, tag="blocks"):
     request_id: str
     error: str | None = None  # None: the next frame holds the blocks' bytes
+    checksum: int = 0  # CRC-32 of those bytes: a corrupted transfer is detected, never computed from
 
 
 SideChannelMessage = Handshake | HandshakeReply | RenewLeases | ReleaseBlocks | ReadBlocks | BlocksReply

@@ -7,7 +7,8 @@
   generation that still matches cannot come from a freed or reused block, because a block's
   generation changes when it loses its last owner, before it can be reused.
 - :class:`TcpTransport`: for hosts where UCX cannot run. The bytes travel on the side channel;
-  prefill checks hold and generations when it copies them out, in the thread that owns the holds.
+  prefill checks hold and generations when it copies them out, in the thread that owns the holds,
+  and sends a CRC-32 that decode checks (with the length) before the bytes touch its cache.
 
 Both run only in the transfer agent's thread.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +138,8 @@ class TcpTransport(Transport):
             self._done.append((pull, reply.error))
         elif data is None or len(data) != pull.num_bytes:
             self._done.append((pull, f"expected {pull.num_bytes} bytes, got {0 if data is None else len(data)}"))
+        elif zlib.crc32(data) != reply.checksum:
+            self._done.append((pull, "the block bytes arrived corrupted (CRC-32 mismatch)"))
         else:
             self.write_local(pull.spec.local_block_ids, data)
             self._done.append((pull, None))
