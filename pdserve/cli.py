@@ -71,6 +71,9 @@ def _add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds a handshake or one transfer may take")
     parser.add_argument("--kv-load-failure", choices=["recompute", "fail"], default="recompute",
                         help="what a failed or expired pull does: recompute the prompt locally, or fail the request")
+    parser.add_argument("--kv-events-port", type=int, default=0,
+                        help="where the engine publishes KV-cache events for routers (0: a free port, advertised "
+                             "in /health; -1: none)")
 
 
 # The engine flags `pdserve serve` forwards to its children (dest -> flag).
@@ -108,7 +111,9 @@ def _engine_args(args: argparse.Namespace, with_kv_transfer: bool = False):  # -
                       block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                       gpu_memory_utilization=args.gpu_memory_utilization,
-                      enable_prefix_caching=args.enable_prefix_caching, kv_transfer=kv_transfer)
+                      enable_prefix_caching=args.enable_prefix_caching, kv_transfer=kv_transfer,
+                      kv_events_host=args.kv_side_channel_host or args.host,
+                      kv_events_port=None if args.kv_events_port < 0 else args.kv_events_port)
 
 
 async def _wait_for_signal() -> None:

@@ -16,6 +16,11 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of a completions prompt given as text (special tokens as the tokenizer adds them)."""
+    return tokenizer.encode(text)
+
+
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
     """Token ids of a conversation rendered by the model's chat template."""

@@ -47,7 +47,7 @@ from pdserve.api.protocol import (
     openapi_document,
     sse_event,
 )
-from pdserve.api.tokenizer import apply_chat_template
+from pdserve.api.tokenizer import apply_chat_template, encode_prompt
 from pdserve.engine.core_client import EngineCoreClient, EngineDeadError, RequestRejectedError
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.metrics import EngineMetrics
@@ -125,15 +125,23 @@ class EngineServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.render_metrics)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_get("/debug/cached_blocks", self.debug_cached_blocks)
         return app
+
+    async def debug_cached_blocks(self, request: web.Request) -> web.Response:
+        """Every hash in the prefix cache (hex), for checking what routers believe against the truth."""
+        hashes = await self.client.cached_blocks()
+        return web.json_response({"block_size": self.client.ready.block_size,
+                                  "block_hashes": [block_hash.hex() for block_hash in hashes]})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document(f"pdserve engine ({self.model_name})", "v1"))
 
     @web.middleware
     async def _check_api_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """With an API key set, /v1 needs ``Authorization: Bearer <key>``; /health and /metrics stay open."""
-        if (self.api_key is not None and request.path.startswith("/v1/")
+        """With an API key set, /v1 and /debug need ``Authorization: Bearer <key>``; /health and /metrics stay
+        open."""
+        if (self.api_key is not None and request.path.startswith(("/v1/", "/debug/"))
                 and request.headers.get("Authorization", "") != f"Bearer {self.api_key}"):
             raise ProtocolError("invalid or missing API key", status=401, error_type="authentication_error")
         return await handler(request)
@@ -152,7 +160,8 @@ class EngineServer:
             return web.json_response({"status": "engine core is not running"}, status=503)
         if self.draining:
             return web.json_response({"status": "shutting down"}, status=503)
-        return web.json_response({"status": "ok"})
+        # Routers learn here where this engine publishes its KV-cache events (pdserve/api/kv_events.py).
+        return web.json_response({"status": "ok", "kv_events_port": self.client.ready.kv_events_port})
 
     def _admit(self, num_choices: int) -> None:
         """Refuse new work while draining or when the engine already has too much in flight."""
@@ -240,11 +249,11 @@ class EngineServer:
 
     def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
         if isinstance(prompt, str):
-            prompts = [self.tokenizer.encode(prompt)]
+            prompts = [encode_prompt(self.tokenizer, prompt)]
         elif all(isinstance(p, int) for p in prompt):
             prompts = [list(prompt)]
         elif all(isinstance(p, str) for p in prompt):
-            prompts = [self.tokenizer.encode(p) for p in prompt]
+            prompts = [encode_prompt(self.tokenizer, p) for p in prompt]
         else:
             prompts = [list(p) for p in prompt]
         vocab_size = len(self.tokenizer)

@@ -49,7 +49,14 @@ class BlockPool:
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
         self.generations = np.zeros(num_blocks, dtype=np.int64)
+        # Hashes that entered / left the cache since the KV-event publisher last took them
+        # (None: nobody publishes, nothing is recorded).
+        self.stored_log: list[BlockHash] | None = None
+        self.removed_log: list[BlockHash] | None = None
 
+    def record_events(self) -> None:
+        """Start recording cache changes for a KV-event publisher (pdserve/engine/kv_events.py)."""
+        self.stored_log, self.removed_log = [], []
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
@@ -72,6 +79,8 @@ class BlockPool:
             block = popitem(last=False)[1]
             if block.block_hash is not None:
                 del self.cached_blocks[block.block_hash]
+                if self.removed_log is not None:
+                    self.removed_log.append(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -109,6 +118,8 @@ class BlockPool:
         if self.enable_caching and block.block_hash is None and block_hash not in self.cached_blocks:
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
+            if self.stored_log is not None:
+                self.stored_log.append(block_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is owned (returns False otherwise)."""
@@ -116,5 +127,7 @@ class BlockPool:
             return False
         for block in self.cached_blocks.values():
             block.block_hash = None
+        if self.removed_log is not None:
+            self.removed_log.extend(self.cached_blocks)
         self.cached_blocks.clear()
         return True

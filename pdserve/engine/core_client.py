@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import os
 import shutil
@@ -25,10 +26,12 @@ import zmq.asyncio
 from pdserve.engine.core_process import (
     AbortRequests,
     AddRequest,
+    CachedBlocks,
     CoreError,
     CoreMessage,
     CoreOutputs,
     CoreReady,
+    DumpCachedBlocks,
     Shutdown,
     run_engine_core,
 )
@@ -60,6 +63,8 @@ class EngineCoreClient:
         self._encode = msgspec.msgpack.Encoder().encode
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
         self._dead: EngineDeadError | None = None
+        self._dumps: dict[int, asyncio.Future[list[bytes]]] = {}
+        self._next_dump = itertools.count()
         self._receiver = asyncio.get_running_loop().create_task(self._receive())
         asyncio.get_running_loop().add_reader(process.sentinel, self._on_process_exit)
 
@@ -129,6 +134,18 @@ class EngineCoreClient:
         if self._dead is None and request_ids:
             await self._inputs.send(self._encode(AbortRequests(list(request_ids))))
 
+    async def cached_blocks(self, timeout: float = 10.0) -> list[bytes]:
+        """Every block hash in the core's prefix cache, now."""
+        if self._dead is not None:
+            raise self._dead
+        token = next(self._next_dump)
+        future = self._dumps[token] = asyncio.get_running_loop().create_future()
+        try:
+            await self._inputs.send(self._encode(DumpCachedBlocks(token)))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._dumps.pop(token, None)
+
     async def _receive(self) -> None:
         decode = msgspec.msgpack.Decoder(CoreMessage).decode
         while True:
@@ -143,6 +160,10 @@ class EngineCoreClient:
                         queue.put_nowait(output)
                         if output.finish_reason is not None:
                             del self._queues[output.request_id]
+            elif isinstance(message, CachedBlocks):
+                future = self._dumps.get(message.token)
+                if future is not None and not future.done():
+                    future.set_result(message.block_hashes)
             elif isinstance(message, CoreError):
                 queue = self._queues.pop(message.request_id, None)
                 if queue is not None:

@@ -18,12 +18,14 @@ import logging
 import os
 import signal
 import time
+import uuid
 from typing import Any
 
 import msgspec
 import zmq
 
 from pdserve.engine.engine_args import EngineArgs
+from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
@@ -56,13 +58,20 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-CoreInput = AddRequest | AbortRequests | Shutdown
+class DumpCachedBlocks(msgspec.Struct, tag="dump_cached_blocks"):
+    """Ask for every hash in the prefix cache (a debugging and testing aid)."""
+
+    token: int
+
+
+CoreInput = AddRequest | AbortRequests | Shutdown | DumpCachedBlocks
 
 
 class CoreReady(msgspec.Struct, tag="ready"):
     num_kv_blocks: int
     block_size: int
     max_model_len: int
+    kv_events_port: int | None = None  # where the core publishes KV-cache events (None: it does not)
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):
@@ -77,7 +86,12 @@ class CoreError(msgspec.Struct, tag="error"):
     message: str
 
 
-CoreMessage = CoreReady | CoreOutputs | CoreError
+class CachedBlocks(msgspec.Struct, tag="cached_blocks"):
+    token: int
+    block_hashes: list[bytes]
+
+
+CoreMessage = CoreReady | CoreOutputs | CoreError | CachedBlocks
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -110,8 +124,12 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     outputs.connect(output_address)
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(CoreInput).decode
+    publisher = None
+    if args.kv_events_port is not None:
+        engine_id = args.kv_transfer.engine_id if args.kv_transfer is not None else uuid.uuid4().hex
+        publisher = KVEventPublisher(context, core.scheduler, engine_id, args.kv_events_host, args.kv_events_port)
     outputs.send(encode(CoreReady(scheduler_config.num_blocks, scheduler_config.block_size,
-                                  scheduler_config.max_model_len)))
+                                  scheduler_config.max_model_len, publisher.port if publisher else None)))
     last_stats = 0.0
     try:
         while not stopping:
@@ -125,6 +143,9 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                     return
                 if isinstance(message, AbortRequests):
                     core.abort_requests(message.request_ids)
+                elif isinstance(message, DumpCachedBlocks):
+                    cached = list(core.scheduler.kv_cache_manager.block_pool.cached_blocks)
+                    outputs.send(encode(CachedBlocks(message.token, cached)))
                 else:
                     try:
                         core.add_request(Request(
@@ -136,6 +157,8 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                 timeout_ms = 0
             results = core.step() if core.has_work() else []
             now = time.monotonic()
+            if publisher is not None:
+                publisher.publish(now)
             if results or now - last_stats >= IDLE_STATS_INTERVAL_S:
                 if os.getppid() != parent_pid:
                     logger.error("the API process is gone: stopping the engine core")
@@ -144,6 +167,8 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                 last_stats = now
     finally:
         core.close()
+        if publisher is not None:
+            publisher.close()
         inputs.close(linger=0)
         outputs.close(linger=1000)
         context.term()

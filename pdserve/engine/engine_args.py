@@ -33,6 +33,8 @@ class EngineArgs:
     num_kv_blocks: int | None = None  # fixes the KV block count (tests, benchmarks)
     enable_prefix_caching: bool = True
     kv_transfer: KVTransferConfig | None = None  # None: no P/D transfers (colocated)
+    kv_events_host: str = "127.0.0.1"  # where the core publishes KV-cache events for routers
+    kv_events_port: int | None = 0  # 0: a free port; None: no events
 
     def resolved_model(self) -> str:
         return self.model or str(ensure_demo_model())

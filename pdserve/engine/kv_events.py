@@ -1,0 +1,59 @@
+"""KVEventPublisher: the EngineCore process's side of the KV-event stream (pdserve/api/kv_events.py).
+
+It binds a ZMQ PUB socket, turns on the block pool's change logs, and after each loop iteration
+publishes what changed (stored / removed hashes) with the engine's load; at least once a second
+while idle (load changes without cache changes), and with a full snapshot every few seconds.
+PUB never blocks: a slow or absent subscriber loses messages, never slows the engine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from pdserve.api.kv_events import SNAPSHOT_INTERVAL_S, EngineLoad, KVEventBatch, encode_batch
+from pdserve.engine.scheduler import Scheduler
+
+IDLE_PUBLISH_INTERVAL_S = 1.0
+
+
+class KVEventPublisher:
+    def __init__(self, context: zmq.Context, scheduler: Scheduler, engine_id: str, host: str, port: int) -> None:
+        self.scheduler = scheduler
+        self.pool = scheduler.kv_cache_manager.block_pool
+        self.pool.record_events()
+        self.engine_id = engine_id
+        self.socket = context.socket(zmq.PUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 1000)
+        if port:
+            self.socket.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self.socket.bind_to_random_port(f"tcp://{host}")
+        self._seq = 0
+        self._last_publish = 0.0
+        self._last_snapshot = 0.0
+
+    def publish(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        pool = self.pool
+        changed = bool(pool.stored_log or pool.removed_log)
+        snapshot_due = now - self._last_snapshot >= SNAPSHOT_INTERVAL_S
+        if not (changed or snapshot_due or now - self._last_publish >= IDLE_PUBLISH_INTERVAL_S):
+            return
+        stats = self.scheduler.make_stats()
+        load = EngineLoad(stats.num_running, stats.num_waiting, stats.num_waiting_for_remote_kvs,
+                          stats.kv_cache_usage, stats.num_blocks_held_for_remote)
+        batch = KVEventBatch(self.engine_id, self._seq, self.scheduler.config.block_size, pool.stored_log,
+                             pool.removed_log, load, list(pool.cached_blocks) if snapshot_due else None)
+        pool.stored_log, pool.removed_log = [], []
+        self.socket.send(encode_batch(batch))  # PUB drops, never blocks, at a full subscriber: it resyncs
+        self._seq += 1
+        self._last_publish = now
+        if snapshot_due:
+            self._last_snapshot = now
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
