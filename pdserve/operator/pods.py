@@ -29,7 +29,7 @@ HF_DOWNLOAD = (
 
 def number(value: float) -> str:
     """A flag value for a number: 30 not 30.0, 2.5 stays 2.5."""
-    return f"{value:g}"
+    return str(int(value)) if float(value).is_integer() else str(value)
 
 
 def engine_command(service: str, role: str, spec: dict[str, Any]) -> list[str]:

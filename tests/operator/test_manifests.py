@@ -1,0 +1,213 @@
+"""The manifest builders: commands, environment, probes, resources, volumes, labels, RBAC."""
+
+import pathlib
+
+import jsonschema
+import pytest
+import yaml
+
+from pdserve.cli import build_parser
+from pdserve.operator import manifests
+from pdserve.operator.kube import without_nulls
+from pdserve.operator.pods import engine_pod, router_pod
+from pdserve.operator.spec import problems, with_defaults
+from tests.operator.helpers import spec
+
+HELM = pathlib.Path(__file__).resolve().parents[2] / "helm/pdserve"
+LABELS = {
+    "app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "llm",
+    "app.kubernetes.io/component": "prefill", "app.kubernetes.io/managed-by": "pdserve-operator",
+    "pdserve.io/role": "prefill", "pdserve.io/service": "llm",
+}
+
+
+def full(**fields):
+    return with_defaults(spec(**fields))
+
+
+def container(pod):
+    (only,) = pod["spec"]["containers"]
+    return only
+
+
+def objects(**fields):
+    return manifests.owned_objects("llm", "ns", full(**fields), {"prefill": 2, "decode": 3})
+
+
+def by_kind_name(objs):
+    return {(obj["kind"], obj["metadata"]["name"]): obj for obj in objs}
+
+
+def test_engine_command_has_the_cli_flags_then_the_users():
+    fields = {"model": {"source": "pvc", "claimName": "m", "path": "qwen/", "servedModelName": "Qwen/Qwen3"},
+              "kvTransfer": {"leaseSeconds": 2.5, "transferTimeoutSeconds": 10, "loadFailure": "fail"},
+              "prefill": {"engineArgs": ["--max-model-len", "8192"]}}
+    assert container(engine_pod("llm", "prefill", full(**fields)))["command"] == [
+        "pdserve", "prefill", "--host", "0.0.0.0", "--port", "8100", "--model", "/models/model/qwen",
+        "--served-model-name", "Qwen/Qwen3", "--kv-transfer", "nixl", "--kv-side-channel-port", "5600",
+        "--kv-lease-seconds", "2.5", "--kv-transfer-timeout", "10", "--kv-load-failure", "fail",
+        "--max-model-len", "8192",
+    ]
+    decode = container(engine_pod("llm", "decode", full()))["command"]
+    assert decode[:8] == ["pdserve", "decode", "--host", "0.0.0.0", "--port", "8200", "--model", "/models/model"]
+    assert decode[decode.index("--served-model-name") + 1] == "llm"
+
+
+def test_router_command_discovers_its_own_pods():
+    pod = router_pod("llm", "ns", full(router={"args": ["--routing", "prefix-load"]}))
+    assert container(pod)["command"] == [
+        "pdserve", "router", "--host", "0.0.0.0", "--port", "8000", "--discovery", "kubernetes",
+        "--namespace", "ns", "--selector", "app.kubernetes.io/instance=llm", "--routing", "prefix-load",
+    ]
+    assert pod["spec"]["serviceAccountName"] == "llm-router"
+
+
+def test_engine_environment_ports_and_probes():
+    engine = container(engine_pod("llm", "prefill", full(kvTransfer={"ucxTransports": "rc,tcp"})))
+    env = {item["name"]: item for item in engine["env"]}
+    assert env["PDSERVE_KV_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["UCX_TLS"]["value"] == "rc,tcp"
+    assert env["OMP_WAIT_POLICY"]["value"] == "PASSIVE"
+    assert {(p["name"], p["containerPort"]) for p in engine["ports"]} == {("http", 8100), ("kv-side", 5600)}
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert engine[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = engine["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60  # room to load a model
+
+
+def test_gpus_and_rdma_merge_into_the_users_resources():
+    fields = {"decode": {"gpus": 2, "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "32Gi"}}},
+              "kvTransfer": {"rdmaResource": "rdma/hca_shared_devices_a"}}
+    assert container(engine_pod("llm", "decode", full(**fields)))["resources"] == {
+        "requests": {"cpu": "4"},
+        "limits": {"memory": "32Gi", "nvidia.com/gpu": "2", "rdma/hca_shared_devices_a": "1"},
+    }
+    assert container(engine_pod("llm", "decode", full(decode={"gpus": 0})))["resources"] == {}
+
+
+def test_grace_period_covers_the_kv_lease():
+    assert engine_pod("llm", "prefill", full())["spec"]["terminationGracePeriodSeconds"] == 60
+    pod = engine_pod("llm", "prefill", full(kvTransfer={"leaseSeconds": 2.5}))
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 33
+
+
+@pytest.mark.parametrize(("model", "volume"), [
+    ({"source": "pvc", "claimName": "m"}, {"persistentVolumeClaim": {"claimName": "m", "readOnly": True}}),
+    ({"source": "hostPath", "hostPath": "/data"}, {"hostPath": {"path": "/data", "type": "Directory"}}),
+    ({"source": "huggingface", "repo": "Qwen/Qwen3-0.6B"}, {"emptyDir": {}}),
+])
+def test_model_volume_is_mounted_read_only_at_models_model(model, volume):
+    pod = engine_pod("llm", "decode", full(model=model))
+    assert pod["spec"]["volumes"][0] == {"name": "model", **volume}
+    assert {"name": "model", "mountPath": "/models/model", "readOnly": True} in container(pod)["volumeMounts"]
+    if model["source"] != "huggingface":
+        assert pod["spec"]["initContainers"] is None  # a merge patch removes a download left from before
+
+
+def test_huggingface_model_is_downloaded_by_an_init_container():
+    model = {"source": "huggingface", "repo": "Qwen/Qwen3-0.6B", "revision": "abc123"}
+    (init,) = engine_pod("llm", "prefill", full(model=model))["spec"]["initContainers"]
+    assert init["command"][:2] == ["python", "-c"]
+    assert "snapshot_download" in init["command"][2]
+    assert init["command"][3:] == ["Qwen/Qwen3-0.6B", "abc123", "/models/model"]
+    assert {"name": "model", "mountPath": "/models/model"} in init["volumeMounts"]
+    assert init["image"] == "pdserve:test"
+
+
+def test_node_placement_is_per_pool():
+    toleration = {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
+    fields = {"prefill": {"nodeSelector": {"pool": "h100"}, "tolerations": [toleration]}}
+    prefill = engine_pod("llm", "prefill", full(**fields))["spec"]
+    assert prefill["nodeSelector"] == {"pool": "h100"}
+    assert prefill["tolerations"] == [toleration]
+    decode = engine_pod("llm", "decode", full(**fields))["spec"]
+    assert decode["nodeSelector"] is None and decode["tolerations"] is None
+
+
+def test_pods_run_as_non_root_without_privilege_escalation():
+    for pod in (engine_pod("llm", "prefill", full()), router_pod("llm", "ns", full())):
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert pod["spec"]["securityContext"]["runAsUser"] == 1000
+        assert container(pod)["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_every_object_is_labelled_and_selects_its_own_pods():
+    objs = objects()
+    assert len(objs) == 9
+    for obj in objs:
+        role = obj["metadata"]["name"].removeprefix("llm-")
+        assert obj["metadata"]["labels"] == {**LABELS, "app.kubernetes.io/component": role, "pdserve.io/role": role}
+        assert obj["metadata"]["namespace"] == "ns"
+        if obj["kind"] == "Deployment":
+            selector = obj["spec"]["selector"]["matchLabels"]
+            assert selector == {"app.kubernetes.io/instance": "llm", "pdserve.io/role": role}
+            assert obj["spec"]["template"]["metadata"]["labels"] == obj["metadata"]["labels"]
+
+
+def test_deployment_sizes_come_from_the_pools_and_the_router_spec():
+    objs = by_kind_name(objects(router={"replicas": 4}, prefill={"replicas": 9}))
+    assert objs["Deployment", "llm-router"]["spec"]["replicas"] == 4
+    assert objs["Deployment", "llm-prefill"]["spec"]["replicas"] == 2  # the PDPool's, not spec.prefill's
+    assert objs["Deployment", "llm-decode"]["spec"]["replicas"] == 3
+
+
+def test_services():
+    objs = by_kind_name(objects())
+    router = objs["Service", "llm-router"]["spec"]
+    assert router["type"] == "ClusterIP"
+    assert router["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert router["selector"] == {"app.kubernetes.io/instance": "llm", "pdserve.io/role": "router"}
+    prefill = objs["Service", "llm-prefill"]["spec"]
+    assert prefill["clusterIP"] == "None"
+    assert [(p["name"], p["port"]) for p in prefill["ports"]] == [("http", 8100), ("kv-side", 5600)]
+
+
+def test_router_rbac_reads_pods_in_its_namespace_only():
+    objs = by_kind_name(objects())
+    role = objs["Role", "llm-router"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = objs["RoleBinding", "llm-router"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llm-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llm-router", "namespace": "ns"}]
+    kinds = [obj["kind"] for obj in objects()]
+    assert kinds.index("RoleBinding") < kinds.index("Deployment")  # the router can list pods at start
+
+
+def test_pool_matches_the_crd_schema():
+    crd = yaml.safe_load((HELM / "crds/pdpools.pdserve.io.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    pool = manifests.pool("llm", "ns", "decode", 3)
+    jsonschema.validate(pool, schema)
+    assert pool["spec"] == {"service": "llm", "role": "decode", "replicas": 3}
+    assert pool["metadata"]["name"] == "llm-decode"
+
+
+def test_objects_pass_the_kubernetes_schemas():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    model = {"source": "huggingface", "repo": "Qwen/Qwen3-0.6B"}
+    fields = {"model": model, "prefill": {"nodeSelector": {"a": "b"}, "tolerations": [{"operator": "Exists"}]}}
+    for obj in objects(**fields) + objects():
+        kubernetes_validate.validate(without_nulls(obj), "1.30", strict=True)
+
+
+def test_the_charts_examples_are_valid():
+    docs = [doc for path in sorted((HELM / "examples").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text())]
+    services = [doc for doc in docs if doc and doc["kind"] == "PDService"]
+    assert services
+    for doc in services:
+        assert problems(doc["metadata"]["name"], doc["spec"]) == []
+
+
+def test_pod_commands_parse_with_the_real_cli():
+    # The operator writes `pdserve ...` command lines; the CLI (DESIGN §7) must accept them as written.
+    parser = build_parser()
+    fields = {"prefill": {"engineArgs": ["--max-model-len", "8192"]}, "kvTransfer": {"leaseSeconds": 2.5}}
+    for role in ("prefill", "decode"):
+        args = parser.parse_args(container(engine_pod("llm", role, full(**fields)))["command"][1:])
+        assert (args.host, args.port, args.model, args.kv_side_channel_port) == (
+            "0.0.0.0", 8100 if role == "prefill" else 8200, "/models/model", 5600)
+        assert args.kv_lease_seconds == 2.5
+    args = parser.parse_args(container(router_pod("llm", "ns", full()))["command"][1:])
+    assert (args.discovery, args.namespace, args.selector) == ("kubernetes", "ns", "app.kubernetes.io/instance=llm")

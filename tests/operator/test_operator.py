@@ -1,0 +1,187 @@
+"""The operator under kopf against the emulated API server: create, scale, change, reject, restart, status.
+
+The emulator runs no controllers and no garbage collector: Deployment readiness is set by patching
+its status here, and deletion is checked through owner references.
+"""
+
+import socket
+import urllib.request
+
+from tests.operator.helpers import DEPLOYMENTS, PDPOOLS, PDSERVICES, SERVICES, pdservice, running_operator
+from tests.operator.kmock_cluster import CRD_DIR, KubeCluster, wait_for
+
+ROLES = ("router", "prefill", "decode")
+OWNED = [(DEPLOYMENTS, f"llm-{role}") for role in ROLES] + [(SERVICES, f"llm-{role}") for role in ROLES] + [
+    (PDPOOLS, "llm-prefill"), (PDPOOLS, "llm-decode"), ("v1/serviceaccounts", "llm-router"),
+    ("rbac.authorization.k8s.io/v1/roles", "llm-router"), ("rbac.authorization.k8s.io/v1/rolebindings", "llm-router"),
+]
+
+
+def deploy(cluster, namespace, **fields):
+    """Create the PDService llm and wait until the operator has made all its objects."""
+    service = cluster.create(PDSERVICES, pdservice(**fields), namespace)
+    wait_for(lambda: all(cluster.get(resource, name, namespace) for resource, name in OWNED))
+    return service
+
+
+def replicas(cluster, namespace, role):
+    return cluster.get(DEPLOYMENTS, f"llm-{role}", namespace)["spec"]["replicas"]
+
+
+def ready_condition(cluster, namespace, name="llm"):
+    conditions = (cluster.get(PDSERVICES, name, namespace).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == "Ready"), None)
+
+
+def test_create_makes_every_object_owned_by_the_pdservice(kube_cluster, kube_namespace, operator):
+    service = deploy(kube_cluster, kube_namespace, prefill={"replicas": 2, "gpus": 1}, decode={"gpus": 0})
+    for resource, name in OWNED:
+        obj = kube_cluster.get(resource, name, kube_namespace)
+        assert obj["metadata"]["ownerReferences"] == [{
+            "apiVersion": "pdserve.io/v1alpha1", "kind": "PDService", "name": "llm",
+            "uid": service["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True,
+        }], name
+        role = name.removeprefix("llm-")
+        assert obj["metadata"]["labels"]["pdserve.io/role"] == role
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pdserve-operator"
+    assert kube_cluster.get(PDPOOLS, "llm-prefill", kube_namespace)["spec"] == {
+        "service": "llm", "role": "prefill", "replicas": 2}
+    assert [replicas(kube_cluster, kube_namespace, role) for role in ROLES] == [1, 2, 1]
+    prefill = kube_cluster.get(DEPLOYMENTS, "llm-prefill", kube_namespace)["spec"]["template"]["spec"]
+    assert prefill["containers"][0]["command"][:2] == ["pdserve", "prefill"]
+    assert prefill["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    decode = kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace)["spec"]["template"]["spec"]
+    assert "limits" not in decode["containers"][0]["resources"]
+    pool = wait_for(lambda: kube_cluster.get(PDPOOLS, "llm-decode", kube_namespace).get("status"))
+    assert pool["selector"] == "app.kubernetes.io/instance=llm,pdserve.io/role=decode"
+    got = wait_for(lambda: kube_cluster.get(PDSERVICES, "llm", kube_namespace).get("status"))
+    assert got["routerURL"] == f"http://llm-router.{kube_namespace}.svc:8000"
+    assert got["pools"]["prefill"]["summary"] == "0/2"
+    # No finalizer: deleting the PDService is immediate, and the garbage collector (absent from the
+    # emulator) deletes the rest by the owner references checked above.
+    assert not kube_cluster.get(PDSERVICES, "llm", kube_namespace)["metadata"].get("finalizers")
+    kube_cluster.delete(PDSERVICES, "llm", kube_namespace)
+    assert kube_cluster.get(PDSERVICES, "llm", kube_namespace) is None
+
+
+def test_scaling_a_pool_resizes_only_its_deployment(kube_cluster, kube_namespace, operator):
+    deploy(kube_cluster, kube_namespace)
+    # kubectl scale pdpool/llm-prefill --replicas=3 (an HPA writes the same subresource)
+    kube_cluster.patch(PDPOOLS, "llm-prefill", {"spec": {"replicas": 3}}, kube_namespace, subresource="scale")
+    wait_for(lambda: replicas(kube_cluster, kube_namespace, "prefill") == 3)
+    assert replicas(kube_cluster, kube_namespace, "decode") == 1
+    assert replicas(kube_cluster, kube_namespace, "router") == 1
+    wait_for(lambda: kube_cluster.get(PDSERVICES, "llm", kube_namespace)["status"]["pools"]["prefill"]["replicas"] == 3)
+    # The PDPool is authoritative: resizing its Deployment directly is undone.
+    kube_cluster.patch(DEPLOYMENTS, "llm-prefill", {"spec": {"replicas": 7}}, kube_namespace)
+    wait_for(lambda: replicas(kube_cluster, kube_namespace, "prefill") == 3)
+
+
+def test_spec_change_updates_deployments_but_never_pool_sizes(kube_cluster, kube_namespace, operator):
+    deploy(kube_cluster, kube_namespace)
+    kube_cluster.patch(PDPOOLS, "llm-decode", {"spec": {"replicas": 2}}, kube_namespace)
+    wait_for(lambda: replicas(kube_cluster, kube_namespace, "decode") == 2)
+    change = {"image": "pdserve:2", "router": {"replicas": 3},
+              "decode": {"replicas": 5, "engineArgs": ["--max-model-len", "8192"]}}
+    kube_cluster.patch(PDSERVICES, "llm", {"spec": change}, kube_namespace)
+
+    def decode_container():
+        return kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace)["spec"]["template"]["spec"]["containers"][0]
+
+    wait_for(lambda: decode_container()["command"][-2:] == ["--max-model-len", "8192"])
+    for role in ROLES:
+        deployment = kube_cluster.get(DEPLOYMENTS, f"llm-{role}", kube_namespace)
+        assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "pdserve:2"
+    assert replicas(kube_cluster, kube_namespace, "router") == 3
+    assert replicas(kube_cluster, kube_namespace, "decode") == 2  # the PDPool's, not spec.decode's 5
+    assert kube_cluster.get(PDPOOLS, "llm-decode", kube_namespace)["spec"]["replicas"] == 2
+
+
+def test_invalid_spec_creates_nothing_and_says_why(kube_cluster, kube_namespace, operator):
+    bad = pdservice(model={"source": "pvc"}, prefill={"engineArgs": ["--port", "9000"]})
+    kube_cluster.create(PDSERVICES, bad, kube_namespace)
+    condition = wait_for(lambda: ready_condition(kube_cluster, kube_namespace))
+    assert (condition["status"], condition["reason"]) == ("False", "InvalidSpec")
+    assert "spec.model.claimName is required" in condition["message"]
+    assert "--port" in condition["message"]
+    events = wait_for(lambda: [e for e in kube_cluster.events(kube_namespace, "llm") if e["reason"] == "InvalidSpec"])
+    assert events[0]["type"] == "Warning"
+    for resource, name in OWNED:
+        assert kube_cluster.get(resource, name, kube_namespace) is None
+    # Alive, and not retrying the invalid spec: another PDService is served, no new InvalidSpec events.
+    kube_cluster.create(PDSERVICES, pdservice("other"), kube_namespace)
+    wait_for(lambda: kube_cluster.get(DEPLOYMENTS, "other-decode", kube_namespace))
+    kube_cluster.wait_idle()
+    assert len([e for e in kube_cluster.events(kube_namespace, "llm") if e["reason"] == "InvalidSpec"]) == 1
+    # Fixed, it is served.
+    kube_cluster.patch(PDSERVICES, "llm", {"spec": {"model": {"claimName": "models"}, "prefill": {"engineArgs": []}}},
+                       kube_namespace)
+    wait_for(lambda: all(kube_cluster.get(resource, name, kube_namespace) for resource, name in OWNED))
+    wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["reason"] == "PoolsNotReady")
+
+
+def test_restart_changes_nothing(kube_cluster, kube_namespace):
+    with running_operator(kube_namespace):
+        deploy(kube_cluster, kube_namespace)
+        kube_cluster.patch(PDPOOLS, "llm-decode", {"spec": {"replicas": 2}}, kube_namespace)
+        wait_for(lambda: replicas(kube_cluster, kube_namespace, "decode") == 2)
+        kube_cluster.wait_idle()
+    before = {(r, n): kube_cluster.get(r, n, kube_namespace) for r, n in [*OWNED, (PDSERVICES, "llm")]}
+    mark = len(kube_cluster.requests())
+    with running_operator(kube_namespace):
+        wait_for(lambda: any("/pdservices/llm" in path for _, path in kube_cluster.requests()[mark:]))
+        kube_cluster.wait_idle()
+    writes = [(m, p) for m, p in kube_cluster.requests()[mark:] if m in ("POST", "PATCH", "PUT", "DELETE")]
+    assert writes == []
+    after = {(r, n): kube_cluster.get(r, n, kube_namespace) for r, n in [*OWNED, (PDSERVICES, "llm")]}
+    assert after == before
+    for resource in (DEPLOYMENTS, SERVICES, PDPOOLS):
+        assert len(kube_cluster.list(resource, kube_namespace)) == len([r for r, _ in OWNED if r == resource])
+
+
+def test_status_follows_deployment_readiness(kube_cluster, kube_namespace, operator):
+    deploy(kube_cluster, kube_namespace, decode={"replicas": 2})
+
+    def set_ready(role, ready, desired):
+        counts = {"replicas": desired, "readyReplicas": ready, "updatedReplicas": desired}
+        kube_cluster.patch(DEPLOYMENTS, f"llm-{role}", {"status": counts}, kube_namespace, subresource="status")
+
+    set_ready("router", 1, 1)
+    set_ready("prefill", 1, 1)
+    set_ready("decode", 1, 2)
+    wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["message"] == "waiting for ready pods: decode 1/2")
+    set_ready("decode", 2, 2)
+    condition = wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["status"] == "True"
+                         and ready_condition(kube_cluster, kube_namespace))
+    assert condition["reason"] == "AllPoolsReady"
+    pools = kube_cluster.get(PDSERVICES, "llm", kube_namespace)["status"]["pools"]
+    assert {role: pools[role]["summary"] for role in ROLES} == {"router": "1/1", "prefill": "1/1", "decode": "2/2"}
+    pool = kube_cluster.get(PDPOOLS, "llm-decode", kube_namespace)["status"]
+    assert (pool["replicas"], pool["readyReplicas"]) == (2, 2)
+    set_ready("prefill", 0, 1)  # a pod fails its readiness probe
+    wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["status"] == "False")
+    assert ready_condition(kube_cluster, kube_namespace)["message"] == "waiting for ready pods: prefill 0/1"
+
+
+def test_all_namespaces_with_liveness_endpoint():
+    # A cluster of its own: an operator of all namespaces would also serve the other tests' objects.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with KubeCluster(crds=[CRD_DIR]) as cluster, \
+            running_operator(None, "--liveness", f"http://127.0.0.1:{port}/healthz"):
+        for namespace in ("team-a", "team-b"):
+            cluster.create(PDSERVICES, pdservice(), namespace)
+        wait_for(lambda: all(cluster.get(DEPLOYMENTS, "llm-decode", ns) for ns in ("team-a", "team-b")))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+            assert response.status == 200
+
+
+def test_an_invalid_change_leaves_what_runs(kube_cluster, kube_namespace, operator):
+    deploy(kube_cluster, kube_namespace)
+    before = kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace)
+    kube_cluster.patch(PDSERVICES, "llm", {"spec": {"image": "pdserve:2", "decode": {"engineArgs": ["--host=x"]}}},
+                       kube_namespace)
+    wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["reason"] == "InvalidSpec")
+    kube_cluster.wait_idle()
+    assert kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace) == before
