@@ -208,6 +208,14 @@ def _bench(args: argparse.Namespace) -> int:
     return 0 if summary["completed"] else 1
 
 
+def _operator(args: argparse.Namespace) -> int:
+    from pdserve.operator import run
+
+    logging.getLogger("pdserve").setLevel(args.log_level.upper())
+    run(namespace=args.namespace, liveness_port=args.liveness_port)
+    return 0
+
+
 def _demo_model(args: argparse.Namespace) -> int:
     from pdserve.models.demo import write_demo_model
 
@@ -266,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(handler=_bench)
+    operator = commands.add_parser("operator", help="run the Kubernetes operator (PDService and PDPool resources)")
+    operator.add_argument("--namespace", default=None, help="watch one namespace (default: all namespaces)")
+    operator.add_argument("--liveness-port", type=int, default=8080, help="serves /healthz for the liveness probe")
+    operator.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    operator.set_defaults(handler=_operator)
     demo = commands.add_parser("demo-model", help="write the built-in tiny model and tokenizer to PATH")
     demo.add_argument("path", help="folder to write (created if missing)")
     demo.set_defaults(handler=_demo_model)
