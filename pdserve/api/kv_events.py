@@ -47,5 +47,5 @@ def decode_batch(frame: bytes) -> KVEventBatch | None:
         return None
     try:
         return _decoder.decode(frame)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: structures nested beyond Python's limit
         return None

@@ -10,6 +10,7 @@ gone, error), core requests still running are aborted, so their blocks are freed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -177,6 +178,28 @@ class EngineServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_request(await request.read(), CompletionRequest)
+        async with self._releasing_refused(body):
+            return await self._completions(request, body)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = decode_request(await request.read(), ChatCompletionRequest)
+        async with self._releasing_refused(body):
+            return await self._chat_completions(request, body)
+
+    @contextlib.asynccontextmanager
+    async def _releasing_refused(self, body: Any) -> AsyncIterator[None]:
+        """A decode request refused here (bad value, overload, shutdown) never reaches the scheduler,
+        whose connector would otherwise tell the prefill engine to free the request's blocks: say it
+        here, or they stay held until the lease ends."""
+        try:
+            yield
+        except ProtocolError:
+            params = body.kv_transfer_params
+            if params and params.get("do_remote_prefill") is True and self.client.alive:
+                await self.client.release_remote_blocks(params)
+            raise
+
+    async def _completions(self, request: web.Request, body: CompletionRequest) -> web.StreamResponse:
         self._check_model(body.model)
         prompts = self._completion_prompts(body.prompt)
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
@@ -209,8 +232,7 @@ class EngineServer:
                                       kv_transfer_params=results[0].kv_transfer_params)
         return _json(response)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = decode_request(await request.read(), ChatCompletionRequest)
+    async def _chat_completions(self, request: web.Request, body: ChatCompletionRequest) -> web.StreamResponse:
         self._check_model(body.model)
         if not body.messages:
             raise ProtocolError("messages must not be empty", param="messages")
@@ -363,7 +385,8 @@ class EngineServer:
 
     def _child_params(self, params: SamplingParams, choice: int) -> SamplingParams:
         if params.n > 1 and params.seed is not None:
-            return dataclasses.replace(params, seed=params.seed + choice)
+            # Each choice its own seed, wrapped to stay a signed 64-bit integer.
+            return dataclasses.replace(params, seed=(params.seed + choice + (1 << 63)) % (1 << 64) - (1 << 63))
         return params
 
     async def _choices(self, request_id: str, children: list[tuple[list[int], int]], params: SamplingParams,

@@ -32,6 +32,7 @@ from pdserve.engine.core_process import (
     CoreOutputs,
     CoreReady,
     DumpCachedBlocks,
+    ReleaseRemoteBlocks,
     Shutdown,
     run_engine_core,
 )
@@ -133,6 +134,12 @@ class EngineCoreClient:
             self._queues.pop(request_id, None)
         if self._dead is None and request_ids:
             await self._inputs.send(self._encode(AbortRequests(list(request_ids))))
+
+    async def release_remote_blocks(self, kv_transfer_params: dict[str, Any]) -> None:
+        """Tell the remote prefill engine named in these params to free the blocks (the request
+        they belong to was refused before reaching the core)."""
+        if self._dead is None:
+            await self._inputs.send(self._encode(ReleaseRemoteBlocks(kv_transfer_params)))
 
     async def cached_blocks(self, timeout: float = 10.0) -> list[bytes]:
         """Every block hash in the core's prefix cache, now."""

@@ -64,7 +64,13 @@ class DumpCachedBlocks(msgspec.Struct, tag="dump_cached_blocks"):
     token: int
 
 
-CoreInput = AddRequest | AbortRequests | Shutdown | DumpCachedBlocks
+class ReleaseRemoteBlocks(msgspec.Struct, tag="release_remote"):
+    """A request carrying these kv_transfer_params was refused: its prefill engine may free the blocks."""
+
+    kv_transfer_params: dict[str, Any]
+
+
+CoreInput = AddRequest | AbortRequests | Shutdown | DumpCachedBlocks | ReleaseRemoteBlocks
 
 
 class CoreReady(msgspec.Struct, tag="ready"):
@@ -143,6 +149,8 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                     return
                 if isinstance(message, AbortRequests):
                     core.abort_requests(message.request_ids)
+                elif isinstance(message, ReleaseRemoteBlocks):
+                    core.scheduler.connector.release_remote(message.kv_transfer_params)
                 elif isinstance(message, DumpCachedBlocks):
                     cached = list(core.scheduler.kv_cache_manager.block_pool.cached_blocks)
                     outputs.send(encode(CachedBlocks(message.token, cached)))
@@ -153,6 +161,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                             message.eos_token_id, message.arrival_time, message.kv_transfer_params,
                             message.cache_salt))
                     except ValueError as error:
+                        core.scheduler.connector.release_remote(message.kv_transfer_params)
                         outputs.send(encode(CoreError(message.request_id, str(error))))
                 timeout_ms = 0
             results = core.step() if core.has_work() else []

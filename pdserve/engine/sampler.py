@@ -123,8 +123,9 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         # Rows without top-p get a threshold no cumulative sum reaches, rounding included.
         p = torch.tensor([p if p < 1.0 else 2.0 for p in top_p], dtype=logits.dtype, device=logits.device)
-        # Keep the smallest prefix whose mass reaches p (the top token is always kept).
-        sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], neg_inf)
+        # Keep the smallest prefix whose mass reaches p, and always the top token (a p that rounds
+        # to 0 in the logits' dtype would otherwise mask every token).
+        sorted_logits = sorted_logits.masked_fill((mass_before >= p[:, None]) & (ranks > 0), neg_inf)
     return torch.full_like(logits, neg_inf).scatter(-1, order, sorted_logits)
 
 

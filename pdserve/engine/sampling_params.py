@@ -22,6 +22,10 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+_INT32 = 1 << 31
+_INT64 = 1 << 63
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -70,7 +74,8 @@ class SamplingParams:
             if not ok:
                 raise SamplingParamsError(param, f"{message}, got {getattr(self, param)!r}")
 
-        require(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        # Integers cross to the core as msgpack (64-bit) and into torch tensors: bound them there.
+        require(_is_int(self.n) and 1 <= self.n < _INT32, "n", "must be an integer >= 1")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             require(_is_number(value) and -2.0 <= value <= 2.0, name, "must be a number in [-2, 2]")
@@ -81,16 +86,18 @@ class SamplingParams:
         )
         require(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
         require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1]")
-        require(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be -1 or 0 (disabled) or a positive int")
+        require(_is_int(self.top_k) and 0 <= self.top_k < _INT32, "top_k",
+                "must be -1 or 0 (disabled) or a positive integer below 2^31")
         require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be a number in [0, 1]")
-        require(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
+        require(self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64), "seed",
+                "must be a 64-bit signed integer or None")
         require(
             isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
             "stop",
             "must be a non-empty string or a list of non-empty strings",
         )
         require(
-            isinstance(self.stop_token_ids, list) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            isinstance(self.stop_token_ids, list) and all(_is_int(t) and 0 <= t < _INT32 for t in self.stop_token_ids),
             "stop_token_ids",
             "must be a list of non-negative token ids",
         )
@@ -99,7 +106,7 @@ class SamplingParams:
             "max_tokens",
             "must be an integer >= 1 or None",
         )
-        require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        require(_is_int(self.min_tokens) and 0 <= self.min_tokens < _INT32, "min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingParamsError(
                 "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"

@@ -120,7 +120,15 @@ class Scheduler:
             raise ValueError(f"{status.name} is not a finished status")
         for request_id in request_ids:
             request = self.requests.get(request_id)
-            if request is None or request.is_finished:
+            if request is None:
+                continue
+            if request.is_finished:
+                if request_id in self.held_for_remote and status == RequestStatus.FINISHED_ABORTED:
+                    # Its caller left before it could hand the transfer params on: nobody will pull
+                    # these blocks, so they need not wait for the lease.
+                    del self.held_for_remote[request_id]
+                    self.connector.hold_cancelled(request_id)
+                    self._drop(request)
                 continue
             was_loading = request.status == _WAITING_FOR_REMOTE_KVS and request_id not in self.finished_recving
             if request.status == _RUNNING:
@@ -152,8 +160,9 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def has_work(self) -> bool:
-        """Unfinished requests, or blocks still waiting on the transfer worker."""
-        return bool(self.waiting or self.running or self.held_for_remote or self.aborted_while_loading)
+        """Unfinished requests, blocks still waiting on the transfer worker, or work for it."""
+        return bool(self.waiting or self.running or self.held_for_remote or self.aborted_while_loading
+                    or self.connector.has_pending_work())
 
     # ----- one step -----------------------------------------------------------------------
 

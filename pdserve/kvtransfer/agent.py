@@ -167,6 +167,8 @@ class TransferAgent:
                 return
             for request_id, block_ids in work.holds:
                 self._held[request_id] = (block_ids, now + self.config.lease_seconds)
+            for request_id in work.unholds:  # after the holds: a hold and its cancel may come together
+                self._held.pop(request_id, None)
             for request_id, remote in work.tracks:
                 self._tracked[request_id] = remote
                 self._next_renewal = min(self._next_renewal, now + remote.lease_seconds / 3)
@@ -222,8 +224,11 @@ class TransferAgent:
         error = None
         if held is None:
             error = "the blocks are not held (lease expired or released)"
-        elif not set(message.block_ids) <= set(held[0]):
-            error = "the request does not hold these blocks"
+        elif not set(message.block_ids) <= set(held[0]) or len(set(message.block_ids)) != len(message.block_ids):
+            # Each held block at most once: a read can never make this engine send more than it holds.
+            error = "the request does not hold these blocks (or names one twice)"
+        elif len(message.generations) != len(message.block_ids):
+            error = "one generation per block"
         elif self.generations[message.block_ids].tolist() != message.generations:
             error = "block generations changed"
         if error is not None:

@@ -11,9 +11,11 @@ KV transfer, so the prefill, decode and colocated roles differ only in the conne
 3. ``request_finished``: a request ended; should its blocks be held for someone to read
    (delay freeing), and what transfer parameters go back to the caller.
 
-Two more moments have default no-op hooks: ``request_added`` (a decode connector starts
-renewing the remote lease of a request as soon as it is queued) and ``bind_block_generations``
-(the block pool's generation array, so held blocks can be handed out with their generations).
+More moments have default no-op hooks: ``request_added`` (a decode connector starts renewing
+the remote lease of a request as soon as it is queued), ``release_remote`` (a request refused at
+the door still frees its remote blocks), ``hold_cancelled`` (held blocks nobody can read any
+more) and ``bind_block_generations`` (the block pool's generation array, so held blocks can be
+handed out with their generations).
 A load the worker side could not complete comes back as failed; ``recompute_failed_loads``
 says whether the request is then recomputed locally or finished with an error.
 
@@ -69,6 +71,19 @@ class KVConnectorScheduler(ABC):
     def request_added(self, request: ConnectorRequest) -> None:
         """A request entered the scheduler's queue."""
         return None
+
+    def release_remote(self, kv_transfer_params: dict[str, Any] | None) -> None:
+        """A request with these params was refused before it was queued: free what they point at."""
+        return None
+
+    def hold_cancelled(self, request_id: str) -> None:
+        """A finished request's held blocks are freed without being read (its caller left before
+        it could learn where they were)."""
+        return None
+
+    def has_pending_work(self) -> bool:
+        """Work for the worker side that needs a step even when nothing is scheduled."""
+        return False
 
     @abstractmethod
     def get_num_new_matched_tokens(

@@ -53,9 +53,10 @@ class TransferWork:
     releases: list[tuple[str, RemotePrefill]] = field(default_factory=list)  # decode: tell prefill to free
     # decode: requests that ended; a pull of theirs not started yet is dropped (and prefill told to free)
     cancels: list[str] = field(default_factory=list)
+    unholds: list[str] = field(default_factory=list)  # prefill: holds dropped (the scheduler freed the blocks)
 
     def __bool__(self) -> bool:
-        return bool(self.holds or self.tracks or self.loads or self.releases or self.cancels)
+        return bool(self.holds or self.tracks or self.loads or self.releases or self.cancels or self.unholds)
 
 
 class PDConnectorScheduler(KVConnectorScheduler):
@@ -92,6 +93,17 @@ class PDConnectorScheduler(KVConnectorScheduler):
             return
         self._remote[request.request_id] = remote
         self._work.tracks.append((request.request_id, remote))
+
+    def release_remote(self, kv_transfer_params: dict[str, Any] | None) -> None:
+        try:
+            remote = parse_remote_prefill(kv_transfer_params)
+        except ValueError:
+            return  # nothing this engine could ever have pulled
+        if remote is not None:
+            self._work.releases.append((remote.request_id, remote))
+
+    def has_pending_work(self) -> bool:
+        return bool(self._work)
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         if request.request_id not in self._remote:
@@ -138,6 +150,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
             port=self.advertised_port, block_ids=list(held), generations=self._generations[held].tolist(),
             num_tokens=num_tokens, prompt=request.prompt_token_ids, compat_hash=self.compat_hash,
             lease_seconds=self.config.lease_seconds)
+
+    def hold_cancelled(self, request_id: str) -> None:
+        self._work.unholds.append(request_id)
 
     def build_connector_meta(self) -> TransferWork | None:
         if not self._work:

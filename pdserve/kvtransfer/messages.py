@@ -65,5 +65,5 @@ def decode(frame: bytes) -> SideChannelMessage | None:
         return None
     try:
         return _decoder.decode(frame)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: structures nested beyond Python's limit
         return None

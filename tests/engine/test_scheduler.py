@@ -194,12 +194,25 @@ def test_finished_prefill_holds_its_blocks_until_the_send_finishes():
     assert outputs[0].kv_transfer_params == {"remote_block_ids": [0, 1, 2]}
     scheduler = engine.scheduler
     assert scheduler.make_stats().num_blocks_held_for_remote == 3
-    engine.abort_requests(["p"])  # already finished: the hold stands
     _step(engine)
     assert scheduler.make_stats().num_blocks_held_for_remote == 3
     run_to_completion(engine)
     assert scheduler.make_stats().num_blocks_held_for_remote == 0
     assert_nothing_leaks(scheduler)
+
+
+def test_aborting_a_finished_held_request_frees_its_blocks_at_once():
+    # The API aborts it only when its caller left before seeing the transfer params: nobody can pull.
+    engine = make_engine(FakeRemoteConnector(), num_blocks=8, block_size=4, max_model_len=32)
+    engine.add_request(make_request("p", prompt_of(9, seed=1), {"do_remote_decode": True, "delay": 50},
+                                    max_tokens=1))
+    _step(engine)
+    assert engine.scheduler.make_stats().num_blocks_held_for_remote == 3
+    generations = engine.scheduler.kv_cache_manager.block_pool.generations.copy()
+    engine.abort_requests(["p"])
+    assert engine.scheduler.make_stats().num_blocks_held_for_remote == 0
+    assert (engine.scheduler.kv_cache_manager.block_pool.generations[:3] == generations[:3] + 1).all()
+    assert_nothing_leaks(engine.scheduler)
 
 
 def test_a_failed_remote_load_is_recomputed_from_scratch():
