@@ -154,7 +154,10 @@ async def _run_router(args: argparse.Namespace) -> None:
         raise SystemExit("pdserve router: --decode URL ... is required with --discovery static")
     running = await start_router(RouterConfig(
         prefill_urls=args.prefill, decode_urls=args.decode or [], api_key=args.api_key, discovery=args.discovery,
-        namespace=args.namespace, selector=args.selector), args.host, args.port)
+        namespace=args.namespace, selector=args.selector, routing=args.routing, tokenizer=args.tokenizer,
+        prefix_weight=args.prefix_weight, load_weight=args.load_weight,
+        pd_min_prefill_tokens=args.pd_min_prefill_tokens, session_affinity=args.session_affinity),
+        args.host, args.port)
     pods = (f"prefill: {', '.join(args.prefill) or 'none'}; decode: {', '.join(args.decode)}"
             if args.discovery == "static" else f"pods found by Kubernetes discovery ({args.selector or 'all'})")
     print(f"pdserve router serving at {running.url}/v1 ({pods})", flush=True)
@@ -184,8 +187,9 @@ def _serve(args: argparse.Namespace) -> int:
         args.model = str(ensure_demo_model())  # built once here, not raced by every child
     if args.api_key:  # children read it from the environment: a command line is visible to every user
         os.environ["PDSERVE_API_KEY"] = args.api_key
+    router_argv = [*_forwarded_argv(args, ("log_level",)), "--tokenizer", args.tokenizer or args.model]
     return run_disaggregated(args.host, args.port, args.prefill, args.decode,
-                             _forwarded_argv(args, _FORWARDED_ENGINE_FLAGS), _forwarded_argv(args, ("log_level",)))
+                             _forwarded_argv(args, _FORWARDED_ENGINE_FLAGS), router_argv)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -250,6 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="static: the URLs given; kubernetes: watch the pods matching --selector")
     router.add_argument("--namespace", default=None, help="kubernetes discovery: namespace (default: the router's)")
     router.add_argument("--selector", default="", help="kubernetes discovery: label selector of the engine pods")
+    router.add_argument("--routing", choices=["round-robin", "least-load", "prefix", "prefix-load"],
+                        default="prefix-load", help="pod choice: prefix policies match the prompt against the "
+                        "engines' KV-cache events (they need --tokenizer; without it, least-load)")
+    router.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="the served model's folder: prompts are tokenized and hashed as the engines do")
+    router.add_argument("--prefix-weight", type=float, default=1.0,
+                        help="prefix-load: score per cached leading prompt block")
+    router.add_argument("--load-weight", type=float, default=4.0,
+                        help="prefix-load: score lost per request running or queued on the pod")
+    router.add_argument("--pd-min-prefill-tokens", type=int, default=256,
+                        help="skip the prefill leg when the decode pod lacks fewer prompt tokens (0: never skip)")
+    router.add_argument("--session-affinity", action="store_true",
+                        help="keep a session (X-Session-Id header, else the body's user) on one pod per role")
     router.set_defaults(handler=_router)
     bench = commands.add_parser("bench", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)")
     bench.add_argument("--base-url", required=True, help="server URL without /v1, e.g. http://127.0.0.1:8000")

@@ -32,9 +32,19 @@ def number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
+def _model_dir(model: dict[str, Any]) -> str:
+    return f"{MODEL_DIR}/{model['path']}".rstrip("/")
+
+
+def _router_reads_model(model: dict[str, Any]) -> bool:
+    """The router mounts the model (for its tokenizer: prefix-aware routing) unless it is downloaded
+    per pod (huggingface): then it routes by load only."""
+    return model["source"] != "huggingface"
+
+
 def engine_command(service: str, role: str, spec: dict[str, Any]) -> list[str]:
     model, kv = spec["model"], spec["kvTransfer"]
-    model_dir = f"{MODEL_DIR}/{model['path']}".rstrip("/")
+    model_dir = _model_dir(model)
     return [
         "pdserve", role,
         "--host", "0.0.0.0", "--port", str(PORTS[role]),
@@ -55,6 +65,7 @@ def router_command(service: str, namespace: str, spec: dict[str, Any]) -> list[s
         "--host", "0.0.0.0", "--port", str(PORTS[ROUTER]),
         "--discovery", "kubernetes", "--namespace", namespace,
         "--selector", f"app.kubernetes.io/instance={service}",
+        *(["--tokenizer", _model_dir(spec["model"])] if _router_reads_model(spec["model"]) else []),
         *spec[ROUTER].get("args", []),
     ]
 
@@ -178,10 +189,14 @@ def router_pod(service: str, namespace: str, spec: dict[str, Any]) -> dict[str, 
         "securityContext": _container_security(),
         **_probes(ROUTER_STARTUP_FAILURES),
     }
+    volumes = [{"name": "scratch", "emptyDir": {}}]
+    if _router_reads_model(spec["model"]):
+        container["volumeMounts"].append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+        volumes.append(_model_volume(spec["model"]))
     pod_spec = {
         "serviceAccountName": object_name(service, ROUTER),
         "containers": [container],
-        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "volumes": volumes,
         "securityContext": _pod_security(),
     }
     return {"metadata": {"labels": labels(service, ROUTER)}, "spec": pod_spec}

@@ -9,20 +9,36 @@ so several routers can live in one process (tests) without clashing.
 - ``no_decode``: no decode pod could take the request (503);
 - ``decode_broken``: a decode pod failed mid-answer;
 - ``timeout``: request_timeout expired; ``client_disconnect``: the client left before the end.
+
+Routing series: ``pdserve_router_choices_total{role,pod,policy}`` (policy: the routing that decided, or
+``affinity``); ``pdserve_router_prefix_blocks_predicted_total{role}`` and ``..._realised_total{role}``: for legs
+whose answer reported usage, the cached leading blocks the index predicted on the chosen pod and those the
+engine reported (``usage.prompt_tokens_details.cached_tokens`` / block size; decode: whole answers, and
+streamed ones that asked for ``include_usage``); ``pdserve_router_prefill_skipped_total``: requests sent
+decode-only because the decode pod had nearly all the prompt cached; ``pdserve_router_retries_total``: decode
+legs sent to another pod; KV-event health: batches, gaps, malformed frames, and per pod (at scrape time) the
+index's size and stale flag.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdserve.router.kv_index import KVIndex
 
 PATHS = ("disagg", "decode_only", "fallback")
 ERROR_KINDS = ("prefill_unreachable", "prefill_5xx", "prefill_bad_answer", "no_prefill", "decode_unreachable",
                "decode_unavailable", "no_decode", "decode_broken", "timeout", "client_disconnect")
+ROLES = ("prefill", "decode")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, index: KVIndex | None = None) -> None:
         self.registry = CollectorRegistry()
         requests = Counter("pdserve_router_requests", "Generation requests by the path they took",
                            ["path"], registry=self.registry)
@@ -36,6 +52,62 @@ class RouterMetrics:
         self.latency = Histogram("pdserve_router_request_latency_seconds",
                                  "Generation request latency through the router, until the last byte",
                                  buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self._choices = Counter("pdserve_router_choices", "Pods chosen, by role, pod and the policy that chose",
+                                ["role", "pod", "policy"], registry=self.registry)
+        self._choice_children: dict[tuple[str, str, str], Counter] = {}
+        predicted = Counter("pdserve_router_prefix_blocks_predicted",
+                            "Cached leading prompt blocks the index predicted on the chosen pod", ["role"],
+                            registry=self.registry)
+        realised = Counter("pdserve_router_prefix_blocks_realised",
+                           "Cached leading prompt blocks the chosen pod's engine reported", ["role"],
+                           registry=self.registry)
+        self.predicted = {role: predicted.labels(role) for role in ROLES}
+        self.realised = {role: realised.labels(role) for role in ROLES}
+        self.prefill_skipped = Counter("pdserve_router_prefill_skipped",
+                                       "Requests sent decode-only: the decode pod had nearly all the prompt cached",
+                                       registry=self.registry)
+        self.retries = Counter("pdserve_router_retries", "Decode legs retried on another pod before any byte",
+                               registry=self.registry)
+        self.malformed_events = Counter("pdserve_router_kv_events_malformed",
+                                        "KV-event frames dropped as malformed or oversized", registry=self.registry)
+        if index is not None:
+            self.registry.register(_IndexCollector(index))
+
+    def chose(self, role: str, pod: str, policy: str) -> None:
+        key = (role, pod, policy)
+        child = self._choice_children.get(key)
+        if child is None:
+            child = self._choice_children[key] = self._choices.labels(role, pod, policy)
+        child.inc()
+
+    def forget_pods(self, urls: set[str]) -> None:
+        """Drop the per-pod series of pods that left (bounded cardinality under discovery churn)."""
+        for key in [key for key in self._choice_children if key[1] not in urls]:
+            del self._choice_children[key]
+            self._choices.remove(*key)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _IndexCollector(Collector):
+    """The KV index's state, read at scrape time (nothing to update per batch, no series left behind)."""
+
+    def __init__(self, index: KVIndex) -> None:
+        self.index = index
+
+    def collect(self) -> Iterator[Metric]:
+        index = self.index
+        batches = CounterMetricFamily("pdserve_router_kv_event_batches", "KV-event batches applied")
+        batches.add_metric([], index.num_batches)
+        gaps = CounterMetricFamily("pdserve_router_kv_event_gaps",
+                                   "KV-event sequence gaps, joining a publisher mid-stream included")
+        gaps.add_metric([], index.num_gaps)
+        blocks = GaugeMetricFamily("pdserve_router_kv_index_blocks", "Block hashes the index holds per pod",
+                                   labels=["pod"])
+        stale = GaugeMetricFamily("pdserve_router_kv_index_stale",
+                                  "1 while a pod's index missed batches and waits for a snapshot", labels=["pod"])
+        for url, pod in list(index.pods.items()):
+            blocks.add_metric([url], len(pod.hashes))
+            stale.add_metric([url], 1.0 if pod.stale else 0.0)
+        yield from (batches, gaps, blocks, stale)

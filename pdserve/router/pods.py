@@ -1,16 +1,19 @@
 """The router's view of its pods: which exist, how many requests this router has in flight on each, and
-whether each answers. Owns pod choice (least-loaded, round-robin among ties, failed pods last) and the
-health checking that takes pods out of rotation and puts them back.
+whether each answers. Owns the pick among pods once each has a score (highest score, then least-loaded, then
+round-robin among ties; failed pods last), the plain least-loaded and round-robin picks, passive failure
+counting, and the health checking that takes pods out of rotation, puts them back and reads where each pod
+publishes its KV-cache events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import aiohttp
+import msgspec
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +24,7 @@ class Pod:
     role: str  # "prefill" or "decode", for logs
     healthy: bool = True  # optimistic until the first check, so a router serves at once
     in_flight: int = 0  # requests this router has running on the pod (its load, as this replica sees it)
+    failures: int = 0  # consecutive failed requests (connection broken, 5xx other than 503)
 
 
 class PodSet:
@@ -43,26 +47,37 @@ class PodSet:
     def any_healthy(self) -> bool:
         return any(pod.healthy for pod in self.pods)
 
-    def choose(self, exclude: Pod | None = None, healthy_only: bool = False) -> Pod | None:
-        """The least-loaded pod, healthy ones first; an unhealthy one only when no healthy pod is left (a stale
-        health view must not turn into refusing every request) and ``healthy_only`` is not set. None when
-        nothing is left."""
+    def choose(self, exclude: Collection[Pod] = (), healthy_only: bool = False,
+               score: Callable[[Pod], float] | None = None, round_robin: bool = False) -> Pod | None:
+        """The pod with the highest ``score`` (when given), then the least-loaded (unless ``round_robin``), the
+        scan order breaking ties so they go round-robin. Healthy pods first; an unhealthy one only when no
+        healthy pod is left (a stale health view must not turn into refusing every request) and
+        ``healthy_only`` is not set. None when nothing is left."""
         pods = self.pods
         count = len(pods)
         best: Pod | None = None
-        best_key = (True, 0)
+        best_key: tuple[bool, float, int] = (True, 0.0, 0)
         best_index = 0
         for step in range(count):
             index = (self._cursor + step) % count
             pod = pods[index]
-            if pod is exclude or (healthy_only and not pod.healthy):
+            if pod in exclude or (healthy_only and not pod.healthy):
                 continue
-            key = (not pod.healthy, pod.in_flight)
+            key = (not pod.healthy, 0.0 if score is None else -score(pod), 0 if round_robin else pod.in_flight)
             if best is None or key < best_key:
                 best, best_key, best_index = pod, key, index
         if best is not None:
             self._cursor = (best_index + 1) % count
         return best
+
+    def healthy(self, exclude: Collection[Pod] = ()) -> list[Pod]:
+        return [pod for pod in self.pods if pod.healthy and pod not in exclude]
+
+    def failed(self, pod: Pod, reason: str, threshold: int) -> bool:
+        """Count a failed request; at ``threshold`` in a row the pod leaves rotation (True: an ejection) until a
+        health probe brings it back."""
+        pod.failures += 1
+        return pod.failures >= threshold and self.mark(pod, False, f"{pod.failures} failures in a row: {reason}")
 
     def mark(self, pod: Pod, healthy: bool, reason: str = "") -> bool:
         """Record a health observation; True when it took the pod out of rotation."""
@@ -70,24 +85,30 @@ class PodSet:
             return False
         pod.healthy = healthy
         if healthy:
+            pod.failures = 0
             logger.info("%s pod %s is back", pod.role, pod.url)
             return False
         logger.warning("%s pod %s is out of rotation: %s", pod.role, pod.url, reason)
         return True
 
 
+class _Health(msgspec.Struct):
+    kv_events_port: int | None = None  # where the engine publishes KV-cache events (None: it does not)
+
+
 class HealthChecker:
     """GETs every pod's /health each ``interval`` seconds; a pod that fails or answers non-200 is skipped
-    until it answers 200 again."""
+    until it answers 200 again. Each 200 answer's ``kv_events_port`` goes to ``on_health``."""
 
     def __init__(self, session: aiohttp.ClientSession, podsets: Sequence[PodSet], interval: float,
-                 on_ejection: Callable[[], None]) -> None:
+                 on_ejection: Callable[[], None], on_health: Callable[[Pod, int | None], None] | None = None) -> None:
         self.session = session
         self.podsets = podsets
         self.interval = interval
         # Short, but not so short that a busy pod on a loaded host flaps.
         self.timeout = aiohttp.ClientTimeout(total=max(0.5, min(interval, 2.0)))
         self.on_ejection = on_ejection
+        self.on_health = on_health
         self._task: asyncio.Task[None] | None = None
 
     async def check_all(self) -> None:
@@ -110,9 +131,15 @@ class HealthChecker:
     async def _probe(self, podset: PodSet, pod: Pod) -> None:
         try:
             async with self.session.get(pod.url + "/health", timeout=self.timeout) as response:
-                await response.read()
+                payload = await response.read()
                 healthy, reason = response.status == 200, f"/health answered {response.status}"
         except (aiohttp.ClientError, TimeoutError) as error:
             healthy, reason = False, f"/health failed: {type(error).__name__}: {error}"
         if podset.mark(pod, healthy, reason):
             self.on_ejection()
+        if healthy and self.on_health is not None:
+            try:
+                port = msgspec.json.decode(payload, type=_Health).kv_events_port
+            except msgspec.MsgspecError:
+                port = None  # not an engine's JSON (an older engine, a proxy): no events to follow
+            self.on_health(pod, port)

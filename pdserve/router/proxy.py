@@ -1,22 +1,28 @@
-"""The P→D path of one generation request: validation, the prefill leg, the decode leg streamed back byte for
-byte, and the choice between the three paths (shared/DESIGN.md §2; notes/pd-protocol-edge-cases.md 11, 12):
+"""The P→D path of one generation request: validation, pod choice (pdserve/router/policy.py), the prefill leg,
+the decode leg streamed back byte for byte, and the choice between the three paths (shared/DESIGN.md §2;
+notes/pd-protocol-edge-cases.md 11, 12):
 
 - ``disagg``: prefill answered ``kv_transfer_params``; decode gets the client's body plus those params.
 - ``decode_only``: no prefill leg is possible or useful (no prefill pods, several choices or prompts, prompt
-  logprobs) or prefill answered without params; decode prefills locally.
+  logprobs; or the chosen decode pod has all but ``pd_min_prefill_tokens`` of the prompt cached) or prefill
+  answered without params; decode prefills locally.
 - ``fallback``: the prefill leg failed (unreachable, timeout, 5xx, unreadable answer) or no prefill pod is up;
   decode prefills locally.
 
-Leaving any leg early (client gone, deadline) closes its upstream connection, which makes the engine abort
-the request and free its KV blocks.
+The decode pod is chosen first (the P/D decider needs its cached prefix) and counts the request in flight from
+then on. A decode pod that cannot be reached, or whose answer breaks before its first byte, is replaced by
+another (the client has seen nothing yet). Leaving any leg early (client gone, deadline) closes its upstream
+connection, which makes the engine abort the request and free its KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,18 +34,36 @@ from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, Proto
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pods import Pod, PodSet
+from pdserve.router.policy import Choice, Chooser, uncached_tokens
+from pdserve.router.prompt import Prompt, PromptReader
 
 logger = logging.getLogger(__name__)
 
 REQUEST_ID = "X-Request-Id"
+SESSION_ID = "X-Session-Id"
 REQUEST_ID_KEY = web.RequestKey("request_id", str)  # where the error middleware finds it for error answers
+MAX_DECODE_ATTEMPTS = 3
 _PREFILL_DROPPED = frozenset(("stream_options", "min_tokens", "n"))
 _REMOTE_DECODE = {"do_remote_decode": True}
+_TAIL_CHUNKS = 3  # a stream's last chunks kept to find its usage event (about 300 bytes; chunks are events)
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens_details: _Details | None = None
+
+
+class _UsageAnswer(msgspec.Struct):
+    usage: _Usage | None = None
 
 
 class _PrefillAnswer(msgspec.Struct):
     # Only the params are read; the dict keeps every field, known or not, to pass on unchanged.
     kv_transfer_params: dict[str, Any] | None = None
+    usage: _Usage | None = None
 
 
 @dataclass
@@ -57,23 +81,39 @@ class _Exchange:
     headers: dict[str, str]  # sent on both legs
     request_id: str
     response: web.StreamResponse | None = None  # set once the answer to the client has started
+    prompt: Prompt | None = None  # known when pod choice or the decider uses it
+    session: str | None = None  # session affinity key
+    decode: Choice | None = None  # the decode pod holding the request (counted in its in_flight)
+    stream_usage: bool = False  # the decode stream ends with a usage event worth reading
+
+
+class _NothingSent(Exception):
+    """The decode pod's stream broke before its first byte: another pod may still serve the request."""
 
 
 class Proxy:
-    def __init__(self, config: RouterConfig, prefill: PodSet, decode: PodSet, metrics: RouterMetrics) -> None:
+    def __init__(self, config: RouterConfig, prefill: PodSet, decode: PodSet, metrics: RouterMetrics,
+                 chooser: Chooser, prompts: PromptReader | None = None) -> None:
         self.config = config
         self.prefill = prefill
         self.decode = decode
         self.metrics = metrics
+        self.chooser = chooser
+        self.prompts = prompts  # None: prompts are not tokenized (no tokenizer, or nothing would use them)
         self.session: aiohttp.ClientSession | None = None  # set on startup: it needs the running loop
 
     def eject(self, podset: PodSet, pod: Pod, reason: str) -> None:
         if podset.mark(pod, False, reason):
             self.metrics.ejections.inc()
 
+    def _failed(self, podset: PodSet, pod: Pod, reason: str) -> None:
+        if podset.failed(pod, reason, self.config.failure_threshold):
+            self.metrics.ejections.inc()
+
     async def forward(self, request: web.Request, chat: bool) -> web.StreamResponse:
         """Serve one /v1/completions (or, with ``chat``, /v1/chat/completions) request."""
         started = time.perf_counter()
+        exchange: _Exchange | None = None
         try:
             raw = await request.read()
             parsed = decode_request(raw, ChatCompletionRequest if chat else CompletionRequest)
@@ -98,12 +138,41 @@ class Proxy:
             self.metrics.errors["client_disconnect"].inc()  # aiohttp cancels the handler when the client goes
             raise
         finally:
+            if exchange is not None and exchange.decode is not None:
+                exchange.decode.pod.in_flight -= 1
             self.metrics.latency.observe(time.perf_counter() - started)
 
     async def _serve(self, exchange: _Exchange, raw: bytes, parsed: Any, chat: bool) -> web.StreamResponse:
-        if not self.prefill or _needs_local_prefill(parsed, chat):
+        if parsed.kv_transfer_params is not None:
+            # The P/D protocol is the router's to speak: a client's own params could make an engine hold
+            # blocks for a decode that never comes, or pull from a host of the client's choosing.
+            body = msgspec.json.decode(raw)
+            del body["kv_transfer_params"]
+            raw = msgspec.json.encode(body)
+        local = not self.prefill or _needs_local_prefill(parsed, chat)
+        # The prompt is read for prefix routing, or for the decider when there is a prefill leg to skip.
+        if (self.prompts is not None and (self.chooser.prefix_aware or not local)
+                and (chat or not _several_prompts(parsed.prompt))):
+            exchange.prompt = await self.prompts.read(parsed, chat)
+        if self.config.session_affinity:
+            exchange.session = exchange.request.headers.get(SESSION_ID) or parsed.user
+        self._hold(exchange, self.chooser.choose(self.decode, exchange.prompt, exchange.session))
+        decode = exchange.decode
+        if decode is None:  # no decode pod known at all (discovery found none)
+            self.metrics.errors["no_decode"].inc()
+            raise ProtocolError("no decode pod is reachable", 503, error_type="service_unavailable")
+        if decode.block_size:
+            options = parsed.stream_options
+            exchange.stream_usage = options is not None and bool(options.include_usage)
+        if local:
             self.metrics.paths["decode_only"].inc()
-            return await self._decode_leg(exchange, raw)  # the client's bytes, unchanged
+            return await self._decode_leg(exchange, raw)  # the client's bytes (its kv_transfer_params aside)
+        threshold = self.config.pd_min_prefill_tokens
+        if threshold and exchange.prompt is not None and uncached_tokens(exchange.prompt, decode) < threshold:
+            # So little to compute that a prefill leg and a KV pull would cost more than decode computing it.
+            self.metrics.prefill_skipped.inc()
+            self.metrics.paths["decode_only"].inc()
+            return await self._decode_leg(exchange, raw)
         body = msgspec.json.decode(raw)  # the client's object, unknown fields included
         result = await self._prefill_leg(exchange, body, chat)
         if result.rejection is not None:
@@ -118,12 +187,29 @@ class Proxy:
         body["kv_transfer_params"] = result.params
         return await self._decode_leg(exchange, msgspec.json.encode(body))
 
+    def _hold(self, exchange: _Exchange, choice: Choice | None) -> None:
+        """Make ``choice`` the request's decode pod (counted in flight there), instead of any previous one."""
+        if exchange.decode is not None:
+            exchange.decode.pod.in_flight -= 1
+        exchange.decode = choice
+        if choice is not None:
+            choice.pod.in_flight += 1
+
+    def _observe(self, role: str, choice: Choice, payload_usage: _Usage | None) -> None:
+        """Predicted against realised prefix hit of a leg whose answer reported usage."""
+        if payload_usage is None or payload_usage.prompt_tokens_details is None or not choice.block_size:
+            return
+        self.metrics.predicted[role].inc(choice.matched)
+        self.metrics.realised[role].inc(payload_usage.prompt_tokens_details.cached_tokens // choice.block_size)
+
     async def _prefill_leg(self, exchange: _Exchange, body: dict[str, Any], chat: bool) -> _PrefillResult:
         # No healthy prefill pod: decode can prefill at once, which beats waiting on a pod known to be down.
-        pod = self.prefill.choose(healthy_only=True)
-        if pod is None:
+        choice = self.chooser.choose(self.prefill, exchange.prompt, exchange.session, healthy_only=True)
+        if choice is None:
             self.metrics.errors["no_prefill"].inc()
             return _PrefillResult(failed=True)
+        pod = choice.pod
+        self.metrics.chose("prefill", pod.url, choice.policy)
         leg = {key: value for key, value in body.items() if key not in _PREFILL_DROPPED}
         leg["max_tokens"] = 1
         if chat:
@@ -141,92 +227,148 @@ class Proxy:
             logger.debug("request %s: prefill pod %s failed (%r); decode prefills", exchange.request_id, pod.url,
                          error)
             self.metrics.errors["prefill_unreachable"].inc()
-            if isinstance(error, aiohttp.ClientConnectorError):
+            if isinstance(error, aiohttp.ClientConnectorError):  # nothing listens there: out at once
                 self.eject(self.prefill, pod, f"connection failed: {error}")
+            else:
+                self._failed(self.prefill, pod, f"{type(error).__name__}: {error}")
             return _PrefillResult(failed=True)
         finally:
             pod.in_flight -= 1
         if 400 <= status < 500:
+            pod.failures = 0
             return _PrefillResult(rejection=web.Response(
                 body=payload, status=status, headers={"Content-Type": content_type, REQUEST_ID: exchange.request_id}))
         if status != 200:
             self.metrics.errors["prefill_5xx"].inc()
+            if status != 503:  # 503: busy or draining, which its health check tells
+                self._failed(self.prefill, pod, f"answered {status}")
             return _PrefillResult(failed=True)
+        pod.failures = 0
         try:
-            return _PrefillResult(params=msgspec.json.decode(payload, type=_PrefillAnswer).kv_transfer_params)
+            answer_body = msgspec.json.decode(payload, type=_PrefillAnswer)
         except msgspec.MsgspecError:
             self.metrics.errors["prefill_bad_answer"].inc()
             return _PrefillResult(failed=True)
+        self._observe("prefill", choice, answer_body.usage)
+        return _PrefillResult(params=answer_body.kv_transfer_params)
 
     async def _decode_leg(self, exchange: _Exchange, body: bytes) -> web.StreamResponse:
-        failed: Pod | None = None
-        for _ in range(2):  # a second pod only when the first answered nothing at all
-            pod = self.decode.choose(exclude=failed)
-            if pod is None:
-                break
-            pod.in_flight += 1
+        tried: list[Pod] = []
+        attempts = min(MAX_DECODE_ATTEMPTS, len(self.decode))
+        while exchange.decode is not None:
+            choice = exchange.decode
+            pod = choice.pod
+            self.metrics.chose("decode", pod.url, choice.policy)
+            last = len(tried) + 1 >= attempts
             try:
+                answer = await self.session.post(pod.url + exchange.request.path, data=body, headers=exchange.headers)
+            except aiohttp.ClientConnectionError as error:
+                self.metrics.errors["decode_unreachable"].inc()
+                if isinstance(error, aiohttp.ClientConnectorError):  # nothing listens there: out at once
+                    self.eject(self.decode, pod, f"connection failed: {error}")
+                else:
+                    self._failed(self.decode, pod, f"{type(error).__name__}: {error}")
+            else:
                 try:
-                    answer = await self.session.post(pod.url + exchange.request.path, data=body,
-                                                     headers=exchange.headers)
-                except aiohttp.ClientConnectionError as error:
+                    if answer.status == 503 and not last:
+                        # Overloaded or draining: nothing was generated, so another pod may take it.
+                        self.metrics.errors["decode_unavailable"].inc()
+                    else:
+                        return await self._relay(exchange, choice, answer)
+                except _NothingSent as error:
                     self.metrics.errors["decode_unreachable"].inc()
-                    if isinstance(error, aiohttp.ClientConnectorError):
-                        self.eject(self.decode, pod, f"connection failed: {error}")
-                    failed = pod
-                    continue
-                if answer.status == 503 and len(self.decode) > 1 and failed is None:
-                    # Overloaded or draining: nothing was generated, so another pod may take it.
-                    self.metrics.errors["decode_unavailable"].inc()
-                    answer.release()
-                    failed = pod
-                    continue
-                try:
-                    return await self._relay(exchange, answer)
+                    self._failed(self.decode, pod, f"stream broke before its first byte: {error.__cause__!r}")
                 finally:
                     # Unread content makes release() close the connection: the engine then aborts the request.
                     answer.release()
-            finally:
-                pod.in_flight -= 1
+            tried.append(pod)
+            if last:
+                break
+            self._hold(exchange, self.chooser.choose(self.decode, exchange.prompt, exchange.session, exclude=tried))
+            if exchange.decode is not None:
+                self.metrics.retries.inc()
         self.metrics.errors["no_decode"].inc()
         raise ProtocolError("no decode pod is reachable", 503, error_type="service_unavailable")
 
-    async def _relay(self, exchange: _Exchange, answer: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _relay(self, exchange: _Exchange, choice: Choice, answer: aiohttp.ClientResponse) -> web.StreamResponse:
         """The decode pod's answer to the client: status, content type and bytes as they come."""
+        pod = choice.pod
         content_type = answer.headers.get("Content-Type", "application/json")
         if not content_type.startswith("text/event-stream"):
             try:
                 payload = await answer.read()
             except aiohttp.ClientError as error:
                 self.metrics.errors["decode_broken"].inc()
+                self._failed(self.decode, pod, f"answer broken: {type(error).__name__}")
                 raise ProtocolError(f"the decode pod failed mid-answer: {type(error).__name__}", 502,
                                     error_type="bad_gateway") from error
+            self._answered(pod, answer.status)
+            if answer.status == 200 and choice.block_size:
+                with contextlib.suppress(msgspec.MsgspecError):  # no usage to learn from: nothing to count
+                    self._observe("decode", choice, msgspec.json.decode(payload, type=_UsageAnswer).usage)
             headers = {"Content-Type": content_type, REQUEST_ID: exchange.request_id}
             if "Retry-After" in answer.headers:  # an overloaded or draining pod's hint, for the client
                 headers["Retry-After"] = answer.headers["Retry-After"]
             return web.Response(body=payload, status=answer.status, headers=headers)
+        chunks = answer.content.iter_any()
+        # The client's answer starts with the first byte from decode, so until then another pod can take over.
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except aiohttp.ClientError as error:
+            raise _NothingSent() from error
         response = web.StreamResponse(status=answer.status, headers={
             "Content-Type": content_type, "Cache-Control": "no-cache", REQUEST_ID: exchange.request_id})
         exchange.response = response
         await response.prepare(exchange.request)
-        chunks = answer.content.iter_any()
+        tail: deque[bytes] | None = deque((first,), _TAIL_CHUNKS) if exchange.stream_usage else None
+        chunk = first
         while True:
-            try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                break
-            except aiohttp.ClientError:
-                # The client must not mistake a cut answer for a whole one: end its connection, not the stream.
-                self.metrics.errors["decode_broken"].inc()
-                _cut(exchange)
-                return response
             try:
                 await response.write(chunk)
             except ConnectionResetError:
                 self.metrics.errors["client_disconnect"].inc()
                 return response  # the caller's release() closes the decode connection
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except aiohttp.ClientError as error:
+                # The client must not mistake a cut answer for a whole one: end its connection, not the stream.
+                self.metrics.errors["decode_broken"].inc()
+                self._failed(self.decode, pod, f"stream broken: {type(error).__name__}")
+                _cut(exchange)
+                return response
+            if tail is not None:
+                tail.append(chunk)
         await response.write_eof()
+        self._answered(pod, answer.status)
+        if tail is not None and answer.status == 200:
+            self._observe("decode", choice, _stream_usage(b"".join(tail)))
         return response
+
+    def _answered(self, pod: Pod, status: int) -> None:
+        if status < 500:
+            pod.failures = 0
+        elif status != 503:
+            self._failed(self.decode, pod, f"answered {status}")
+
+
+def _stream_usage(tail: bytes) -> _Usage | None:
+    """The usage in a stream's last data event before ``[DONE]`` (``include_usage``), read from its tail only."""
+    end = tail.rfind(b"data: [DONE]")
+    start = tail.rfind(b"data: {", 0, end if end >= 0 else len(tail))
+    if start < 0:
+        return None
+    try:
+        return msgspec.json.decode(tail[start + 6:end if end > start else len(tail)].strip(), type=_UsageAnswer).usage
+    except msgspec.MsgspecError:
+        return None
+
+
+def _several_prompts(prompt: Any) -> bool:
+    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
 
 
 def _needs_local_prefill(parsed: Any, chat: bool) -> bool:
@@ -238,8 +380,7 @@ def _needs_local_prefill(parsed: Any, chat: bool) -> bool:
         return False
     if parsed.echo and parsed.logprobs is not None:
         return True
-    prompt = parsed.prompt
-    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+    return _several_prompts(parsed.prompt)
 
 
 def _cut(exchange: _Exchange) -> None:

@@ -1,5 +1,6 @@
-"""The router's HTTP face: the aiohttp application (OpenAI endpoints, health, metrics, OpenAPI), the API-key
-and error middlewares, the shared client session's life, and ``start_router``.
+"""The router's HTTP face: the aiohttp application (OpenAI endpoints, health, metrics, OpenAPI, /debug/index),
+the API-key and error middlewares, the life of what runs beside requests (client session, health checks, KV-event
+subscriptions, discovery), and ``start_router``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from aiohttp import web
 from pdserve.api.protocol import ProtocolError, openapi_document
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import KubernetesDiscovery
+from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pods import HealthChecker, PodSet
+from pdserve.router.pods import HealthChecker, Pod, PodSet
+from pdserve.router.policy import PREFIX_ROUTINGS, Chooser
+from pdserve.router.prompt import PromptReader
 from pdserve.router.proxy import REQUEST_ID, REQUEST_ID_KEY, Proxy
+from pdserve.router.subscriber import KVSubscriber
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +41,25 @@ class Router:
         if config.discovery == "static" and not config.decode_urls:
             raise ValueError("the router needs at least one decode pod (or --discovery kubernetes)")
         self.config = config
-        self.metrics = RouterMetrics()
+        self.index = KVIndex()
+        self.metrics = RouterMetrics(self.index)
         self.prefill = PodSet("prefill", config.prefill_urls)
         self.decode = PodSet("decode", config.decode_urls)
-        self.proxy = Proxy(config, self.prefill, self.decode, self.metrics)
+        self.chooser = Chooser(config, self.index)
+        if config.routing in PREFIX_ROUTINGS and config.tokenizer is None:
+            logger.warning("--routing %s needs the model's tokenizer (--tokenizer PATH) to hash prompts; "
+                           "choosing pods by least load instead", config.routing)
+        # Prompts are tokenized only for what uses them: prefix routing, or the P/D decider (prefill pods present).
+        prompts = None
+        if config.tokenizer is not None and (self.chooser.prefix_aware or (
+                config.pd_min_prefill_tokens > 0 and (config.prefill_urls or config.discovery != "static"))):
+            prompts = PromptReader(config.tokenizer)
+        self.proxy = Proxy(config, self.prefill, self.decode, self.metrics, self.chooser, prompts)
+        # The engines' KV-cache events matter only to prefix routing.
+        self.subscriber = KVSubscriber(self.index, self.metrics.malformed_events.inc) if self.chooser.prefix_aware \
+            else None
         self._health: HealthChecker | None = None
+        self._probe: asyncio.Task[None] | None = None
         self._discovery: KubernetesDiscovery | None = None
         self._openapi: bytes | None = None
         self._bearer = f"Bearer {config.api_key}".encode() if config.api_key is not None else None
@@ -53,6 +72,7 @@ class Router:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.render_metrics)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_get("/debug/index", self.debug_index)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -65,7 +85,7 @@ class Router:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout))
         self.proxy.session = session
         self._health = HealthChecker(session, [self.prefill, self.decode], self.config.health_interval,
-                                     self.metrics.ejections.inc)
+                                     self.metrics.ejections.inc, self._on_health if self.subscriber else None)
         await self._health.check_all()  # so /health and the first choices are right from the start
         self._health.start()
         if self.config.discovery == "kubernetes":
@@ -73,23 +93,41 @@ class Router:
                                                   self._apply_snapshot, asyncio.get_running_loop())
             self._discovery.start()
 
+    def _on_health(self, pod: Pod, kv_events_port: int | None) -> None:
+        # A probe that was under way when discovery dropped its pod must not subscribe to it again.
+        if self.subscriber is not None and (pod in self.decode.pods or pod in self.prefill.pods):
+            self.subscriber.follow(pod.url, kv_events_port)
+
     def _apply_snapshot(self, snapshot: dict[str, list[str]]) -> None:
         self.prefill.set_urls(snapshot["prefill"])
         self.decode.set_urls(snapshot["decode"])
         logger.info("pods: prefill %s; decode %s", snapshot["prefill"] or "none", snapshot["decode"] or "none")
+        urls = {pod.url for podset in (self.prefill, self.decode) for pod in podset.pods}
+        if self.subscriber is not None:
+            self.subscriber.retain(urls)
+        self.metrics.forget_pods(urls)
+        if self._health is not None:  # probe newcomers now: health and KV events without waiting an interval
+            self._probe = asyncio.get_running_loop().create_task(self._health.check_all())
 
     async def _stop(self, app: web.Application) -> None:
         if self._discovery is not None:
             self._discovery.stop()
         if self._health is not None:
             await self._health.stop()
+        if self._probe is not None:
+            self._probe.cancel()
+        if self.subscriber is not None:
+            await self.subscriber.close()
+        if self.proxy.prompts is not None:
+            self.proxy.prompts.close()
         if self.proxy.session is not None:
             await self.proxy.session.close()
 
     @web.middleware
     async def _check_api_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """With an API key set, /v1 needs ``Authorization: Bearer <key>``; /health and /metrics stay open."""
-        if self._bearer is not None and request.path.startswith("/v1/"):
+        """With an API key set, /v1 and /debug need ``Authorization: Bearer <key>``; /health and /metrics stay
+        open."""
+        if self._bearer is not None and request.path.startswith(("/v1/", "/debug/")):
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, self._bearer):  # constant time: no key guessing by timing
                 raise ProtocolError("invalid or missing API key", status=401, error_type="authentication_error")
@@ -118,6 +156,13 @@ class Router:
         if not self.decode.any_healthy():
             return web.json_response({"status": "no decode pod is up"}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def debug_index(self, request: web.Request) -> web.Response:
+        """What the router believes each pod has cached (``?hashes=1``: the hashes too, hex), and its load."""
+        with_hashes = request.query.get("hashes", "") not in ("", "0", "false")
+        return web.json_response({"routing": self.config.routing, "prefix_aware": self.chooser.prefix_aware,
+                                  "subscriptions": self.subscriber.endpoints() if self.subscriber else {},
+                                  "pods": self.index.summary(with_hashes)})
 
     async def render_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")

@@ -57,9 +57,14 @@ def test_router_command_discovers_its_own_pods():
     pod = router_pod("llm", "ns", full(router={"args": ["--routing", "prefix-load"]}))
     assert container(pod)["command"] == [
         "pdserve", "router", "--host", "0.0.0.0", "--port", "8000", "--discovery", "kubernetes",
-        "--namespace", "ns", "--selector", "app.kubernetes.io/instance=llm", "--routing", "prefix-load",
+        "--namespace", "ns", "--selector", "app.kubernetes.io/instance=llm", "--tokenizer", "/models/model",
+        "--routing", "prefix-load",
     ]
     assert pod["spec"]["serviceAccountName"] == "llm-router"
+    # The tokenizer (prefix-aware routing) comes from the model volume, mounted read-only.
+    assert {"name": "model", "mountPath": "/models/model", "readOnly": True} in container(pod)["volumeMounts"]
+    downloaded = router_pod("llm", "ns", full(model={"source": "huggingface", "repo": "org/model"}))
+    assert "--tokenizer" not in container(downloaded)["command"]  # a per-pod download: routes by load
 
 
 def test_engine_environment_ports_and_probes():

@@ -1,6 +1,8 @@
 """Stand-ins for engines in router tests: small aiohttp apps on 127.0.0.1 that record what they were sent and
-answer like a prefill or decode engine would (real engines behind the router are covered by the end-to-end
-P/D tests). Everything runs on one event loop in a background thread; tests hand it coroutines."""
+answer like a prefill or decode engine would, and (``events=True``) publish KV-cache event batches on a ZMQ PUB
+socket advertised in /health, as engines do (real engines behind the router are covered by the end-to-end P/D
+tests and tests/router/test_routing_engines.py). Everything runs on one event loop in a background thread;
+tests hand it coroutines."""
 
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import zmq
+import zmq.asyncio
 from aiohttp import web
 from multidict import CIMultiDict
 
+from pdserve.api.kv_events import EngineLoad, KVEventBatch, encode_batch
 from pdserve.router import RouterConfig, RunningRouter, start_router
 
 KV_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_request_id": "r",
@@ -60,21 +65,44 @@ def stream_bytes(path: str, tokens: int) -> bytes:
     return b"".join(events) + b"data: [DONE]\n\n"
 
 
-def whole_answer(path: str, text: str, kv_params: dict[str, Any] | None = None) -> dict[str, Any]:
+def usage(cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": 100, "completion_tokens": 8, "total_tokens": 108,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def usage_event(path: str, cached_tokens: int) -> bytes:
+    """The last data event of a stream that asked for ``include_usage``."""
+    kind = "chat.completion.chunk" if path.endswith("/chat/completions") else "text_completion"
+    return b"data: " + msgspec.json.encode({"id": "c1", "object": kind, "created": 1, "model": "demo", "choices": [],
+                                            "usage": usage(cached_tokens)}) + b"\n\n"
+
+
+def whole_answer(path: str, text: str, kv_params: dict[str, Any] | None = None,
+                 cached_tokens: int | None = None) -> dict[str, Any]:
+    extra = {} if cached_tokens is None else {"usage": usage(cached_tokens)}
     if path.endswith("/chat/completions"):
         return {"id": "c1", "object": "chat.completion", "created": 1, "model": "demo", "kv_transfer_params": kv_params,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": "length"}]}
+                             "finish_reason": "length"}], **extra}
     return {"id": "c1", "object": "text_completion", "created": 1, "model": "demo", "kv_transfer_params": kv_params,
-            "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}
+            "choices": [{"index": 0, "text": text, "finish_reason": "length"}], **extra}
 
 
 class Stub:
     """A prefill or decode engine stand-in. Settable: ``status`` (answer with an error), ``kv_params``
-    (what prefill returns), ``tokens`` and ``delay`` (per token for decode, once for prefill), ``die_after``."""
+    (what prefill returns), ``tokens`` and ``delay`` (per token for decode, once for prefill), ``die_after``,
+    ``cached_tokens`` (reported in usage when set; streams add a usage event when asked). With ``events``, it
+    publishes KV-event batches (``publish``) on the port its /health advertises."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, events: bool = False) -> None:
         self.role = role
+        self.events = events
+        self.cached_tokens: int | None = None
+        self.engine_id = f"stub-{id(self):x}"
+        self.seq = 0
+        self.kv_events_port: int | None = None
+        self._context: zmq.asyncio.Context | None = None
+        self._publisher: zmq.asyncio.Socket | None = None
         self.seen: list[Seen] = []
         self.status = 200
         self.kv_params: dict[str, Any] | None = KV_PARAMS
@@ -96,15 +124,46 @@ class Stub:
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        if self.events:
+            self._context = zmq.asyncio.Context()
+            self._publisher = self._context.socket(zmq.PUB)
+            self._publisher.setsockopt(zmq.LINGER, 0)
+            self.kv_events_port = self._publisher.bind_to_random_port("tcp://127.0.0.1")
         return self
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._publisher is not None:
+            self._publisher.close(linger=0)
+            self._context.term()
+            self._publisher = self._context = None
+
+    async def publish(self, stored: list[bytes] = (), removed: list[bytes] = (), snapshot: list[bytes] | None = None,
+                      block_size: int = 16, load: EngineLoad | None = None, seq: int | None = None) -> None:
+        """Publish one batch (consecutive ``seq`` unless given)."""
+        self.seq = self.seq if seq is None else seq
+        batch = KVEventBatch(self.engine_id, self.seq, block_size, list(stored), list(removed),
+                             load or EngineLoad(0, 0, 0, 0.0, 0), None if snapshot is None else list(snapshot))
+        self.seq += 1
+        await self._publisher.send(encode_batch(batch))
+
+    async def rebind_events(self) -> None:
+        """What a restarted engine looks like to a router: another events port, another engine id."""
+        self._publisher.close(linger=0)
+        self._publisher = self._context.socket(zmq.PUB)
+        self._publisher.setsockopt(zmq.LINGER, 0)
+        self.kv_events_port = self._publisher.bind_to_random_port("tcp://127.0.0.1")
+        self.engine_id, self.seq = f"stub-{id(self):x}-again", 0
+
+    async def send_raw(self, *frames: bytes) -> None:
+        await self._publisher.send_multipart(list(frames))
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        if self.kv_events_port is None:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "ok", "kv_events_port": self.kv_events_port})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -120,12 +179,16 @@ class Stub:
                                          headers={"Retry-After": "2"} if self.status == 503 else None)
             if self.role == "prefill":
                 await asyncio.sleep(self.delay)
-                return web.json_response(whole_answer(request.path, "x", self.kv_params))
+                return web.json_response(whole_answer(request.path, "x", self.kv_params, self.cached_tokens))
             if not body.get("stream"):
-                return web.json_response(whole_answer(request.path, "".join(f"t{i} " for i in range(self.tokens))))
+                return web.json_response(whole_answer(request.path, "".join(f"t{i} " for i in range(self.tokens)),
+                                                      cached_tokens=self.cached_tokens))
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            for i, event in enumerate(stream_bytes(request.path, self.tokens).split(b"\n\n")[:-1]):
+            events = stream_bytes(request.path, self.tokens).split(b"\n\n")[:-1]
+            if self.cached_tokens is not None and (body.get("stream_options") or {}).get("include_usage"):
+                events.insert(-1, usage_event(request.path, self.cached_tokens)[:-2])
+            for i, event in enumerate(events):
                 if i == self.die_after:
                     request.transport.close()
                     return response
@@ -153,12 +216,13 @@ class Cluster:
         self._stubs: list[Stub] = []
         self._routers: list[RunningRouter] = []
 
-    def stub(self, role: str) -> Stub:
-        stub = self.loop.run(Stub(role).start())
+    def stub(self, role: str, events: bool = False) -> Stub:
+        stub = self.loop.run(Stub(role, events).start())
         self._stubs.append(stub)
         return stub
 
     def router(self, prefill: list[str], decode: list[str], **settings: Any) -> RunningRouter:
+        settings.setdefault("pd_min_prefill_tokens", 0)  # tests of the decider turn it on themselves
         running = self.loop.run(start_router(RouterConfig(prefill, decode, **settings)))
         self._routers.append(running)
         return running
@@ -171,8 +235,8 @@ class Cluster:
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """One sample's value from Prometheus text (0 when absent)."""
-    label_text = ",".join(f'{key}="{value}"' for key, value in labels.items())
+    """One sample's value from Prometheus text (0 when absent); labels in any order (the text sorts them)."""
+    label_text = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
     pattern = re.escape(name + (f"{{{label_text}}}" if labels else "")) + r" (\S+)"
     match = re.search("^" + pattern + "$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0

@@ -1,0 +1,107 @@
+"""KVSubscriber: one asyncio task per pod that publishes KV-cache events, reading its ZMQ PUB socket into the
+router's KVIndex (pdserve/router/kv_index.py).
+
+Where a pod publishes comes from its /health answer (``kv_events_port``, read by pods.HealthChecker); the
+host is the pod's own. A pod that leaves (discovery) is unsubscribed and forgotten; one whose port changes (a
+restarted engine) is subscribed afresh. ZMQ reconnects by itself to a publisher that went away and came back
+on the same port. Bounded: at most ``RCVHWM`` batches wait in the socket, and a frame over
+``MAX_BATCH_BYTES`` makes ZMQ drop that connection (it reconnects) instead of buffering it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Collection
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from pdserve.api.kv_events import MAX_BATCH_BYTES, decode_batch
+from pdserve.router.kv_index import KVIndex
+
+logger = logging.getLogger(__name__)
+
+RCVHWM = 1000  # batches queued per pod before ZMQ drops (the index then waits for a snapshot)
+RECONNECT_IVL_MAX_MS = 5000
+
+
+def events_endpoint(pod_url: str, port: int) -> str:
+    """tcp://HOST:PORT for a pod at ``pod_url`` publishing on ``port``."""
+    host = urlsplit(pod_url).hostname or "127.0.0.1"
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class KVSubscriber:
+    def __init__(self, index: KVIndex, on_malformed: Callable[[], None] | None = None) -> None:
+        self.index = index
+        self.on_malformed = on_malformed
+        self._context: zmq.asyncio.Context | None = None
+        self._tasks: dict[str, tuple[str, asyncio.Task[None]]] = {}  # pod URL -> (endpoint, reader)
+
+    def endpoints(self) -> dict[str, str]:
+        return {url: endpoint for url, (endpoint, _) in self._tasks.items()}
+
+    def follow(self, url: str, port: int | None) -> None:
+        """Subscribe to the pod at ``url`` publishing on ``port`` (None: it does not publish)."""
+        endpoint = None if port is None else events_endpoint(url, port)
+        current = self._tasks.get(url)
+        if current is not None and current[0] == endpoint:
+            return
+        if current is not None:
+            self._drop(url)
+        if endpoint is None:
+            return
+        if self._context is None:
+            self._context = zmq.asyncio.Context()
+        logger.info("following KV events of %s at %s", url, endpoint)
+        self._tasks[url] = (endpoint, asyncio.create_task(self._read(url, endpoint)))
+
+    def retain(self, urls: Collection[str]) -> None:
+        """Unsubscribe from, and forget, every pod not in ``urls`` (they left)."""
+        for url in [url for url in self._tasks if url not in urls]:
+            self._drop(url)
+        for url in [url for url in self.index.pods if url not in urls]:
+            self.index.forget(url)
+
+    def _drop(self, url: str) -> None:
+        _, task = self._tasks.pop(url)
+        task.cancel()
+        self.index.forget(url)
+
+    async def close(self) -> None:
+        tasks = [task for _, task in self._tasks.values()]
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._context is not None:
+            self._context.term()
+            self._context = None
+
+    async def _read(self, url: str, endpoint: str) -> None:
+        assert self._context is not None
+        socket = self._context.socket(zmq.SUB)
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.RCVHWM, RCVHWM)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+            socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+            if endpoint.startswith("tcp://["):
+                socket.setsockopt(zmq.IPV6, 1)
+            socket.setsockopt(zmq.SUBSCRIBE, b"")
+            socket.connect(endpoint)
+            index = self.index
+            while True:
+                frames = await socket.recv_multipart()
+                batch = decode_batch(frames[0]) if len(frames) == 1 else None
+                if batch is None:
+                    if self.on_malformed is not None:
+                        self.on_malformed()
+                    continue
+                index.apply(url, batch)
+        except zmq.ZMQError as error:  # a bad endpoint: say so, keep routing without this pod's picture
+            logger.warning("KV events of %s at %s: %s", url, endpoint, error)
+        finally:
+            socket.close(linger=0)
