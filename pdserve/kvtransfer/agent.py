@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 # How often the loop wakes while transfers or holds need polling (NIXL progress, notifications).
 ACTIVE_POLL_MS = 1
 IDLE_POLL_MS = 100
+EARLY_READ_GRACE_S = 1.0
+MAX_EARLY_READS = 1024
 
 
 @dataclass
@@ -84,6 +87,9 @@ class TransferAgent:
         self._stop = threading.Event()
         # Prefill side: request id -> (held block ids, lease deadline).
         self._held: dict[str, tuple[list[int], float]] = {}
+        # TCP reads that came before their hold: (give up at, peer identity, message).
+        self._early_reads: list[tuple[float, bytes, messages.ReadBlocks]] = []
+        self._released: deque[str] = deque(maxlen=4096)  # recent releases: a read of these is late, not early
         # Decode side.
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._tracked: dict[str, RemotePrefill] = {}  # leases to renew
@@ -140,8 +146,10 @@ class TransferAgent:
             self._context.term()
 
     def _step(self) -> None:
-        busy = self.transport.busy or self._held or self._delayed
-        for socket, _ in self._poller.poll((0 if self.transport.busy else ACTIVE_POLL_MS) if busy else IDLE_POLL_MS):
+        busy = self.transport.busy or self._held or self._delayed or self._early_reads
+        ready = self._poller.poll((0 if self.transport.busy else ACTIVE_POLL_MS) if busy else IDLE_POLL_MS)
+        self._take_work()  # first: a read may have come together with the hold it reads
+        for socket, _ in ready:
             if socket is self._server:
                 self._serve()
             elif socket is self._wake_recv:
@@ -149,8 +157,8 @@ class TransferAgent:
                     self._wake_recv.recv()
             else:
                 self._on_peer_reply(socket)
-        self._take_work()
         now = time.monotonic()
+        self._retry_early_reads(now)
         self._start_delayed(now)
         for request_id in self.transport.poll_releases():
             self._release(request_id)
@@ -219,9 +227,15 @@ class TransferAgent:
                                        self.transport.block_bytes, self.transport.num_blocks,
                                        self.transport.local_info(), error)
 
-    def _serve_read(self, identity: bytes, message: messages.ReadBlocks) -> None:
+    def _serve_read(self, identity: bytes, message: messages.ReadBlocks, retried: bool = False) -> None:
         held = self._held.get(message.request_id)
         error = None
+        if (held is None and not retried and message.request_id not in self._released
+                and len(self._early_reads) < MAX_EARLY_READS):
+            # Not held yet? The engine hands this agent a hold one step after the request finished,
+            # and the params may reach a fast decode engine before that: wait a little for it.
+            self._early_reads.append((time.monotonic() + EARLY_READ_GRACE_S, identity, message))
+            return
         if held is None:
             error = "the blocks are not held (lease expired or released)"
         elif not set(message.block_ids) <= set(held[0]) or len(set(message.block_ids)) != len(message.block_ids):
@@ -245,7 +259,18 @@ class TransferAgent:
         if message.release:
             self._release(message.request_id)
 
+    def _retry_early_reads(self, now: float) -> None:
+        if not self._early_reads:
+            return
+        waiting, self._early_reads = self._early_reads, []
+        for deadline, identity, message in waiting:
+            if message.request_id in self._held or deadline <= now:
+                self._serve_read(identity, message, retried=True)
+            else:
+                self._early_reads.append((deadline, identity, message))
+
     def _release(self, request_id: str) -> None:
+        self._released.append(request_id)
         if self._held.pop(request_id, None) is not None:
             with self._results_lock:
                 self._results.finished_sending.add(request_id)
