@@ -29,9 +29,11 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
-                        add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
-    """Token ids of a conversation rendered by the model's chat template; ValueError for anything the
-    template or the given variables cannot render."""
+                        add_generation_prompt: bool = True,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of a conversation rendered by the model's chat template, with ``template_kwargs`` as
+    extra template variables; ValueError for anything the template or the variables cannot render."""
+    template_kwargs = template_kwargs or {}
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))

@@ -240,8 +240,8 @@ class EngineServer:
             raise ProtocolError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            prompt = apply_chat_template(self.tokenizer, messages,
-                                         body.add_generation_prompt is not False, **(body.chat_template_kwargs or {}))
+            prompt = apply_chat_template(self.tokenizer, messages, body.add_generation_prompt is not False,
+                                         body.chat_template_kwargs)
         except ValueError as error:
             raise ProtocolError(str(error), param="messages") from error
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

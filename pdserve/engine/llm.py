@@ -130,7 +130,7 @@ class LLM:
         """One conversation (a list of messages) or several; each through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conversation, add_generation_prompt,
-                                                            **(chat_template_kwargs or {}))}
+                                                            chat_template_kwargs)}
                    for conversation in conversations]
         return self.generate(prompts, sampling_params)
 

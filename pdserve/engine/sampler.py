@@ -92,8 +92,10 @@ def apply_penalties(logits: torch.Tensor, request: Request, vocab_size: int) -> 
         seen[torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=device)] = True
         seen |= output_counts > 0
         penalty = params.repetition_penalty
-        logits.copy_(torch.where(seen & (logits > 0), logits / penalty,
-                                 torch.where(seen, logits * penalty, logits)))
+        penalised = torch.where(seen & (logits > 0), logits / penalty, torch.where(seen, logits * penalty, logits))
+        # An extreme penalty overflows to ±inf (then NaN in softmax): keep the result finite.
+        limit = torch.finfo(logits.dtype).max
+        logits.copy_(penalised.clamp(-limit, limit))
     if params.frequency_penalty:
         logits -= params.frequency_penalty * output_counts
     if params.presence_penalty:

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 import zlib
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +44,7 @@ ACTIVE_POLL_MS = 1
 IDLE_POLL_MS = 100
 EARLY_READ_GRACE_S = 1.0
 MAX_EARLY_READS = 1024
+MAX_REMEMBERED_RELEASES = 4096
 
 
 @dataclass
@@ -89,7 +90,9 @@ class TransferAgent:
         self._held: dict[str, tuple[list[int], float]] = {}
         # TCP reads that came before their hold: (give up at, peer identity, message).
         self._early_reads: list[tuple[float, bytes, messages.ReadBlocks]] = []
-        self._released: deque[str] = deque(maxlen=4096)  # recent releases: a read of these is late, not early
+        # Recent releases (bounded, oldest dropped): a read of these is late, not early; and a release
+        # that came before its hold (decode gave up at once) ends that hold the moment it arrives.
+        self._released: OrderedDict[str, None] = OrderedDict()
         # Decode side.
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._tracked: dict[str, RemotePrefill] = {}  # leases to renew
@@ -175,6 +178,8 @@ class TransferAgent:
                 return
             for request_id, block_ids in work.holds:
                 self._held[request_id] = (block_ids, now + self.config.lease_seconds)
+                if request_id in self._released:
+                    self._release(request_id)
             for request_id in work.unholds:  # after the holds: a hold and its cancel may come together
                 self._held.pop(request_id, None)
             for request_id, remote in work.tracks:
@@ -270,7 +275,9 @@ class TransferAgent:
                 self._early_reads.append((deadline, identity, message))
 
     def _release(self, request_id: str) -> None:
-        self._released.append(request_id)
+        self._released[request_id] = None
+        if len(self._released) > MAX_REMEMBERED_RELEASES:
+            self._released.popitem(last=False)
         if self._held.pop(request_id, None) is not None:
             with self._results_lock:
                 self._results.finished_sending.add(request_id)

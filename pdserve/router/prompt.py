@@ -132,7 +132,7 @@ class PromptReader:
 
     def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                      template_kwargs: dict[str, Any]) -> list[int]:
-        return self._template(self.tokenizer, messages, add_generation_prompt, **template_kwargs)
+        return self._template(self.tokenizer, messages, add_generation_prompt, template_kwargs)
 
     async def _run(self, size: int, function: Any, *args: Any) -> Any:
         if size <= INLINE_CHARS:

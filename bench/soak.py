@@ -1,0 +1,441 @@
+"""Soak test of a local P/D cluster: does anything leak when clients misbehave?
+
+Starts a router, one prefill and one decode engine (`python -m pdserve.cli prefill|decode|router`, demo model,
+CPU, free ports), then sends N requests through the router, 16 at a time: completions and chat, prompts of
+5-300 tokens (token-id lists or text), 1-64 output tokens, streamed or not. About 60% of the clients read their
+answer to the end, 30% disconnect at a random moment of their first 0.5 s (those answered sooner count as
+completed), 10% close the connection right after sending the request.
+
+It measures each engine's RSS (its API process plus its children: the engine core and multiprocessing's resource
+tracker) and the router's, once the first 10% of the requests (the warm-up) have ended and the cluster is idle,
+and again at the end. At the end (waiting up to the KV lease + 10 s, so holds of prefill legs whose decode leg
+never came may expire) it checks that the prefill holds no blocks for remote decodes, that no engine owns a KV
+block, and that nothing is running, waiting or waiting for remote KV.
+
+ok is true when: every process is alive and healthy, no request failed (anything but a 200 read to its end or a
+deliberate disconnect; the router saw no failing leg), nothing leaked, and no process's RSS grew by more than
+64 MiB (--rss-bound-mib) between the warm-up and the end. Exit code 1 otherwise.
+
+Prints a report; the last line is JSON. On a 2-core CPU machine it runs 15-30 s for --requests 200 and 30-50 s
+for --requests 1000 (startup ~10 s and the final wait for idle, at most the lease + 10 s, included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+LEASE_SECONDS = 5
+ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", "8MiB", "--kv-lease-seconds",
+                str(LEASE_SECONDS), "--served-model-name", "demo", "--log-level", "warning"]
+CONCURRENCY = 16
+REQUEST_TIMEOUT_S = 180
+# Router error kinds that mean a leg failed (the router may hide them from the client, e.g. a prefill 5xx falls
+# back to decode-only). Client disconnects are expected here; retries of an overloaded pod are not failures.
+ROUTER_LEG_FAILURES = ("prefill_unreachable", "prefill_5xx", "prefill_bad_answer", "no_prefill",
+                       "decode_unreachable", "no_decode", "decode_broken", "timeout")
+IDLE_SERIES = ("pdserve_num_requests_running", "pdserve_num_requests_waiting",
+               "pdserve_num_requests_waiting_for_remote_kv", "pdserve_kv_blocks_held_for_remote",
+               "pdserve_kv_cache_usage_ratio")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# ----- processes ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    port: int
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, env: dict[str, str]) -> None:
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *self.argv], env=env,
+                                            stdout=log, stderr=subprocess.STDOUT)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def wait_healthy(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, size: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-size:]
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)  # engines drain first: at the end there is nothing to drain
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def start_cluster(log_dir: Path, transport: str) -> tuple[Server, Server, Server]:
+    from pdserve.models.demo import ensure_demo_model
+
+    model = str(ensure_demo_model())
+    # One OpenMP thread each and passive waits: two engines share a small machine without spinning on each other.
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    env.pop("PDSERVE_KV_FAULTS", None)
+    engines = []
+    for role in ("prefill", "decode"):
+        port = free_port()
+        argv = [role, "--port", str(port), "--model", model, "--kv-transfer", transport, "--kv-side-channel-port",
+                str(free_port()), *ENGINE_FLAGS]
+        engines.append(Server(role, argv, port, log_dir / f"{role}.log"))
+    prefill, decode = engines
+    router_port = free_port()
+    router = Server("router", ["router", "--port", str(router_port), "--log-level", "warning", "--prefill",
+                               prefill.url, "--decode", decode.url], router_port, log_dir / "router.log")
+    try:
+        for engine in engines:
+            engine.start(env)
+        for engine in engines:
+            engine.wait_healthy()
+        router.start(env)
+        router.wait_healthy()
+    except BaseException:
+        for server in (router, *engines):
+            server.stop()
+        raise
+    return prefill, decode, router
+
+
+# ----- measurements -------------------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc: no dependency)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                # The command name may hold spaces and parentheses: the parent pid follows the last ")".
+                ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry))
+    found, pending = [], [pid]
+    while pending:
+        for child in parents.get(pending.pop(), []):
+            found.append(child)
+            pending.append(child)
+    return found
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def tree_rss_mib(pid: int) -> float:
+    """RSS of a process and all its descendants, in MiB (psutil when installed, else /proc)."""
+    try:
+        import psutil
+    except ImportError:
+        return sum(_rss_bytes(p) for p in [pid, *_children(pid)]) / (1 << 20)
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return total / (1 << 20)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """A server's /metrics as {series with labels: value}."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+    return values
+
+
+def kv_state(url: str) -> dict[str, float]:
+    """The idle-relevant series of an engine, plus the blocks it owns (usage x pool size)."""
+    values = metrics(url)
+    state = {name: values.get(name, 0.0) for name in IDLE_SERIES}
+    pool = next((int(m.group(1)) for name in values if (m := re.search(r'num_gpu_blocks="(\d+)"', name))), 0)
+    state["owned_blocks"] = round(state["pdserve_kv_cache_usage_ratio"] * pool)
+    return state
+
+
+def is_idle(state: dict[str, float]) -> bool:
+    return all(state[name] == 0 for name in IDLE_SERIES)
+
+
+def wait_idle(engines: list[Server], timeout: float) -> tuple[dict[str, dict[str, float]], float]:
+    """Poll until every engine is idle (or ``timeout``); returns the last states seen and the seconds waited."""
+    started = time.monotonic()
+    while True:
+        states = {engine.name: kv_state(engine.url) for engine in engines}
+        waited = time.monotonic() - started
+        if all(is_idle(state) for state in states.values()) or waited > timeout:
+            return states, waited
+        time.sleep(0.25)
+
+
+# ----- the workload -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    index: int
+    path: str
+    body: dict[str, Any]
+    behaviour: str  # "read": to the end; "disconnect": leave at leave_after s; "abort": close once sent
+    leave_after: float = 0.0
+
+
+def make_plans(count: int, seed: int, start: int = 0) -> list[Plan]:
+    from pdserve.api.tokenizer import load_tokenizer
+    from pdserve.models.demo import ensure_demo_model
+
+    tokenizer = load_tokenizer(str(ensure_demo_model()))
+    vocab_size = len(tokenizer)
+    rng = random.Random(seed)
+    plans = []
+    for index in range(start, start + count):
+        length = rng.choice([rng.randint(5, 30), rng.randint(30, 120), rng.randint(120, 300)])
+        ids = [rng.randrange(3, vocab_size) for _ in range(length)]  # 0-2 are special tokens
+        text = tokenizer.decode(ids)
+        max_tokens = rng.choice([1, rng.randint(2, 16), rng.randint(16, 64), 64])
+        common = {"model": "demo", "max_tokens": max_tokens, "stream": rng.random() < 0.5,
+                  "temperature": rng.choice([0.0, 0.8]), "ignore_eos": rng.random() < 0.7}
+        if common["stream"] and rng.random() < 0.5:
+            common["stream_options"] = {"include_usage": True}
+        if rng.random() < 0.5:
+            path, body = "/v1/completions", {"prompt": ids if rng.random() < 0.5 else text, **common}
+        else:
+            path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], **common}
+        draw = rng.random()
+        behaviour = "read" if draw < 0.6 else "disconnect" if draw < 0.9 else "abort"
+        # A moment within the typical life of a request here (~0.1-1 s: queueing, prefill leg, transfer, decode).
+        plans.append(Plan(index, path, body, behaviour, leave_after=rng.uniform(0.0, 0.5)))
+    return plans
+
+
+@dataclass
+class Outcomes:
+    completed: int = 0
+    disconnected: int = 0  # left before the end, as planned
+    aborted: int = 0  # closed right after sending
+    errors: Counter = field(default_factory=Counter)
+    samples: dict[str, str] = field(default_factory=dict)  # one example per error kind
+
+    def error(self, kind: str, detail: str) -> None:
+        self.errors[kind] += 1
+        self.samples.setdefault(kind, detail[:300])
+
+
+async def _read(session: aiohttp.ClientSession, url: str, plan: Plan) -> tuple[str, str]:
+    """Send the request and read the answer to its end: ("completed", "") or (error kind, detail)."""
+    async with session.post(url + plan.path, json=plan.body) as response:
+        payload = await response.read()
+        if response.status != 200:
+            return f"http_{response.status}", payload.decode(errors="replace")
+        if not plan.body["stream"]:
+            answer = json.loads(payload)
+            return ("completed", "") if answer.get("choices") else ("bad_answer", payload.decode()[:300])
+        events = [event for event in payload.decode(errors="replace").split("\n\n") if event.strip()]
+        if any('"error"' in event for event in events):
+            return "stream_error_event", next(event for event in events if '"error"' in event)
+        if not events or events[-1] != "data: [DONE]":
+            return "stream_incomplete", events[-1] if events else "(empty)"
+        return "completed", ""
+
+
+async def _abort(url: str, plan: Plan) -> None:
+    """Write the whole request, then close the connection without reading a byte."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(plan.body).encode()
+    head = (f"POST {plan.path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head + body)
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+
+
+async def run_plans(url: str, plans: list[Plan], outcomes: Outcomes) -> None:
+    queue: asyncio.Queue[Plan] = asyncio.Queue()
+    for plan in plans:
+        queue.put_nowait(plan)
+    # force_close: a connection per request, so leaving one never disturbs another client's keep-alive connection.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def worker() -> None:
+            while not queue.empty():
+                plan = queue.get_nowait()
+                try:
+                    if plan.behaviour == "abort":
+                        await _abort(url, plan)
+                        outcomes.aborted += 1
+                        continue
+                    limit = plan.leave_after if plan.behaviour == "disconnect" else None
+                    kind, detail = await asyncio.wait_for(_read(session, url, plan), limit)
+                except TimeoutError:
+                    if plan.behaviour == "disconnect":
+                        outcomes.disconnected += 1  # wait_for cancelled the read: the connection is closed
+                    else:
+                        outcomes.error("timeout", f"request {plan.index}")
+                    continue
+                except (aiohttp.ClientError, OSError, ValueError) as error:
+                    outcomes.error(f"client_{type(error).__name__}", f"request {plan.index}: {error}")
+                    continue
+                if kind == "completed":
+                    outcomes.completed += 1
+                else:
+                    outcomes.error(kind, f"request {plan.index} {plan.path} {json.dumps(plan.body)[:120]}: {detail}")
+
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+
+
+# ----- the run ------------------------------------------------------------------------------------------------
+
+
+def router_counts(url: str) -> tuple[dict[str, float], dict[str, float]]:
+    values = metrics(url)
+    paths = {m.group(1): v for name, v in values.items()
+             if (m := re.fullmatch(r'pdserve_router_requests_total\{path="(\w+)"\}', name))}
+    errors = {m.group(1): v for name, v in values.items()
+              if (m := re.fullmatch(r'pdserve_router_errors_total\{kind="(\w+)"\}', name)) and v}
+    return paths, errors
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transport", choices=["nixl", "tcp"], default="nixl")
+    parser.add_argument("--rss-bound-mib", type=float, default=64.0,
+                        help="largest RSS growth allowed per process (engine: API + core) after the warm-up")
+    parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder, kept on failure)")
+    args = parser.parse_args()
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-soak-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    warmup_count = max(1, args.requests // 10)
+    plans = make_plans(args.requests, args.seed)
+    prefill, decode, router = start_cluster(log_dir, args.transport)
+    servers, engines = [prefill, decode, router], [prefill, decode]
+    outcomes = Outcomes()
+    try:
+        print(f"cluster up in {time.monotonic() - started:.1f} s ({args.transport}); logs in {log_dir}", flush=True)
+        run_started = time.monotonic()
+        asyncio.run(run_plans(router.url, plans[:warmup_count], outcomes))
+        wait_idle(engines, LEASE_SECONDS + 10)
+        rss_warm = {server.name: tree_rss_mib(server.process.pid) for server in servers}
+        asyncio.run(run_plans(router.url, plans[warmup_count:], outcomes))
+        run_seconds = time.monotonic() - run_started
+        final, idle_after = wait_idle(engines, LEASE_SECONDS + 10)
+        expirations = metrics(prefill.url).get("pdserve_kv_lease_expirations_total", 0)
+        rss_end = {server.name: tree_rss_mib(server.process.pid) for server in servers}
+        paths, router_errors = router_counts(router.url)
+        alive = {server.name: server.process.poll() is None and server.healthy() for server in servers}
+    finally:
+        for server in servers:
+            server.stop()
+
+    growth = {name: rss_end[name] - rss_warm[name] for name in rss_warm}
+    leg_failures = {kind: count for kind, count in router_errors.items() if kind in ROUTER_LEG_FAILURES}
+    leftover_blocks = int(sum(max(state["owned_blocks"], state["pdserve_kv_blocks_held_for_remote"])
+                              for state in final.values()))
+    leaked = not all(is_idle(state) for state in final.values())
+    errors = sum(outcomes.errors.values())
+    ok = (all(alive.values()) and errors == 0 and not leg_failures and not leaked
+          and max(growth.values()) <= args.rss_bound_mib)
+
+    print(f"{args.requests} requests ({warmup_count} warm-up), concurrency {CONCURRENCY}, "
+          f"{run_seconds:.1f} s of traffic, {time.monotonic() - started:.1f} s in all")
+    print(f"  completed {outcomes.completed}, disconnected {outcomes.disconnected}, aborted {outcomes.aborted}, "
+          f"errors {errors}")
+    for kind, count in outcomes.errors.most_common():
+        print(f"    {kind}: {count}  e.g. {outcomes.samples[kind]}")
+    print(f"  router paths {paths}; router errors {router_errors}")
+    for name in rss_warm:
+        print(f"  RSS {name:<8} warm-up {rss_warm[name]:7.1f} MiB  end {rss_end[name]:7.1f} MiB  "
+              f"growth {growth[name]:+6.1f} MiB (bound {args.rss_bound_mib:g})")
+    # Holds whose decode leg never came (the client left between the legs) end by lease expiry, not by release.
+    print(f"  idle {idle_after:.1f} s after the last request; prefill lease expirations {expirations:g}")
+    for name, state in final.items():
+        print(f"  {name} at the end: " + ", ".join(f"{key.removeprefix('pdserve_')}={value:g}"
+                                                   for key, value in state.items()))
+    print(f"  alive and healthy: {alive}")
+    if not ok:
+        print(f"  NOT OK; server logs kept in {log_dir}")
+    elif args.log_dir is None:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    print(json.dumps({"bench": "soak", "requests": args.requests, "completed": outcomes.completed,
+                      "left": outcomes.disconnected + outcomes.aborted, "errors": errors,
+                      "rss_growth_mib": round(max(growth.values()), 1), "leftover_blocks": leftover_blocks,
+                      "ok": ok}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

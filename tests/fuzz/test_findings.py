@@ -1,0 +1,110 @@
+"""What the fuzzing found breaking an engine or its side-channel decoding, each as the smallest trigger, kept as
+regression tests (all fixed). The P/D findings that need a cluster are in test_router_openapi.py, the side
+channel's read amplification in test_side_channel.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.engine_args import EngineArgs
+from pdserve.kvtransfer import messages
+from pdserve.models.demo import ensure_demo_model
+from tests.fuzz.openapi_fuzz import get_json
+from tests.pd.cluster import post
+from tests.server.helpers import ServerThread
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    # Its own engine: the last test here killed its core before the fix.
+    model = str(ensure_demo_model(tmp_path_factory.mktemp("cache")))
+    thread = ServerThread(EngineArgs(model=model, max_model_len=64, kv_cache_memory=16 << 20, device="cpu"))
+    yield thread
+    thread.close()
+
+
+def _completion(engine, **fields) -> tuple[int, dict]:
+    return post(f"{engine.running.url}/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4, **fields})
+
+
+def _chat(engine, **fields) -> tuple[int, dict]:
+    return post(f"{engine.running.url}/v1/chat/completions", {
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields})
+
+
+# They used to reach core_client.add_request, whose msgpack encoding raised OverflowError: 500.
+OVERFLOWS = {
+    "seed_2**64": {"seed": 1 << 64},
+    "seed_below_int64": {"seed": -(1 << 63) - 1},
+    "seed_plus_choice_index": {"seed": (1 << 64) - 1, "n": 2},
+    "top_k_2**64": {"top_k": 1 << 64},
+    "stop_token_id_2**64": {"stop_token_ids": [1 << 64]},
+}
+
+
+@pytest.mark.parametrize("fields", OVERFLOWS.values(), ids=OVERFLOWS.keys())
+def test_integers_beyond_64_bits_are_refused(engine, fields):
+    status, answer = _completion(engine, **fields)
+    assert status == 400, answer
+
+
+# Arguments of transformers' apply_chat_template, and values its rendering cannot take: they used to raise
+# TypeError or jinja2's TemplateSyntaxError (500).
+TEMPLATE_KWARGS = {
+    "tokenize": {"tokenize": True},
+    "conversation": {"conversation": []},
+    "template_syntax": {"chat_template": "{% for %}"},
+    "template_not_a_string": {"chat_template": 1},
+    "tools_not_a_list": {"tools": 1},
+}
+
+
+@pytest.mark.parametrize("kwargs", TEMPLATE_KWARGS.values(), ids=TEMPLATE_KWARGS.keys())
+def test_chat_template_kwargs_that_cannot_render_are_refused(engine, kwargs):
+    status, answer = _chat(engine, chat_template_kwargs=kwargs)
+    assert status == 400, answer
+
+
+@pytest.mark.parametrize("key", ["tokenizer", "messages", "add_generation_prompt"])
+def test_chat_template_kwargs_named_like_pdserve_parameters_do_not_collide(engine, key):
+    # They used to collide with apply_chat_template's own parameters (TypeError: 500). Now the rendering's own
+    # arguments are refused, and any other name is a template variable.
+    status, answer = _chat(engine, chat_template_kwargs={key: []})
+    assert status == (200 if key == "tokenizer" else 400), answer
+
+
+def test_tiny_top_p_keeps_the_top_token(engine):
+    # top_p used to become a float32 0 below ~1e-45: every token masked, token 0 (<|endoftext|>) each step.
+    # Keeping only the top token is greedy decoding.
+    greedy = _completion(engine, temperature=0, max_tokens=6)
+    tiny = _completion(engine, top_p=1e-300, seed=1, max_tokens=6)
+    assert greedy[0] == tiny[0] == 200
+    assert tiny[1]["choices"][0]["text"] == greedy[1]["choices"][0]["text"]
+
+
+def test_tiny_repetition_penalty_samples_seen_tokens(engine):
+    # A penalty below 1 boosts the tokens already seen (at 1e-30, short of the overflow, only the prompt's tokens
+    # come out); the smaller the penalty, the stronger the boost.
+    prompt = [100, 200, 300, 400]
+    status, answer = _completion(engine, prompt=prompt, repetition_penalty=1e-300, temperature=1.0, seed=3,
+                                 logprobs=0)
+    assert status == 200, answer
+    tokenizer = engine.running.server.tokenizer
+    assert set(answer["choices"][0]["logprobs"]["tokens"]) <= {tokenizer.decode([token]) for token in prompt}, answer
+
+
+def test_deeply_nested_side_channel_frame_decodes_to_none():
+    # A frame nested beyond the recursion limit used to raise RecursionError out of messages.decode, into the
+    # agent's catch-all (a logged traceback and a 10 ms stall per frame).
+    frame = b"\x81\xa1a" * 1000  # 3000 bytes: maps nested 1000 deep
+    assert len(frame) < messages.MAX_MESSAGE_BYTES
+    assert messages.decode(frame) is None
+
+
+def test_top_k_beyond_int64_does_not_kill_the_engine(engine):
+    # Last in the module, should it come back: top_k in [2**63, 2**64) used to kill the engine core
+    # (sampler.filter_logits: torch.tensor([top_k]) overflows), and through the router the decode engine too.
+    status, answer = _completion(engine, top_k=1 << 63)
+    assert status == 400, answer
+    assert _completion(engine)[0] == 200
+    assert get_json(f"{engine.running.url}/health")[0] == 200
