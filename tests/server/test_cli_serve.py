@@ -58,7 +58,7 @@ def test_serve_disaggregated_runs_router_prefill_and_decode_and_stops_them_all()
     port = _free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--kv-cache-memory", "32MiB",
-         "--max-model-len", "256", "--device", "cpu", "--kv-transfer", "tcp"],
+         "--max-model-len", "512", "--device", "cpu", "--kv-transfer", "tcp"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -72,7 +72,7 @@ def test_serve_disaggregated_runs_router_prefill_and_decode_and_stops_them_all()
                 time.sleep(0.3)
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type": "application/json"},
-            data=json.dumps({"prompt": "hello there", "max_tokens": 3}).encode())
+            data=json.dumps({"prompt": "word " * 100, "max_tokens": 3}).encode())  # > 256 tokens: worth a prefill leg
         with urllib.request.urlopen(request, timeout=60) as response:
             assert len(json.loads(response.read())["choices"]) == 1
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
