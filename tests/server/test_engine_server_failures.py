@@ -151,3 +151,30 @@ def test_drain_refuses_new_work_and_lets_running_streams_finish(args):
         connection.close()
     finally:
         server.close()
+
+
+def test_a_client_that_stops_reading_holds_up_nobody(args):
+    """A stream whose reader never reads (a tiny receive buffer, full at once) must not stall the event
+    loop: other requests and /health answer as usual meanwhile."""
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    server = ServerThread(args)
+    url = urlparse(server.running.url)
+    stalled = socket.create_connection((url.hostname, url.port))
+    try:
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        body = json.dumps({"model": "demo", "prompt": "go on", "max_tokens": 200, "ignore_eos": True,
+                           "stream": True, "n": 4}).encode()
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        for _ in range(5):
+            started = time.monotonic()
+            status, _, answer = _completion(server.running.url, max_tokens=8)
+            assert status == 200 and time.monotonic() - started < 10, answer
+            with urllib.request.urlopen(server.running.url + "/health", timeout=5) as response:
+                assert response.status == 200
+    finally:
+        stalled.close()  # the stalled request is aborted with its connection
+        server.close()
