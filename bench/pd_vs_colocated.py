@@ -24,13 +24,14 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from pdserve.launcher import free_port
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -53,12 +54,6 @@ def build_model(folder: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (demo / name).exists():
             shutil.copy(demo / name, folder / name)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start(argv: list[str], cores: str | None, threads: int, log: Path) -> subprocess.Popen:

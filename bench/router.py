@@ -22,13 +22,14 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import msgspec
+
+from pdserve.launcher import free_port
 
 TOKENS = 8
 CONCURRENCY = 64
@@ -231,11 +232,6 @@ async def throughput(make_client, seconds: float, warmup: float = 0.5) -> float:
 
 # ----- orchestration ------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _spawn(args: list[str], core: int | None) -> subprocess.Popen:
     command = [sys.executable, __file__, *args]
@@ -262,7 +258,7 @@ async def _wait_listening(port: int) -> None:
 
 async def measure_proxy(name: str, role: str, prefill: str, decode: str, core: int | None, requests: int,
                         seconds: float) -> dict:
-    port = _free_port()
+    port = free_port()
     process = _spawn(["--serve", role, "--port", str(port), "--prefill", prefill, "--decode", decode], core)
     try:
         await _wait_listening(port)
@@ -290,7 +286,7 @@ async def run(requests: int, seconds: float) -> None:
     proxy_core, own_core = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
     if own_core is not None:
         os.sched_setaffinity(0, {own_core})  # the load generator and the stubs share the other core
-    prefill_port, decode_port = _free_port(), _free_port()
+    prefill_port, decode_port = free_port(), free_port()
     stubs = _spawn(["--serve", "stubs", "--port", str(prefill_port), "--decode-port", str(decode_port)], own_core)
     prefill, decode = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
     rows = []

@@ -30,7 +30,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,8 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.launcher import free_port
+
 LEASE_SECONDS = 5
 ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", "8MiB", "--kv-lease-seconds",
                 str(LEASE_SECONDS), "--served-model-name", "demo", "--log-level", "warning"]
@@ -56,12 +57,6 @@ ROUTER_LEG_FAILURES = ("prefill_unreachable", "prefill_5xx", "prefill_bad_answer
 IDLE_SERIES = ("pdserve_num_requests_running", "pdserve_num_requests_waiting",
                "pdserve_num_requests_waiting_for_remote_kv", "pdserve_kv_blocks_held_for_remote",
                "pdserve_kv_cache_usage_ratio")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # ----- processes ----------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -29,6 +28,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from pdserve.launcher import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -118,12 +119,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             subprocess.run(("kind", "delete", "cluster", "--name", name), check=False, timeout=300)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _http(url: str, body: dict | None = None, timeout: float = 60) -> dict:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -203,7 +198,7 @@ def _lifecycle(cluster: Cluster) -> None:
     # OpenAI requests through the router.
     router = cluster.get_json(f"service/{name}-router", *ns)
     (remote,) = [port["port"] for port in router["spec"]["ports"] if port["name"] == "http"]
-    local = _free_port()
+    local = free_port()
     forward = subprocess.Popen(("kubectl", "port-forward", *ns, f"service/{name}-router", f"{local}:{remote}"),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cluster.env)
     try:

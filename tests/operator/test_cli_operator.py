@@ -3,20 +3,14 @@ liveness on /healthz, a PDService turned into its Deployments, a clean stop on S
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
+from pdserve.launcher import free_port
 from tests.operator.helpers import DEPLOYMENTS, PDSERVICES, pdservice
 from tests.operator.kmock_cluster import wait_for
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _healthy(port: int) -> bool:
@@ -28,7 +22,7 @@ def _healthy(port: int) -> bool:
 
 
 def test_the_operator_command_serves_a_namespace(kube_cluster, kube_namespace):
-    port = _free_port()
+    port = free_port()
     # The fixture pointed KUBECONFIG at the emulator; the child inherits it.
     process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "operator", "--namespace", kube_namespace,
                                 "--liveness-port", str(port)], env=dict(os.environ),

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from pdserve.launcher import free_port
 from pdserve.models.demo import ensure_demo_model
 
 ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", "8MiB", "--served-model-name",
                 "demo", "--log-level", "warning"]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass

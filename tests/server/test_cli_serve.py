@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,18 +12,13 @@ import urllib.request
 import pytest
 
 from pdserve.cli import parse_size
+from pdserve.launcher import free_port
 from pdserve.models.demo import ensure_demo_model
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_serve_colocated_answers_and_stops_cleanly_on_sigterm():
     ensure_demo_model()  # the user's cache, as `pdserve serve` with no --model uses it
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "colocated", "--port", str(port),
          "--kv-cache-memory", "32MiB", "--max-model-len", "256", "--device", "cpu"],
@@ -55,7 +49,7 @@ def test_serve_colocated_answers_and_stops_cleanly_on_sigterm():
 
 def test_serve_disaggregated_runs_router_prefill_and_decode_and_stops_them_all():
     ensure_demo_model()
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--kv-cache-memory", "32MiB",
          "--max-model-len", "512", "--device", "cpu", "--kv-transfer", "tcp"],
