@@ -13,7 +13,11 @@ from a prompt's token ids; ``block_size`` tells it how to cut the prompt.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
+
+from pdserve.api.frames import frame_decoder
 
 SNAPSHOT_INTERVAL_S = 5.0
 
@@ -37,15 +41,6 @@ class KVEventBatch(msgspec.Struct, tag="kv_events"):
 
 
 encode_batch = msgspec.msgpack.Encoder().encode
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 MAX_BATCH_BYTES = 64 << 20
-
-
-def decode_batch(frame: bytes) -> KVEventBatch | None:
-    """The batch in a frame, or None for anything malformed or oversized."""
-    if len(frame) > MAX_BATCH_BYTES:
-        return None
-    try:
-        return _decoder.decode(frame)
-    except (msgspec.DecodeError, RecursionError):  # RecursionError: structures nested beyond Python's limit
-        return None
+# The batch in a frame, or None for anything malformed or oversized.
+decode_batch: Callable[[bytes], KVEventBatch | None] = frame_decoder(KVEventBatch, MAX_BATCH_BYTES)

@@ -10,9 +10,12 @@ types and anything else is dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
+
+from pdserve.api.frames import frame_decoder
 
 # Upper bound on one side-channel frame from a peer, except block data (which has its own bound).
 MAX_MESSAGE_BYTES = 1 << 20
@@ -56,14 +59,5 @@ class BlocksReply(msgspec.Struct, tag="blocks"):
 SideChannelMessage = Handshake | HandshakeReply | RenewLeases | ReleaseBlocks | ReadBlocks | BlocksReply
 
 encode = msgspec.msgpack.Encoder().encode
-_decoder = msgspec.msgpack.Decoder(SideChannelMessage)
-
-
-def decode(frame: bytes) -> SideChannelMessage | None:
-    """The message in a frame, or None for anything malformed or oversized (logged by the caller)."""
-    if len(frame) > MAX_MESSAGE_BYTES:
-        return None
-    try:
-        return _decoder.decode(frame)
-    except (msgspec.DecodeError, RecursionError):  # RecursionError: structures nested beyond Python's limit
-        return None
+# The message in a frame, or None for anything malformed or oversized (logged by the caller).
+decode: Callable[[bytes], SideChannelMessage | None] = frame_decoder(SideChannelMessage, MAX_MESSAGE_BYTES)

@@ -16,6 +16,18 @@ from pdserve.launcher import free_port
 from pdserve.models.demo import ensure_demo_model
 
 
+def _wait_healthy(process: subprocess.Popen, port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+
+
 def test_serve_colocated_answers_and_stops_cleanly_on_sigterm():
     ensure_demo_model()  # the user's cache, as `pdserve serve` with no --model uses it
     port = free_port()
@@ -24,15 +36,7 @@ def test_serve_colocated_answers_and_stops_cleanly_on_sigterm():
          "--kv-cache-memory", "32MiB", "--max-model-len", "256", "--device", "cpu"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                assert process.poll() is None, process.stdout.read()
-                assert time.monotonic() < deadline, "the server did not come up"
-                time.sleep(0.2)
+        _wait_healthy(process, port, 120)
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type": "application/json"},
             data=json.dumps({"prompt": "hello", "max_tokens": 3}).encode())
@@ -55,15 +59,7 @@ def test_serve_disaggregated_runs_router_prefill_and_decode_and_stops_them_all()
          "--max-model-len", "512", "--device", "cpu", "--kv-transfer", "tcp"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                assert process.poll() is None, process.stdout.read()
-                assert time.monotonic() < deadline, "the router did not come up"
-                time.sleep(0.3)
+        _wait_healthy(process, port, 180)
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type": "application/json"},
             data=json.dumps({"prompt": "word " * 100, "max_tokens": 3}).encode())  # > 256 tokens: worth a prefill leg
