@@ -33,7 +33,7 @@ REPEATS = 5
 def _kv_cache():
     import torch
 
-    from pdserve.engine.model_runner import allocate_kv_memory
+    from pdserve.worker.model_runner import allocate_kv_memory
 
     kv_cache = allocate_kv_memory((NUM_BLOCKS, BLOCK_BYTES // 4), torch.float32, torch.device("cpu"))
     kv_cache.fill_(1.0)  # touch every page now, as a serving engine's cache is after warm-up
@@ -53,7 +53,7 @@ def _agent(transport: str):
 
 
 def _prefill(transport: str, pipe) -> None:
-    from pdserve.kvtransfer.connector import TransferWork
+    from pdserve.kvtransfer.work import TransferWork
 
     agent, _, generations = _agent(transport)
     pipe.send((agent.config.engine_id, agent.port))
@@ -69,8 +69,8 @@ def _prefill(transport: str, pipe) -> None:
 
 
 def _pull_all(transport: str) -> dict[int, float]:
-    from pdserve.kvtransfer.connector import LoadSpec, TransferWork
     from pdserve.kvtransfer.params import RemotePrefill
+    from pdserve.kvtransfer.work import LoadSpec, TransferWork
 
     context = multiprocessing.get_context("spawn")
     pipe, child_pipe = context.Pipe()

@@ -18,10 +18,10 @@ import random
 import statistics
 import time
 
-from pdserve.engine.fake_runner import FakeModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.testing.fake_runner import FakeModelRunner
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 128

@@ -38,7 +38,7 @@ def __getattr__(name: str) -> Any:
     # Lazy: components that only need a small piece of pdserve (the router's block hashes) must
     # not pay for importing torch and the model code.
     if name == "LLM":
-        from pdserve.engine.llm import LLM
+        from pdserve.llm import LLM
 
         return LLM
     if name == "SamplingParams":

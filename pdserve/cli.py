@@ -125,7 +125,8 @@ async def _wait_for_signal() -> None:
 
 
 async def _run_engine(args: argparse.Namespace, role: str) -> None:
-    from pdserve.engine.api_server import ServerLimits, start_engine_server
+    from pdserve.server.app import start_engine_server
+    from pdserve.server.serving import ServerLimits
 
     limits = ServerLimits(max_in_flight=args.max_pending_requests, request_timeout=args.request_timeout)
     running = await start_engine_server(_engine_args(args, with_kv_transfer=role != "colocated"), args.host,

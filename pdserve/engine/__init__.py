@@ -1,5 +1,7 @@
-"""The engine core shared by the prefill, decode and colocated roles: requests, sampling
-parameters, the block pool and prefix cache, the KV-cache manager, the scheduler and EngineCore.
+"""Everything that runs in the EngineCore process: requests and sampling parameters, block
+hashes, the block pool and prefix cache, the KV-cache manager, the scheduler, EngineCore, the
+core process's loop and its KV-event publisher. The one place request state lives. No HTTP and
+no model tensors: the model runs in ``pdserve.worker``, driven through ``ModelExecutor``.
 
 Deliberately empty of imports: the router imports ``pdserve.engine.block_hash`` alone and must
 not pay for (or depend on) the rest of the engine.

@@ -23,6 +23,12 @@ import numpy as np
 from pdserve.engine.block_hash import BlockHash
 
 
+def new_block_generations(num_blocks: int) -> np.ndarray:
+    """The generation array of a pool of ``num_blocks`` (made before the pool when a KV connector
+    must register it first)."""
+    return np.zeros(num_blocks, dtype=np.int64)
+
+
 class KVCacheBlock:
     __slots__ = ("block_hash", "block_id", "ref_cnt")
 
@@ -37,7 +43,7 @@ class KVCacheBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, generations: np.ndarray | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -48,7 +54,13 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
-        self.generations = np.zeros(num_blocks, dtype=np.int64)
+        if generations is None:
+            generations = new_block_generations(num_blocks)
+        elif generations.shape != (num_blocks,) or generations.dtype != np.int64:
+            raise ValueError(f"block generations must be int64[{num_blocks}], got {generations.dtype}"
+                             f"{list(generations.shape)}")
+        # Shared with the KV connector's worker side, which registers it for remote reads.
+        self.generations = generations
         # Hashes that entered / left the cache since the KV-event publisher last took them
         # (None: nobody publishes, nothing is recorded).
         self.stored_log: list[BlockHash] | None = None
@@ -57,6 +69,14 @@ class BlockPool:
     def record_events(self) -> None:
         """Start recording cache changes for a KV-event publisher (pdserve/engine/kv_events.py)."""
         self.stored_log, self.removed_log = [], []
+
+    def take_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """The hashes stored and removed since the last call (both empty unless recording)."""
+        stored, removed = self.stored_log or [], self.removed_log or []
+        if self.stored_log is not None:
+            self.stored_log, self.removed_log = [], []
+        return stored, removed
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)

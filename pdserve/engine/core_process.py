@@ -122,7 +122,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
 
     signal.signal(signal.SIGTERM, stop)
     core, _ = args.build_engine_core()
-    scheduler_config = core.scheduler.config
+    scheduler_config = core.config
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)
@@ -133,7 +133,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     publisher = None
     if args.kv_events_port is not None:
         engine_id = args.kv_transfer.engine_id if args.kv_transfer is not None else uuid.uuid4().hex
-        publisher = KVEventPublisher(context, core.scheduler, engine_id, args.kv_events_host, args.kv_events_port)
+        publisher = KVEventPublisher(context, core, engine_id, args.kv_events_host, args.kv_events_port)
     outputs.send(encode(CoreReady(scheduler_config.num_blocks, scheduler_config.block_size,
                                   scheduler_config.max_model_len, publisher.port if publisher else None)))
     last_stats = 0.0
@@ -150,10 +150,9 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                 if isinstance(message, AbortRequests):
                     core.abort_requests(message.request_ids)
                 elif isinstance(message, ReleaseRemoteBlocks):
-                    core.scheduler.connector.release_remote(message.kv_transfer_params)
+                    core.release_remote(message.kv_transfer_params)
                 elif isinstance(message, DumpCachedBlocks):
-                    cached = list(core.scheduler.kv_cache_manager.block_pool.cached_blocks)
-                    outputs.send(encode(CachedBlocks(message.token, cached)))
+                    outputs.send(encode(CachedBlocks(message.token, core.cached_block_hashes())))
                 else:
                     try:
                         core.add_request(Request(
@@ -161,7 +160,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                             message.eos_token_id, message.arrival_time, message.kv_transfer_params,
                             message.cache_salt))
                     except ValueError as error:
-                        core.scheduler.connector.release_remote(message.kv_transfer_params)
+                        core.release_remote(message.kv_transfer_params)
                         outputs.send(encode(CoreError(message.request_id, str(error))))
                 timeout_ms = 0
             results = core.step() if core.has_work() else []

@@ -8,12 +8,17 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.block_pool import new_block_generations
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.model_runner import KV_CACHE_LAYOUT, ModelRunner, RunnerConfig
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.kvtransfer.agent import TransferAgent
 from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.connector import PDConnectorScheduler
+from pdserve.kvtransfer.params import kv_compat_hash
 from pdserve.models.config import ModelConfig, resolve_dtype
 from pdserve.models.demo import ensure_demo_model
+from pdserve.worker.kv_cache import KV_CACHE_LAYOUT, RunnerConfig
+from pdserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -40,40 +45,47 @@ class EngineArgs:
         return self.model or str(ensure_demo_model())
 
     def build_engine_core(self) -> tuple[EngineCore, ModelConfig]:
+        """Load the model onto its device, then build the scheduler around the KV cache it sized;
+        with P/D on, the transfer agent over that cache and the connector that drives it."""
         folder = self.resolved_model()
         model_config = ModelConfig.from_folder(folder)
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = resolve_dtype(self.dtype, device)
         max_model_len = self.max_model_len or model_config.max_model_len
-        runner = ModelRunner(model_config, RunnerConfig(
-            model=folder, dtype=resolve_dtype(self.dtype, device), device=device, block_size=self.block_size,
-            max_model_len=max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
-            kv_cache_memory=self.kv_cache_memory, gpu_memory_utilization=self.gpu_memory_utilization,
-            num_blocks=self.num_kv_blocks,
-        ))
-        logger.info("model %s (%s, %s on %s); %s", folder, model_config.architecture, runner.config.dtype, device,
-                    runner.describe())
-        connector = None
+        runner_config = RunnerConfig(
+            model=folder, dtype=dtype, device=device, block_size=self.block_size, max_model_len=max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization, num_blocks=self.num_kv_blocks)
+        agents: list[TransferAgent] = []
+        compat_hash = ""
+        make_agent = None
         if self.kv_transfer is not None:
-            from pdserve.kvtransfer.connector import PDConnectorScheduler
-            from pdserve.kvtransfer.params import kv_compat_hash
-
+            kv_transfer = self.kv_transfer
             compat_hash = kv_compat_hash(
                 architecture=model_config.architecture, layers=model_config.num_layers,
                 kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
                 hidden_size=model_config.hidden_size, vocab_size=model_config.vocab_size,
-                dtype=str(runner.config.dtype), block_size=self.block_size, layout=KV_CACHE_LAYOUT)
-            connector = PDConnectorScheduler(self.kv_transfer, compat_hash, self.block_size)
+                dtype=str(dtype), block_size=self.block_size, layout=KV_CACHE_LAYOUT)
+
+            def make_agent(kv_cache: torch.Tensor) -> TransferAgent:
+                # The agent registers the KV cache and the block generations with its transport,
+                # so both exist before the scheduler's block pool, which is then built on them.
+                agent = TransferAgent(kv_transfer, kv_cache, new_block_generations(kv_cache.shape[0]), compat_hash)
+                agents.append(agent)
+                return agent
+
+        runner = ModelRunner(model_config, runner_config, make_agent)
+        logger.info("model %s (%s, %s on %s); %s", folder, model_config.architecture, dtype, device,
+                    runner.describe())
+        connector = None
+        generations = None
+        if agents:
+            agent = agents[0]
+            generations = agent.generations
+            connector = PDConnectorScheduler(agent.config, compat_hash, self.block_size, agent.port, generations)
         scheduler = Scheduler(SchedulerConfig(
             num_blocks=runner.num_blocks, block_size=self.block_size, max_model_len=max_model_len,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
-        ), connector)
-        if connector is not None:
-            from pdserve.kvtransfer.agent import TransferAgent
-
-            # The agent registers the KV cache and the block pool's generations, so it comes last.
-            agent = TransferAgent(self.kv_transfer, runner.kv_cache, scheduler.kv_cache_manager.block_pool.generations,
-                                  connector.compat_hash)
-            connector.advertised_port = agent.port
-            runner.kv_transfer_agent = agent
+        ), connector, generations)
         return EngineCore(scheduler, runner), model_config

@@ -1,56 +1,75 @@
 """EngineCore: one step = schedule → execute the model → update from its output.
 
-The core owns the scheduler (and through it all KV memory state) and a model runner. It runs
+The core owns the scheduler (and through it all KV memory state) and a model executor. It runs
 wherever the caller puts it: in-process for the offline API and tests, or in its own process
-behind ZMQ for the servers.
+behind ZMQ for the servers (``core_process``). Callers use only the methods here; nothing
+outside the core reaches into the scheduler's KV-cache manager or block pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any
 
-from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from pdserve.engine.request import Request
-from pdserve.engine.scheduler import Scheduler, SchedulerStats
-
-
-class ModelRunner(Protocol):
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Compute the scheduled tokens' KV and sample one token for each request that reached
-        the end of its known tokens (NO_TOKEN for a partial prompt chunk)."""
-        ...
+from pdserve.engine.block_hash import BlockHash
+from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from pdserve.worker.interface import ModelExecutor
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, model_runner: ModelRunner) -> None:
+    def __init__(self, scheduler: Scheduler, model_executor: ModelExecutor) -> None:
         self.scheduler = scheduler
-        self.model_runner = model_runner
+        self.model_executor = model_executor
         # True when the last step computed nothing (it only waited on KV transfers): the process
         # loop then sleeps briefly instead of spinning.
         self.last_step_idle = False
 
+    @property
+    def config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
     def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError if it can never run."""
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(request_ids)
 
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests the caller decided are done (a stop string found in their text)."""
+        self.scheduler.finish_requests(request_ids, status)
+
+    def release_remote(self, kv_transfer_params: dict[str, Any] | None) -> None:
+        """A request carrying these params was refused before it was queued: its prefill engine
+        may free the blocks they point at."""
+        self.scheduler.connector.release_remote(kv_transfer_params)
+
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
-        # An empty schedule still runs the model: the runner polls the KV connector's worker
-        # side, which is how loads land and held blocks get released while nothing computes.
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        # An empty schedule still runs the executor: it polls the KV connector's worker side,
+        # which is how loads land and held blocks get released while nothing computes.
+        runner_output = self.model_executor.execute_model(scheduler_output)
         self.last_step_idle = scheduler_output.total_num_scheduled_tokens == 0
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def close(self) -> None:
-        close = getattr(self.model_runner, "close", None)
-        if close is not None:
-            close()
+        self.model_executor.close()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache now (KV-event snapshots, /debug/cached_blocks)."""
+        return self.scheduler.kv_cache_manager.cached_block_hashes()
+
+    def record_cache_events(self) -> None:
+        self.scheduler.kv_cache_manager.record_cache_events()
+
+    def take_cache_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, removed) prefix-cache hashes since the last call, once recording started."""
+        return self.scheduler.kv_cache_manager.take_cache_events()

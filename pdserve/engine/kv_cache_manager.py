@@ -9,18 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.engine.block_hash import extend_block_hashes
+import numpy as np
+
+from pdserve.engine.block_hash import BlockHash, extend_block_hashes
 from pdserve.engine.block_pool import BlockPool, KVCacheBlock
 from pdserve.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 block_generations: np.ndarray | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, block_generations)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same tables as block ids, kept in step with req_to_blocks for the model runner.
         self.req_to_block_ids: dict[str, list[int]] = {}
@@ -37,6 +40,26 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.block_pool.usage
+
+    @property
+    def block_generations(self) -> np.ndarray:
+        """Each block's generation (bumped when it loses its last owner): what remote readers check."""
+        return self.block_pool.generations
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache now."""
+        return list(self.block_pool.cached_blocks)
+
+    def record_cache_events(self) -> None:
+        """Start recording the hashes that enter and leave the prefix cache (for KV events)."""
+        self.block_pool.record_events()
+
+    def take_cache_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, removed) hashes since the last call."""
+        return self.block_pool.take_events()
+
+    def owns_blocks(self, request_id: str) -> bool:
+        return request_id in self.req_to_blocks
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of the request's leading full blocks already in the cache, and its tokens.

@@ -1,6 +1,6 @@
 """KVEventPublisher: the EngineCore process's side of the KV-event stream (pdserve/api/kv_events.py).
 
-It binds a ZMQ PUB socket, turns on the block pool's change logs, and after each loop iteration
+It binds a ZMQ PUB socket, asks the core to record prefix-cache changes, and after each loop iteration
 publishes what changed (stored / removed hashes) with the engine's load; at least once a second
 while idle (load changes without cache changes), and with a full snapshot every few seconds.
 PUB never blocks: a slow or absent subscriber loses messages, never slows the engine.
@@ -13,16 +13,15 @@ import time
 import zmq
 
 from pdserve.api.kv_events import SNAPSHOT_INTERVAL_S, EngineLoad, KVEventBatch, encode_batch
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.engine_core import EngineCore
 
 IDLE_PUBLISH_INTERVAL_S = 1.0
 
 
 class KVEventPublisher:
-    def __init__(self, context: zmq.Context, scheduler: Scheduler, engine_id: str, host: str, port: int) -> None:
-        self.scheduler = scheduler
-        self.pool = scheduler.kv_cache_manager.block_pool
-        self.pool.record_events()
+    def __init__(self, context: zmq.Context, core: EngineCore, engine_id: str, host: str, port: int) -> None:
+        self.core = core
+        core.record_cache_events()
         self.engine_id = engine_id
         self.socket = context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -38,17 +37,15 @@ class KVEventPublisher:
 
     def publish(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        pool = self.pool
-        changed = bool(pool.stored_log or pool.removed_log)
+        stored, removed = self.core.take_cache_events()
         snapshot_due = now - self._last_snapshot >= SNAPSHOT_INTERVAL_S
-        if not (changed or snapshot_due or now - self._last_publish >= IDLE_PUBLISH_INTERVAL_S):
+        if not (stored or removed or snapshot_due or now - self._last_publish >= IDLE_PUBLISH_INTERVAL_S):
             return
-        stats = self.scheduler.make_stats()
+        stats = self.core.make_stats()
         load = EngineLoad(stats.num_running, stats.num_waiting, stats.num_waiting_for_remote_kvs,
                           stats.kv_cache_usage, stats.num_blocks_held_for_remote)
-        batch = KVEventBatch(self.engine_id, self._seq, self.scheduler.config.block_size, pool.stored_log,
-                             pool.removed_log, load, list(pool.cached_blocks) if snapshot_due else None)
-        pool.stored_log, pool.removed_log = [], []
+        batch = KVEventBatch(self.engine_id, self._seq, self.core.config.block_size, stored, removed, load,
+                             self.core.cached_block_hashes() if snapshot_due else None)
         self.socket.send(encode_batch(batch))  # PUB drops, never blocks, at a full subscriber: it resyncs
         self._seq += 1
         self._last_publish = now

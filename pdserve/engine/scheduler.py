@@ -17,15 +17,13 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.outputs import (
-    EngineCoreOutput,
-    KVConnectorOutput,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
+from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kvtransfer.base import KVConnectorScheduler, NoKVConnector
+from pdserve.kvtransfer.base import KVConnectorOutput, KVConnectorScheduler, NoKVConnector
+from pdserve.worker.interface import ModelRunnerOutput, SchedulerOutput
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -73,11 +71,14 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, connector: KVConnectorScheduler | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, connector: KVConnectorScheduler | None = None,
+                 block_generations: np.ndarray | None = None) -> None:
+        """``block_generations``: the pool's generation array when a KV connector made (and
+        registered) it first; else the pool makes its own."""
         self.config = config
         self.connector = connector or NoKVConnector()
-        self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.connector.bind_block_generations(self.kv_cache_manager.block_pool.generations)
+        self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                               block_generations)
         # Every request the scheduler still knows: unfinished ones, and finished ones whose blocks
         # are still held (for a remote reader, or until an in-flight load into them drains).
         self.requests: dict[str, Request] = {}
@@ -305,9 +306,9 @@ class Scheduler:
         # blocks, and going ahead of them could leave this one preempting itself for want of
         # exactly those blocks, forever.
         waiting = self.waiting
-        owners = self.kv_cache_manager.req_to_blocks
+        owns_blocks = self.kv_cache_manager.owns_blocks
         position = 0
-        while position < len(waiting) and waiting[position].request_id in owners:
+        while position < len(waiting) and owns_blocks(waiting[position].request_id):
             position += 1
         waiting.insert(position, request)
 

@@ -33,9 +33,9 @@ import zmq
 from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.connector import LoadSpec, TransferWork
 from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.kvtransfer.transport import Pull, Transport, make_transport
+from pdserve.kvtransfer.work import LoadSpec, TransferWork
 
 logger = logging.getLogger(__name__)
 

@@ -13,14 +13,13 @@ KV transfer, so the prefill, decode and colocated roles differ only in the conne
 
 More moments have default no-op hooks: ``request_added`` (a decode connector starts renewing
 the remote lease of a request as soon as it is queued), ``release_remote`` (a request refused at
-the door still frees its remote blocks), ``hold_cancelled`` (held blocks nobody can read any
-more) and ``bind_block_generations`` (the block pool's generation array, so held blocks can be
-handed out with their generations).
+the door still frees its remote blocks), and ``hold_cancelled`` (held blocks nobody can read any
+more).
 A load the worker side could not complete comes back as failed; ``recompute_failed_loads``
 says whether the request is then recomputed locally or finished with an error.
 
 Each step ``build_connector_meta`` drains what the worker side must start. The worker side
-reports completed sends and loads through ``KVConnectorOutput`` (pdserve.engine.outputs).
+reports completed sends and loads through ``KVConnectorOutput`` (below).
 
 This module sits below the engine (imports point down), so requests are described by the
 small protocol below rather than by the engine's Request class.
@@ -31,8 +30,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-import numpy as np
 
 
 class ConnectorRequest(Protocol):
@@ -60,13 +57,23 @@ class KVConnectorOutput:
     num_expired_leases: int = 0
 
 
+class KVConnectorWorker(Protocol):
+    """The worker side of a KV connector: the data plane next to the KV-cache tensors."""
+
+    def submit(self, work: Any) -> None:
+        """Start the work order the scheduler side built this step (``build_connector_meta``)."""
+
+    def collect(self) -> KVConnectorOutput:
+        """What finished since the last call (never blocks)."""
+        ...
+
+    def close(self) -> None:
+        """Stop moving blocks and release the transfer resources."""
+
+
 class KVConnectorScheduler(ABC):
     # What a failed remote load does: True recomputes the prompt locally, False fails the request.
     recompute_failed_loads: bool = True
-
-    def bind_block_generations(self, generations: np.ndarray) -> None:
-        """The block pool's per-block generation numbers (bumped when a block loses its last owner)."""
-        return None
 
     def request_added(self, request: ConnectorRequest) -> None:
         """A request entered the scheduler's queue."""

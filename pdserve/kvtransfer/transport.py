@@ -28,7 +28,7 @@ import zmq
 
 from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.connector import LoadSpec
+from pdserve.kvtransfer.work import LoadSpec
 
 logger = logging.getLogger(__name__)
 

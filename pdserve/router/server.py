@@ -1,20 +1,19 @@
-"""The router's HTTP face: the aiohttp application (OpenAI endpoints, health, metrics, OpenAPI, /debug/index),
-the API-key and error middlewares, the life of what runs beside requests (client session, health checks, KV-event
-subscriptions, discovery), and ``start_router``.
+"""The router's HTTP face: the aiohttp application (OpenAI endpoints, health, metrics, OpenAPI, /debug/index)
+with the shared API-key and error middlewares (pdserve.api.http), the life of what runs beside requests
+(client session, health checks, KV-event subscriptions, discovery), and ``start_router``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from pdserve.api.http import api_key_middleware, error_middleware, start_app
 from pdserve.api.protocol import ProtocolError, openapi_document
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import KubernetesDiscovery
@@ -62,10 +61,10 @@ class Router:
         self._probe: asyncio.Task[None] | None = None
         self._discovery: KubernetesDiscovery | None = None
         self._openapi: bytes | None = None
-        self._bearer = f"Bearer {config.api_key}".encode() if config.api_key is not None else None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json, self._check_api_key])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[
+            error_middleware(extra_headers=_request_id_header), api_key_middleware(self.config.api_key)])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -123,16 +122,6 @@ class Router:
         if self.proxy.session is not None:
             await self.proxy.session.close()
 
-    @web.middleware
-    async def _check_api_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """With an API key set, /v1 and /debug need ``Authorization: Bearer <key>``; /health and /metrics stay
-        open."""
-        if self._bearer is not None and request.path.startswith(("/v1/", "/debug/")):
-            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(given, self._bearer):  # constant time: no key guessing by timing
-                raise ProtocolError("invalid or missing API key", status=401, error_type="authentication_error")
-        return await handler(request)
-
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.proxy.forward(request, chat=False)
 
@@ -182,30 +171,10 @@ def _own_namespace() -> str:
         return "default"
 
 
-def _error(error: ProtocolError, request: web.Request) -> web.Response:
+def _request_id_header(request: web.Request) -> dict[str, str]:
+    """Error answers carry the request's id too, once the proxy assigned one."""
     request_id = request.get(REQUEST_ID_KEY)
-    return web.Response(body=msgspec.json.encode(error.to_response()), status=error.status,
-                        content_type="application/json",
-                        headers={REQUEST_ID: request_id} if request_id is not None else None)
-
-
-@web.middleware
-async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every failure becomes an OpenAI-style error JSON with the right status."""
-    try:
-        return await handler(request)
-    except ProtocolError as error:
-        return _error(error, request)
-    except web.HTTPException as error:
-        if error.status < 400:
-            raise
-        return _error(ProtocolError(error.reason or "error", error.status), request)
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise  # the client went away: nobody to answer
-    except Exception as error:
-        logger.exception("request %s %s failed", request.method, request.path)
-        return _error(ProtocolError(f"internal error: {type(error).__name__}", 500,
-                                    error_type="internal_server_error"), request)
+    return {REQUEST_ID: request_id} if request_id is not None else {}
 
 
 @dataclass
@@ -223,15 +192,6 @@ class RunningRouter:
 async def start_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 0) -> RunningRouter:
     """Start a router on ``host:port`` (0 picks a free port) in the running event loop."""
     router = Router(config)
-    runner = web.AppRunner(router.app(), access_log=None, handler_cancellation=True)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    bound_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://[{host}]:{bound_port}" if ":" in host else f"http://{host}:{bound_port}"
+    runner, url = await start_app(router.app(), host, port)
     logger.info("router at %s: %d prefill, %d decode pods", url, len(router.prefill), len(router.decode))
     return RunningRouter(url, router, runner)

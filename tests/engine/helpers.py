@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.fake_runner import FakeModelRunner, reference_generate
-from pdserve.engine.outputs import KVConnectorOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
-from pdserve.kvtransfer.base import ConnectorRequest, KVConnectorScheduler
+from pdserve.kvtransfer.base import ConnectorRequest, KVConnectorOutput, KVConnectorScheduler
+from pdserve.testing.fake_runner import FakeModelRunner, reference_generate
 
 VOCAB = 50
 EOS = 7

@@ -56,7 +56,7 @@ def test_hit_after_the_owner_finished_and_full_prompt_hit_recomputes_last_token(
     # Three blocks hit; the fourth is recomputed because its last token must produce logits.
     assert again.num_cached_tokens == 3 * BS
     assert scheduler_output.num_scheduled_tokens == [BS]
-    engine.scheduler.update_from_output(scheduler_output, engine.model_runner.execute_model(scheduler_output))
+    engine.scheduler.update_from_output(scheduler_output, engine.model_executor.execute_model(scheduler_output))
     run_to_completion(engine)
     assert again.output_token_ids == expected_output(again)[0]
 

@@ -3,9 +3,9 @@ conditions, aborts in every state, held and loaded blocks, and input validation.
 
 import pytest
 
-from pdserve.engine.fake_runner import reference_generate
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.testing.fake_runner import reference_generate
 from tests.engine.helpers import (
     EOS,
     VOCAB,
@@ -23,7 +23,7 @@ from tests.engine.helpers import (
 def _step(engine):
     """One step, returning (scheduled ids, their token counts, outputs)."""
     scheduler_output = engine.scheduler.schedule()
-    runner_output = engine.model_runner.execute_model(scheduler_output)
+    runner_output = engine.model_executor.execute_model(scheduler_output)
     outputs = engine.scheduler.update_from_output(scheduler_output, runner_output)
     check_invariants(engine.scheduler)
     return [r.request_id for r in scheduler_output.requests], scheduler_output.num_scheduled_tokens, outputs

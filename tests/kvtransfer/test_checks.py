@@ -16,8 +16,9 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.agent import TransferAgent
 from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.connector import LoadSpec, PDConnectorScheduler, TransferWork
+from pdserve.kvtransfer.connector import PDConnectorScheduler
 from pdserve.kvtransfer.params import RemotePrefill, prompt_hash
+from pdserve.kvtransfer.work import LoadSpec, TransferWork
 
 
 def _agent(compat_hash: str) -> TransferAgent:
@@ -53,7 +54,7 @@ def test_a_peer_with_another_kv_layout_is_refused_at_the_handshake():
 
 
 def test_params_for_another_prompt_or_engine_are_never_pulled():
-    connector = PDConnectorScheduler(KVTransferConfig(transport="tcp"), "ours", block_size=16)
+    connector = PDConnectorScheduler(KVTransferConfig(transport="tcp"), "ours", 16, 5000, np.zeros(8, dtype=np.int64))
     prompt = list(range(40))
     base = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "p", "remote_host": "127.0.0.1",
             "remote_port": 5000, "remote_block_ids": [0, 1, 2], "remote_block_generations": [0, 0, 0],

@@ -49,4 +49,4 @@ def test_demo_model_matches_transformers(demo_model_path):
             expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10,
                                    do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
         assert output.outputs[0].token_ids == expected
-    assert llm.eos_token_id == llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert llm.processor.eos_token_id == llm.tokenizer.convert_tokens_to_ids("<|im_end|>")

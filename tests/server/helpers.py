@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from pdserve.engine.api_server import ServerLimits, start_engine_server
 from pdserve.engine.engine_args import EngineArgs
+from pdserve.server.app import ServerLimits, start_engine_server
 
 
 class ServerThread:

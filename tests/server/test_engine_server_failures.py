@@ -92,7 +92,7 @@ def _completion(url: str, **body) -> tuple[int, dict[str, str], dict]:
 
 
 def test_overload_is_refused_with_503_and_retry_after(args):
-    from pdserve.engine.api_server import ServerLimits
+    from pdserve.server.app import ServerLimits
 
     server = ServerThread(args, limits=ServerLimits(max_in_flight=2, retry_after=3))
     try:
@@ -111,7 +111,7 @@ def test_overload_is_refused_with_503_and_retry_after(args):
 
 
 def test_a_request_past_its_timeout_is_aborted_with_504(args):
-    from pdserve.engine.api_server import ServerLimits
+    from pdserve.server.app import ServerLimits
 
     server = ServerThread(args, limits=ServerLimits(request_timeout=0.3))
     try:

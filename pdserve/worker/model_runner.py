@@ -1,38 +1,26 @@
-"""ModelRunner: owns the model, the paged KV cache and the sampler; runs one scheduled step.
-
-The KV cache is one block-major tensor (see ``allocate_kv_cache``): each block's KV for every layer
-is one contiguous region (what the KV connectors register and move), and each layer's K and V
-caches are strided views of it.
-
-Its size comes from a memory budget: on CPU ``kv_cache_memory`` bytes; on GPU the free memory
-left at ``gpu_memory_utilization`` after the weights and the peak of a profiling forward pass
-(vLLM's determine_available_memory approach).
+"""ModelRunner: owns one device's model, KV-cache tensors, sampler and the KV connector's worker
+side; runs one scheduled step (a forward over every scheduled token, then sampling).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import math
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from pdserve.engine.outputs import NO_TOKEN, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from pdserve.engine.sampler import Sampler, logprob_entries
 from pdserve.kernels.cpu_kernels import cpu_ops
 from pdserve.kernels.reference import build_attention_metadata
+from pdserve.kvtransfer.base import KVConnectorWorker
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_model
+from pdserve.worker.interface import NO_TOKEN, ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from pdserve.worker.kv_cache import RunnerConfig, allocate_kv_cache, layer_views, num_blocks_for
+from pdserve.worker.sampler import Sampler, logprob_entries
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-# Names the KV cache layout below; engines exchanging blocks must agree on it (KV compatibility hash).
-KV_CACHE_LAYOUT = "blocks,layers,kv,heads,block_size,head_dim"
-
 
 def retain_freed_memory() -> None:
     """Keep freed memory in the process heap (glibc malloc) instead of returning it to the OS.
@@ -52,51 +40,11 @@ def retain_freed_memory() -> None:
     libc.mallopt(m_top_pad, 64 << 20)
 
 
-def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor:
-    """The whole KV cache, ``[blocks, layers, 2 (K, V), kv_heads, block_size, head_dim]``, zeroed.
-
-    Block-major: one block of every layer is a single contiguous region (one transfer descriptor).
-    Head-major inside a block: a head's slab is contiguous, which the CPU decode path gathers.
-    """
-    return allocate_kv_memory((num_blocks, config.num_layers, 2, config.num_kv_heads, block_size, config.head_dim),
-                              dtype, device)
-
-
-def allocate_kv_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor for KV blocks. On CPU the memory comes from numpy, which asks Linux for
-    transparent huge pages on large arrays (torch does not): a NIXL pull between processes then
-    pins and walks 512x fewer pages, and ran 15-25% faster for it (bench/kv_transfer.py)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    memory = torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
-    # calloc'd pages are mapped lazily: touch them now, or their first writes page-fault inside the
-    # engine's steps (measured 6-9% of decode throughput) instead of once at start-up.
-    return memory.zero_()
-
-
-def layer_views(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's (K, V) as the kernels address them: ``[blocks, block_size, kv_heads, head_dim]``."""
-    return [(kv_cache[:, layer, 0].transpose(1, 2), kv_cache[:, layer, 1].transpose(1, 2))
-            for layer in range(kv_cache.shape[1])]
-
-
-@dataclass
-class RunnerConfig:
-    model: str
-    dtype: torch.dtype
-    device: torch.device
-    block_size: int = 16
-    max_model_len: int = 2048
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | None = None  # bytes (CPU); None: DEFAULT_CPU_KV_CACHE_BYTES
-    gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None  # fixes the block count, overriding the memory budget
-
-
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, config: RunnerConfig) -> None:
+    def __init__(self, model_config: ModelConfig, config: RunnerConfig,
+                 make_kv_connector: Callable[[torch.Tensor], KVConnectorWorker] | None = None) -> None:
+        """Load the weights, size and allocate the KV cache, then (P/D) build the KV connector's
+        worker side over that cache with ``make_kv_connector``."""
         self.model_config = model_config
         self.config = config
         self.device = config.device
@@ -108,60 +56,21 @@ class ModelRunner:
             retain_freed_memory()
             if config.dtype == torch.float32:
                 cpu_ops()  # build (or load) the fused CPU kernels now, not inside the first request
-        self.num_blocks = config.num_blocks or self._blocks_from_memory()
+        self.num_blocks = num_blocks_for(self.model, model_config, config)
         self.kv_cache = allocate_kv_cache(model_config, self.num_blocks, self.block_size, config.dtype,
                                           config.device)
         self.layer_caches = layer_views(self.kv_cache)
-        # The KV connector's worker side (pdserve.kvtransfer.agent.TransferAgent), when P/D is on.
-        self.kv_transfer_agent = None
+        self.kv_connector = make_kv_connector(self.kv_cache) if make_kv_connector is not None else None
 
     @property
     def bytes_per_block(self) -> int:
         return self.block_size * self.model_config.kv_bytes_per_token(self.config.dtype)
 
-    def _blocks_from_memory(self) -> int:
-        if self.device.type == "cuda":
-            budget = self._free_gpu_memory_for_kv()
-        else:
-            budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = budget // self.bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"a KV budget of {budget} bytes holds no block of {self.bytes_per_block} bytes")
-        return int(num_blocks)
-
-    def _free_gpu_memory_for_kv(self) -> int:
-        """Memory the KV cache may take: total × utilisation − (weights + activation peak)."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        # Profile the largest step the scheduler can issue, with a throwaway cache just big enough.
-        tokens = self.config.max_num_batched_tokens
-        num_blocks = -(-tokens // self.block_size)
-        config = self.model_config
-        scratch = allocate_kv_cache(config, num_blocks, self.block_size, self.config.dtype, self.device)
-        caches = layer_views(scratch)
-        positions = torch.arange(tokens, device=self.device) % self.config.max_model_len
-        metadata = build_attention_metadata([tokens], [tokens], [list(range(num_blocks))], self.block_size,
-                                            self.device)
-        with torch.inference_mode():
-            hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, caches,
-                                metadata)
-            self.model.compute_logits(hidden[-256:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        scratch_bytes = scratch.numel() * scratch.element_size()
-        del scratch, caches, hidden
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        free_now, _ = torch.cuda.mem_get_info(self.device)
-        # Memory used outside this process's allocator (other processes, CUDA context) counts too.
-        used_elsewhere = (total - free_now) - torch.cuda.memory_reserved(self.device)
-        return int(total * self.config.gpu_memory_utilization - (peak - scratch_bytes) - max(used_elsewhere, 0))
-
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.finished_req_ids:
             self.sampler.forget(scheduler_output.finished_req_ids)
-        agent = self.kv_transfer_agent
+        agent = self.kv_connector
         if agent is not None and scheduler_output.kv_connector_metadata is not None:
             agent.submit(scheduler_output.kv_connector_metadata)
         requests = scheduler_output.requests
@@ -216,11 +125,11 @@ class ModelRunner:
                                  kv_connector_output=agent.collect() if agent is not None else None)
 
     def close(self) -> None:
-        if self.kv_transfer_agent is not None:
-            self.kv_transfer_agent.close()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, requests: list, prompt_rows: list[tuple[int, int, int, int]]
-                         ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, requests: Sequence[ScheduledRequest],
+                         prompt_rows: list[tuple[int, int, int, int]]) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         result = {}
         for index, first_row, first_position, count in prompt_rows:
             request = requests[index]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler, apply_penalties, logprob_entries
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker.sampler import Sampler, apply_penalties, logprob_entries
 
 VOCAB = 64
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.api.tokenizer import load_tokenizer
-from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.models.demo import ensure_demo_model
+from pdserve.server.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pdserve.engine.outputs import NO_TOKEN, KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from pdserve.kvtransfer.base import KVConnectorOutput
+from pdserve.worker.interface import NO_TOKEN, ModelRunnerOutput, SchedulerOutput
 
 _MAX_CONTEXT = 1 << 16
 # The weighted sum is reduced modulo a prime first, so tokens spread evenly over any vocabulary
@@ -87,3 +88,6 @@ class FakeModelRunner:
             context = self.kv[self.slots(block_ids, 0, end)]
             sampled.append(_next_token(context, self.weights, self.vocab_size))
         return ModelRunnerOutput(sampled, connector_output)
+
+    def close(self) -> None:
+        return None

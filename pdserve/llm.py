@@ -12,22 +12,19 @@ prompts. Runs an EngineCore in this process.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.api.tokenizer import apply_chat_template, load_tokenizer
+from pdserve.api.tokenizer import load_tokenizer
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.outputs import EngineCoreOutput, TokenLogprobs
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.server.input_processor import InputProcessor, Prompt, PromptInput
 
 logger = logging.getLogger(__name__)
-
-PromptInput = str | list[int] | dict[str, Any]
 
 
 @dataclass
@@ -96,32 +93,30 @@ class LLM:
                           enable_prefix_caching=enable_prefix_caching)
         self.engine, self.model_config = args.build_engine_core()
         self.tokenizer = load_tokenizer(tokenizer or args.resolved_model())
-        self.max_logprobs = max_logprobs
         eos_ids = self.model_config.eos_token_ids or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
-        self.eos_token_id = eos_ids[0] if eos_ids else None
-        self._extra_eos_ids = eos_ids[1:]
+        self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.engine.config.max_model_len,
+                                        eos_ids, max_logprobs)
         self._next_id = 0
 
     # ----- public API ---------------------------------------------------------------------
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        normalised = self._normalise_prompts(prompts)
+        """Run the prompts to completion. Everything is checked, and every choice's parameters
+        built, before anything is queued: a call that raises leaves no request behind."""
+        normalised = self.processor.prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(normalised)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(normalised):
                 raise ValueError(f"{len(params_list)} sampling params for {len(normalised)} prompts")
-        # Validate everything before adding anything, so a bad prompt leaves no request behind.
-        for (_, token_ids), params in zip(normalised, params_list, strict=True):
-            self._validate(token_ids, params)
-        groups = [(text, token_ids, params, self._add(token_ids, params))
-                  for (text, token_ids), params in zip(normalised, params_list, strict=True)]
+        choices = [self.processor.choice_params(params) for params in params_list]
+        groups = [(prompt, params, self._add(prompt.token_ids, per_choice))
+                  for prompt, params, per_choice in zip(normalised, params_list, choices, strict=True)]
         self._run([pending for *_, children in groups for pending in children])
-        return [self._request_output(text, token_ids, params, children)
-                for text, token_ids, params, children in groups]
+        return [self._request_output(prompt, params, children) for prompt, params, children in groups]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -129,60 +124,18 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; each through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conversation, add_generation_prompt,
-                                                            chat_template_kwargs)}
-                   for conversation in conversations]
+        prompts: list[PromptInput] = [
+            {"prompt_token_ids": self.processor.chat_prompt(conversation, add_generation_prompt,  # type: ignore[arg-type]
+                                                            chat_template_kwargs).token_ids}
+            for conversation in conversations]
         return self.generate(prompts, sampling_params)
 
     # ----- internals ----------------------------------------------------------------------
 
-    def _normalise_prompts(self, prompts: PromptInput | Sequence[PromptInput]) -> list[tuple[str | None, list[int]]]:
-        single = isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts))
-        items = [prompts] if single else list(prompts)
-        if not items:
-            raise ValueError("no prompts given")
-        normalised = []
-        for item in items:
-            if isinstance(item, str):
-                normalised.append((item, self.tokenizer.encode(item)))
-            elif isinstance(item, dict) and "prompt_token_ids" in item:
-                normalised.append((item.get("prompt"), list(item["prompt_token_ids"])))
-            elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
-                normalised.append((item["prompt"], self.tokenizer.encode(item["prompt"])))
-            elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-                normalised.append((None, list(item)))
-            else:
-                raise ValueError(f"a prompt is a string, a list of token ids or a dict with prompt_token_ids; "
-                                 f"got {type(item).__name__}")
-        return normalised
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("a prompt is empty")
-        vocab_size = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of the vocabulary (0..{vocab_size - 1}): {bad[:5]}")
-        max_model_len = self.engine.scheduler.config.max_model_len
-        if len(token_ids) >= max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens, but the context length is {max_model_len}: "
-                             f"at most {max_model_len - 1} prompt tokens leave room for output")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
-                raise SamplingParamsError(name, f"at most {self.max_logprobs} are allowed, got {value}")
-
-    def _add(self, token_ids: list[int], params: SamplingParams) -> list[_Pending]:
+    def _add(self, token_ids: list[int], per_choice: list[SamplingParams]) -> list[_Pending]:
         children = []
-        for index in range(params.n):
-            child = params
-            if self._extra_eos_ids and not params.ignore_eos:
-                # Every end-of-sequence id of the model stops generation, not only the first.
-                child = dataclasses.replace(child, stop_token_ids=params.stop_token_ids + self._extra_eos_ids)
-            if params.n > 1 and params.seed is not None:
-                child = dataclasses.replace(child, seed=params.seed + index)
-            request = Request(str(self._next_id), token_ids, child, self.eos_token_id)
+        for params in per_choice:
+            request = Request(str(self._next_id), token_ids, params, self.processor.eos_token_id)
             self._next_id += 1
             self.engine.add_request(request)
             children.append(_Pending(request))
@@ -190,14 +143,13 @@ class LLM:
 
     def _run(self, pending: list[_Pending]) -> None:
         by_id = {p.request.request_id: p for p in pending}
-        scheduler = self.engine.scheduler
         while self.engine.has_work():
             for output in self.engine.step():
                 child = by_id.get(output.request_id)
                 if child is not None:
                     self._absorb(child, output)
                     if child.finish_reason is None and child.request.sampling_params.stop:
-                        self._check_stop_strings(child, scheduler)
+                        self._check_stop_strings(child)
 
     @staticmethod
     def _absorb(child: _Pending, output: EngineCoreOutput) -> None:
@@ -209,7 +161,7 @@ class LLM:
             child.finish_reason = output.finish_reason
             child.num_cached_tokens = output.num_cached_tokens
 
-    def _check_stop_strings(self, child: _Pending, scheduler: Scheduler) -> None:
+    def _check_stop_strings(self, child: _Pending) -> None:
         request = child.request
         params = request.sampling_params
         text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
@@ -221,7 +173,7 @@ class LLM:
         request.stop_reason = stop
         child.finish_reason = "stop"
         child.num_cached_tokens = max(request.num_cached_tokens, 0)
-        scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        self.engine.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         result = {token_id: Logprob(logprob, rank + 1, self.tokenizer.decode([token_id]))
@@ -231,8 +183,7 @@ class LLM:
             result[entry.token_id] = Logprob(entry.logprob, entry.rank, self.tokenizer.decode([entry.token_id]))
         return result
 
-    def _request_output(self, text: str | None, token_ids: list[int], params: SamplingParams,
-                        children: list[_Pending]) -> RequestOutput:
+    def _request_output(self, prompt: Prompt, params: SamplingParams, children: list[_Pending]) -> RequestOutput:
         completions = []
         for index, child in enumerate(children):
             request = child.request
@@ -256,6 +207,6 @@ class LLM:
             # The first prompt token has nothing before it, so no logprob (vLLM's None).
             prompt_logprobs = [None] + [self._logprob_dict(e) for e in first.prompt_logprobs or []]
         return RequestOutput(
-            request_id=first.request.request_id, prompt=text, prompt_token_ids=token_ids,
+            request_id=first.request.request_id, prompt=prompt.text, prompt_token_ids=prompt.token_ids,
             prompt_logprobs=prompt_logprobs, outputs=completions, num_cached_tokens=first.num_cached_tokens,
         )

@@ -13,9 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from pdserve.engine.outputs import TokenLogprobs
-from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker.interface import SamplingOptions, ScheduledRequest, TokenLogprobs
 
 
 class Sampler:
@@ -30,7 +28,7 @@ class Sampler:
         for request_id in request_ids:
             self.generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]
+    def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
                ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Next token of each row of ``logits [rows, vocab]`` (float32), and logprobs where asked."""
         params = [request.sampling_params for request in requests]
@@ -62,7 +60,7 @@ class Sampler:
             logprobs[i] = entry
         return token_ids, logprobs
 
-    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
         params = [request.sampling_params for request in requests]
         temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
         logits = filter_logits(logits / temperatures[:, None], params)
@@ -79,7 +77,7 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-def apply_penalties(logits: torch.Tensor, request: Request, vocab_size: int) -> None:
+def apply_penalties(logits: torch.Tensor, request: ScheduledRequest, vocab_size: int) -> None:
     """vLLM's penalties on one row, in place: repetition over prompt and output tokens (divide a
     positive logit, multiply a negative one), frequency and presence over output tokens."""
     params = request.sampling_params
@@ -102,7 +100,7 @@ def apply_penalties(logits: torch.Tensor, request: Request, vocab_size: int) -> 
         logits -= params.presence_penalty * (output_counts > 0).to(logits.dtype)
 
 
-def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, params: Sequence[SamplingOptions]) -> torch.Tensor:
     """min-p, top-k and top-p over rows with per-row settings; filtered entries become -inf."""
     neg_inf = float("-inf")
     min_p = [p.min_p for p in params]

@@ -1,0 +1,103 @@
+"""The decode role's P/D behaviour, top to bottom. The life of a request on a decode engine:
+
+1. The router sends the client's request with the prefill leg's ``kv_transfer_params``
+   (``do_remote_prefill`` and where the blocks are). The API process parses them
+   (``parse_remote_prefill``): malformed params are a 400 before anything is queued. A request
+   refused at the door (bad value, overload, draining) tells the prefill engine to free
+   (``release_remote``), or its blocks would wait for the lease.
+2. Queued (``request_added``): params for another model, layout or prompt text are never pulled
+   (the prompt is computed locally and the prefill engine told to free). Otherwise the request's
+   remote lease is renewed from now on, so its blocks outlive a long queue.
+3. Admitted: the scheduler counts the prompt tokens already in the local prefix cache and asks
+   ``get_num_new_matched_tokens`` how many more can come from the prefill engine: all the rest,
+   asynchronously (the last prompt token is recomputed here for its logits, so a load of only
+   that token is skipped). It allocates blocks for them and parks the request in
+   ``WAITING_FOR_REMOTE_KVS``.
+4. ``update_state_after_alloc`` turns that into a ``LoadSpec``: only the blocks past the local
+   hit, with their expected generations. The remote reference is consumed here, so a later
+   preemption recomputes instead of pulling twice; a full local hit pulls nothing and releases.
+5. The transfer agent hand-shakes with the prefill engine (once per peer), pulls, checks the
+   generations (stale blocks are a failure, never data) and tells the prefill engine to free.
+   The scheduler caches the landed blocks and the request runs. A failed pull recomputes the
+   prompt or fails the request (``--kv-load-failure``).
+6. Ending before the pull (abort, a full local hit) releases the remote blocks; an abort while
+   the pull is pending cancels it; an abort mid-pull keeps the blocks until the pull drains.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pdserve.kvtransfer.base import ConnectorRequest
+from pdserve.kvtransfer.params import RemotePrefill, parse_remote_prefill, prompt_hash
+from pdserve.kvtransfer.work import LoadSpec, WorkOrders
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeSide:
+    def __init__(self, compat_hash: str, block_size: int, outbox: WorkOrders) -> None:
+        self.compat_hash = compat_hash
+        self.block_size = block_size
+        self.outbox = outbox
+        self._remote: dict[str, RemotePrefill] = {}  # queued requests not yet allocated
+        self._pulling: set[str] = set()  # requests whose pull was handed to the agent
+
+    def request_added(self, request: ConnectorRequest) -> None:
+        try:
+            remote = parse_remote_prefill(request.kv_transfer_params)
+        except ValueError as error:  # the API server validates first; a direct caller may not have
+            logger.warning("request %s: ignoring kv_transfer_params (%s)", request.request_id, error)
+            return
+        if remote is None:
+            return
+        if (remote.compat_hash != self.compat_hash or remote.num_tokens != len(request.prompt_token_ids)
+                or remote.prompt_hash != prompt_hash(request.prompt_token_ids)):
+            # Blocks of another model, layout or text: computing locally is the only correct answer.
+            logger.warning("request %s: remote KV does not match this engine or prompt; prefilling locally",
+                           request.request_id)
+            self.outbox.pending.releases.append((request.request_id, remote))
+            return
+        self._remote[request.request_id] = remote
+        self.outbox.pending.tracks.append((request.request_id, remote))
+
+    def release_remote(self, kv_transfer_params: dict[str, Any] | None) -> None:
+        try:
+            remote = parse_remote_prefill(kv_transfer_params)
+        except ValueError:
+            return  # nothing this engine could ever have pulled
+        if remote is not None:
+            self.outbox.pending.releases.append((remote.request_id, remote))
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id not in self._remote:
+            return 0, False
+        # The last prompt token is computed here anyway (its logits give the first output token),
+        # so a load that would bring only that token is not worth a transfer.
+        if request.num_tokens - 1 - num_computed_tokens <= 0:
+            return 0, False
+        return request.num_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        remote = self._remote.pop(request.request_id, None)
+        if remote is None:
+            return
+        if not num_external_tokens:  # everything was in the local prefix cache
+            self.outbox.pending.releases.append((request.request_id, remote))
+            return
+        first = (request.num_tokens - num_external_tokens) // self.block_size
+        last = -(-request.num_tokens // self.block_size)
+        self._pulling.add(request.request_id)
+        self.outbox.pending.loads.append(LoadSpec(request.request_id, remote, block_ids[first:last],
+                                                  remote.block_ids[first:last], remote.generations[first:last]))
+
+    def request_finished(self, request: ConnectorRequest, finish_reason: str) -> None:
+        remote = self._remote.pop(request.request_id, None)
+        if remote is not None:  # ended while queued, before any pull
+            self.outbox.pending.releases.append((request.request_id, remote))
+        elif request.request_id in self._pulling:
+            self._pulling.discard(request.request_id)
+            if finish_reason == "abort":
+                self.outbox.pending.cancels.append(request.request_id)

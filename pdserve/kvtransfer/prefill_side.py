@@ -1,0 +1,81 @@
+"""The prefill role's P/D behaviour, top to bottom. The life of a request on a prefill engine:
+
+1. The router sends the client's request with ``kv_transfer_params={"do_remote_decode": true}``
+   and ``stream=false``. The API process rewrites its sampling (``prefill_leg_sampling``): one
+   token, EOS, stop strings, stop tokens and ``min_tokens`` off, so the leg always ends by length
+   and its blocks are always handed over.
+2. The scheduler runs the prompt like any other (prefix-cache hits, chunked prefill) and samples
+   the one token.
+3. It finishes by length: ``PrefillSide.request_finished`` keeps its prompt blocks (the scheduler
+   holds them instead of freeing) and returns ``remote_prefill_params`` — where the blocks are, their
+   generations, the prompt's length and hash, the KV compatibility hash and the lease — which the
+   API process puts in the response for the router to forward to a decode engine.
+4. The transfer agent holds the blocks with a lease (``--kv-lease-seconds``): the decode engine
+   renews it while its request queues, pulls the blocks (NIXL READ, or TCP reads served by this
+   agent), then releases them. A release, a finished pull or an expired lease reports the hold
+   as finished sending; the scheduler frees the blocks, which bumps their generations, so any
+   later read of them is detected as stale.
+5. Any other ending (abort, error) frees the blocks at once and returns no params. A leg whose
+   caller left after it finished but before it could hand the params on (aborted while held)
+   cancels the hold at once (``hold_cancelled``) instead of waiting for the lease.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pdserve.kvtransfer.base import ConnectorRequest
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.params import remote_prefill_params, wants_remote_decode
+from pdserve.kvtransfer.work import WorkOrders
+
+# Sampling fields a prefill leg drops: none may end it before its one token by length.
+_ENDING_FIELDS = ("stop", "stop_token_ids", "min_tokens")
+
+
+def is_prefill_leg(kv_transfer_params: dict[str, Any] | None, stream: bool) -> bool:
+    """Whether a request is a P/D prefill leg; ValueError if it is one that cannot be served."""
+    if not wants_remote_decode(kv_transfer_params):
+        return False
+    if stream:
+        raise ValueError("a prefill leg (kv_transfer_params.do_remote_decode) needs stream=false: its answer "
+                         "carries the transfer parameters")
+    return True
+
+
+def prefill_leg_sampling(fields: dict[str, Any]) -> dict[str, Any]:
+    """A prefill leg's sampling fields from the client's: one token, ending by length whatever it is."""
+    fields = {name: value for name, value in fields.items() if name not in _ENDING_FIELDS}
+    fields["ignore_eos"] = True
+    fields["max_tokens"] = 1
+    return fields
+
+
+class PrefillSide:
+    def __init__(self, config: KVTransferConfig, compat_hash: str, block_size: int, advertised_port: int,
+                 block_generations: np.ndarray, outbox: WorkOrders) -> None:
+        self.config = config
+        self.compat_hash = compat_hash
+        self.block_size = block_size
+        self.advertised_port = advertised_port
+        self.generations = block_generations
+        self.outbox = outbox
+
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int],
+                         finish_reason: str) -> tuple[bool, dict[str, Any] | None]:
+        """Hold a finished prefill leg's prompt blocks and say where they are; else nothing."""
+        if not (wants_remote_decode(request.kv_transfer_params) and finish_reason == "length" and block_ids):
+            return False, None
+        num_tokens = len(request.prompt_token_ids)
+        held = block_ids[:-(-num_tokens // self.block_size)]
+        self.outbox.pending.holds.append((request.request_id, list(held)))
+        return True, remote_prefill_params(
+            engine_id=self.config.engine_id, request_id=request.request_id, host=self.config.host,
+            port=self.advertised_port, block_ids=list(held), generations=self.generations[held].tolist(),
+            num_tokens=num_tokens, prompt=request.prompt_token_ids, compat_hash=self.compat_hash,
+            lease_seconds=self.config.lease_seconds)
+
+    def hold_cancelled(self, request_id: str) -> None:
+        self.outbox.pending.unholds.append(request_id)

@@ -1,0 +1,11 @@
+"""The engine's API process: aiohttp (OpenAI API), tokenization, detokenization, streaming and
+metrics, in front of an EngineCore process it talks to over ZMQ (``core_client``). It never
+touches a tensor or blocks its event loop on the model.
+
+- ``app``: the application, its routes, start-up and drain;
+- ``serving``: completions and chat completions, one core request per choice;
+- ``input_processor``: prompts and sampling settings checked and turned into core requests
+  (shared with the offline ``pdserve.llm.LLM``);
+- ``responses``: OpenAI response shapes (usage, logprobs, SSE);
+- ``core_client``, ``detokenizer``, ``metrics``.
+"""

@@ -1,0 +1,150 @@
+"""The engine's API process: the aiohttp application and its routes in front of an EngineCore
+process, how it starts (``start_engine_server``) and how it drains and stops (``RunningServer``).
+
+The generation endpoints are ``serving.OpenAIServing``'s; this module holds the small ones
+(models, health, metrics, OpenAPI, debug). Requests are validated by decoding into
+``pdserve.api.protocol`` types and by the input processor; anything wrong is a 4xx
+OpenAI-style error, never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from pdserve.api.http import api_key_middleware, error_middleware, json_response, start_app
+from pdserve.api.protocol import ModelCard, ModelList, ProtocolError, openapi_document
+from pdserve.api.tokenizer import load_tokenizer
+from pdserve.engine.engine_args import EngineArgs
+from pdserve.engine.sampling_params import SamplingParamsError
+from pdserve.models.config import ModelConfig
+from pdserve.server.core_client import EngineCoreClient, EngineDeadError
+from pdserve.server.input_processor import InputError, InputProcessor
+from pdserve.server.metrics import EngineMetrics
+from pdserve.server.serving import OpenAIServing, ServerLimits
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 << 20
+
+
+def _engine_errors(error: Exception) -> ProtocolError | None:
+    """The API process's own exceptions as HTTP errors (the toolkit's middleware asks)."""
+    if isinstance(error, InputError | SamplingParamsError):
+        return ProtocolError(str(error), param=error.param)
+    if isinstance(error, EngineDeadError):
+        return ProtocolError(str(error), 503, error_type="service_unavailable")
+    return None
+
+
+class EngineServer:
+    def __init__(self, client: EngineCoreClient, tokenizer: Any, model_name: str, eos_token_ids: list[int],
+                 api_key: str | None = None, limits: ServerLimits | None = None) -> None:
+        self.client = client
+        self.api_key = api_key
+        self.model_name = model_name
+        self.max_model_len = client.ready.max_model_len
+        self.metrics = EngineMetrics(lambda: client.stats, {
+            "block_size": str(client.ready.block_size), "num_gpu_blocks": str(client.ready.num_kv_blocks),
+            "enable_prefix_caching": "True"})
+        client.on_stats = self.metrics.observe_stats
+        self.processor = InputProcessor(tokenizer, len(tokenizer), self.max_model_len, eos_token_ids)
+        self.serving = OpenAIServing(client, self.processor, model_name, self.metrics, limits or ServerLimits())
+        self.created = int(time.time())
+        self._openapi: bytes | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self.serving.draining
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              middlewares=[error_middleware(_engine_errors), api_key_middleware(self.api_key)])
+        app.router.add_post("/v1/completions", self.serving.completions)
+        app.router.add_post("/v1/chat/completions", self.serving.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.render_metrics)
+        app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_get("/debug/cached_blocks", self.debug_cached_blocks)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
+        return json_response(ModelList(data=[card]))
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.client.alive:
+            return web.json_response({"status": "engine core is not running"}, status=503)
+        if self.draining:
+            return web.json_response({"status": "shutting down"}, status=503)
+        # Routers learn here where this engine publishes its KV-cache events (pdserve/api/kv_events.py).
+        return web.json_response({"status": "ok", "kv_events_port": self.client.ready.kv_events_port})
+
+    async def render_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        if self._openapi is None:
+            self._openapi = msgspec.json.encode(openapi_document(f"pdserve engine ({self.model_name})", "v1"))
+        return web.Response(body=self._openapi, content_type="application/json")
+
+    async def debug_cached_blocks(self, request: web.Request) -> web.Response:
+        """Every hash in the prefix cache (hex), for checking what routers believe against the truth."""
+        hashes = await self.client.cached_blocks()
+        return web.json_response({"block_size": self.client.ready.block_size,
+                                  "block_hashes": [block_hash.hex() for block_hash in hashes]})
+
+
+@dataclass
+class RunningServer:
+    """A started engine server: its URL, and how to drain and stop it."""
+
+    url: str
+    server: EngineServer
+    runner: web.AppRunner
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop taking new requests (503, /health fails) and wait, at most ``timeout`` seconds, until
+        the running ones have finished and no blocks are held for a remote decode (a prefill keeps
+        serving pulls for what it holds). True when everything drained in time."""
+        self.server.serving.draining = True
+        client = self.server.client
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and client.alive:
+            stats = client.stats
+            if client.num_in_flight == 0 and (stats is None or stats.num_blocks_held_for_remote == 0):
+                return True
+            await asyncio.sleep(0.1)
+        return not client.alive
+
+    async def close(self) -> None:
+        await self.runner.cleanup()  # stops accepting, closes connections (their handlers abort)
+        await self.server.client.shutdown()
+
+
+async def start_engine_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 0,
+                              served_model_name: str | None = None, api_key: str | None = None,
+                              limits: ServerLimits | None = None) -> RunningServer:
+    """Start the core process and the HTTP server; ``port`` 0 picks a free port."""
+    folder = args.resolved_model()
+    client = await EngineCoreClient.start(args)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or folder)
+        eos_ids = ModelConfig.from_folder(folder).eos_token_ids or (
+            [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        server = EngineServer(client, tokenizer, served_model_name or Path(folder).name, eos_ids, api_key, limits)
+        runner, url = await start_app(server.app(), host, port)
+    except BaseException:
+        await client.shutdown()
+        raise
+    logger.info("serving %s at %s/v1 (KV cache: %d blocks of %d tokens, context %d)", server.model_name, url,
+                client.ready.num_kv_blocks, client.ready.block_size, client.ready.max_model_len)
+    return RunningServer(url, server, runner)

@@ -1,0 +1,125 @@
+"""What crosses between the EngineCore and a worker each step: the scheduler's work order in,
+the sampled tokens out.
+
+The worker sits below the engine (imports point down), so it reads requests through the small
+read-only protocols here rather than the engine's Request and SamplingParams classes, which
+satisfy them. Plain slotted data classes, built once per step; lists are parallel (index i is the
+i-th scheduled request) so the hot loops touch no per-request wrapper objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pdserve.kvtransfer.base import KVConnectorOutput
+
+# A runner's "sampled token" for a request whose scheduled chunk did not reach the end of its
+# known tokens (a partial prefill chunk): nothing was sampled.
+NO_TOKEN = -1
+
+
+class SamplingOptions(Protocol):
+    """The sampling settings a worker reads (pdserve.engine.sampling_params.SamplingParams)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def seed(self) -> int | None: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def logprobs(self) -> int | None: ...
+    @property
+    def prompt_logprobs(self) -> int | None: ...
+    @property
+    def is_greedy(self) -> bool: ...
+
+
+class ScheduledRequest(Protocol):
+    """The request state a worker reads (pdserve.engine.request.Request); it never writes it."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def all_token_ids(self) -> list[int]: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def sampling_params(self) -> SamplingOptions: ...
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """One position's logprobs: the chosen (sampled, or next prompt) token and the top-n alternatives.
+
+    Logprobs are of the model's raw distribution (log-softmax of the logits, before penalties,
+    temperature or top-k/top-p), as vLLM reports them by default.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Scheduled requests in running order, with the tokens each computes this step.
+    requests: Sequence[ScheduledRequest]
+    num_scheduled_tokens: list[int]
+    # Position of each request's first scheduled token (its num_computed_tokens before this step).
+    start_positions: list[int]
+    # Each request's block table. These are the KV-cache manager's live lists, passed without a
+    # copy: read them during this step only, never modify them.
+    block_ids: list[list[int]]
+    total_num_scheduled_tokens: int
+    # Requests whose blocks were released since the previous step: a runner drops any state it
+    # keeps for them (preempted ones come back later as new, from position 0).
+    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Opaque work order for the worker side of the KV connector (loads to start, ...).
+    kv_connector_metadata: Any = None
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # One per scheduled request, parallel to SchedulerOutput.requests; NO_TOKEN where nothing was sampled.
+    sampled_token_ids: list[int]
+    kv_connector_output: KVConnectorOutput | None = None
+    # Parallel to sampled_token_ids when any request asked for logprobs (None entries elsewhere).
+    logprobs: list[TokenLogprobs | None] | None = None
+    # request id -> (first prompt position covered, entries): entry i is the logprob of prompt
+    # token (position + i + 1) given the tokens before it.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+
+
+class ModelExecutor(Protocol):
+    """What the EngineCore drives: one step of the scheduled work on the device(s)."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the scheduled tokens' KV and sample one token for each request that reached
+        the end of its known tokens (NO_TOKEN for a partial prompt chunk)."""
+        ...
+
+    def close(self) -> None:
+        """Release the device memory and the KV connector's worker side."""
+        ...
