@@ -15,6 +15,8 @@ import re
 import signal
 import sys
 
+from pdserve.api.roles import COLOCATED, POOL_ROLES, ROUTER, ROUTER_PORT, Role, engine_role
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -96,11 +98,11 @@ def _forwarded_argv(args: argparse.Namespace, names: tuple[str, ...]) -> list[st
     return argv
 
 
-def _engine_args(args: argparse.Namespace, with_kv_transfer: bool = False):  # -> EngineArgs (imported lazily)
+def _engine_args(args: argparse.Namespace, role: Role):  # -> EngineArgs (imported lazily)
     from pdserve.engine.engine_args import EngineArgs
 
     kv_transfer = None
-    if with_kv_transfer:
+    if role.kv_transfer:
         from pdserve.kvtransfer.config import KVTransferConfig
 
         kv_transfer = KVTransferConfig(
@@ -111,7 +113,7 @@ def _engine_args(args: argparse.Namespace, with_kv_transfer: bool = False):  # -
                       block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                       gpu_memory_utilization=args.gpu_memory_utilization,
-                      enable_prefix_caching=args.enable_prefix_caching, kv_transfer=kv_transfer,
+                      enable_prefix_caching=args.enable_prefix_caching, role=role.name, kv_transfer=kv_transfer,
                       kv_events_host=args.kv_side_channel_host or args.host,
                       kv_events_port=None if args.kv_events_port < 0 else args.kv_events_port)
 
@@ -124,14 +126,14 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
-async def _run_engine(args: argparse.Namespace, role: str) -> None:
+async def _run_engine(args: argparse.Namespace, role: Role) -> None:
     from pdserve.server.app import start_engine_server
     from pdserve.server.serving import ServerLimits
 
     limits = ServerLimits(max_in_flight=args.max_pending_requests, request_timeout=args.request_timeout)
-    running = await start_engine_server(_engine_args(args, with_kv_transfer=role != "colocated"), args.host,
+    running = await start_engine_server(_engine_args(args, role), args.host,
                                         args.port, args.served_model_name, args.api_key, limits)
-    print(f"pdserve {role} engine serving {running.server.model_name} at {running.url}/v1", flush=True)
+    print(f"pdserve {role.name} engine serving {running.server.model_name} at {running.url}/v1", flush=True)
     await _wait_for_signal()
     log = logging.getLogger("pdserve")
     timeout = args.drain_timeout if args.drain_timeout is not None else args.kv_lease_seconds + 15
@@ -144,7 +146,7 @@ async def _run_engine(args: argparse.Namespace, role: str) -> None:
 
 def _engine(args: argparse.Namespace) -> int:
     logging.getLogger("pdserve").setLevel(args.log_level.upper())
-    asyncio.run(_run_engine(args, args.command))
+    asyncio.run(_run_engine(args, engine_role(args.command)))
     return 0
 
 
@@ -173,8 +175,8 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.mode == "colocated":
-        args.command = "colocated"
+    if args.mode == COLOCATED.name:
+        args.command = COLOCATED.name
         return _engine(args)
     from pdserve.launcher import run_disaggregated
 
@@ -237,18 +239,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
     serve.add_argument("--prefill", type=int, default=1, help="number of prefill engines (disagg)")
     serve.add_argument("--decode", type=int, default=1, help="number of decode engines (disagg)")
-    _add_server_flags(serve, 8000)
+    _add_server_flags(serve, ROUTER_PORT)
     _add_engine_flags(serve)
     _add_kv_transfer_flags(serve)
     serve.set_defaults(handler=_serve)
-    for role, port in (("prefill", 8100), ("decode", 8200)):
-        engine = commands.add_parser(role, help=f"run one {role} engine (OpenAI API + KV transfer), as a pod does")
-        _add_server_flags(engine, port)
+    for role in POOL_ROLES:
+        engine = commands.add_parser(role.name, help=f"run one {role.name} engine (OpenAI API + KV transfer), as a "
+                                                     "pod does")
+        _add_server_flags(engine, role.default_port)
         _add_engine_flags(engine)
         _add_kv_transfer_flags(engine)
         engine.set_defaults(handler=_engine)
-    router = commands.add_parser("router", help="run the router: prefill leg, then decode leg streamed back")
-    _add_server_flags(router, 8000)
+    router = commands.add_parser(ROUTER, help="run the router: prefill leg, then decode leg streamed back")
+    _add_server_flags(router, ROUTER_PORT)
     router.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill engine URLs (without /v1)")
     router.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode engine URLs (without /v1)")
     router.add_argument("--discovery", choices=["static", "kubernetes"], default="static",

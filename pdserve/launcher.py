@@ -20,6 +20,9 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from pdserve.api.http import base_url
+from pdserve.api.roles import DECODE, PREFILL, ROUTER
+
 logger = logging.getLogger("pdserve.launcher")
 
 STARTUP_TIMEOUT_S = 600.0
@@ -106,19 +109,19 @@ def run_disaggregated(host: str, port: int, num_prefill: int, num_decode: int, e
     children: list[Child] = []
     try:
         core_sets = split_cores(num_prefill + num_decode)
-        roles = ["prefill"] * num_prefill + ["decode"] * num_decode
-        counts = {"prefill": 0, "decode": 0}
+        roles = [PREFILL.name] * num_prefill + [DECODE.name] * num_decode
+        counts = {PREFILL.name: 0, DECODE.name: 0}
         for role, cores in zip(roles, core_sets, strict=True):
             engine_port = free_port(host)
             name = f"{role}-{counts[role]}"
             counts[role] += 1
             children.append(_start(name, [role, "--host", host, "--port", str(engine_port), *engine_argv],
-                                   cores if len(core_sets) > 1 else None, f"http://{host}:{engine_port}"))
+                                   cores if len(core_sets) > 1 else None, base_url(host, engine_port)))
         _wait_healthy(children, time.monotonic() + STARTUP_TIMEOUT_S, stopping)
-        urls = {role: [c.url for c in children if c.name.startswith(role)] for role in ("prefill", "decode")}
-        router_url = f"http://{host}:{port}"
-        router = _start("router", ["router", "--host", host, "--port", str(port), "--prefill", *urls["prefill"],
-                                   "--decode", *urls["decode"], *router_argv], None, router_url)
+        urls = {role: [c.url for c in children if c.name.startswith(role)] for role in counts}
+        router_url = base_url(host, port)
+        router = _start(ROUTER, [ROUTER, "--host", host, "--port", str(port), "--prefill", *urls[PREFILL.name],
+                                 "--decode", *urls[DECODE.name], *router_argv], None, router_url)
         children.append(router)
         _wait_healthy([router], time.monotonic() + 60, stopping)
         print(f"pdserve (disaggregated: {num_prefill} prefill, {num_decode} decode) serving at {router_url}/v1",

@@ -112,3 +112,16 @@ def test_import_sets_omp_wait_policy():
     late = subprocess.run([sys.executable, "-W", "always", "-c", "import torch, pdserve"], env=env,
                           capture_output=True, text=True, check=True)
     assert "OMP_WAIT_POLICY" in late.stderr
+
+
+def test_seeded_choices_at_the_int64_edge_are_built_before_anything_is_queued(llm):
+    # The second choice's seed (2**63) wraps to stay a signed 64-bit integer instead of failing
+    # after the first choice was already queued.
+    params = SamplingParams(n=2, seed=2**63 - 1, temperature=1.0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate("edge", params)[0].outputs
+    assert [len(o.token_ids) for o in outputs] == [4, 4]
+    assert llm.generate("edge", params)[0].outputs[1].token_ids == outputs[1].token_ids  # seeded: reproducible
+    # A call that fails on any input queues none of its prompts.
+    with pytest.raises(ValueError):
+        llm.generate(["fine", [1] * 600], params)
+    assert not llm.engine.has_work()

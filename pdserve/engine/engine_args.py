@@ -1,5 +1,6 @@
 """EngineArgs: everything needed to build an EngineCore, in one place for every way of running
-one (the offline LLM, the engine-core process of the servers)."""
+one (the offline LLM, the engine-core process of the servers). The engine's role
+(pdserve.api.roles) is part of it: a P/D role runs the KV connector, the colocated role does not."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.api.roles import COLOCATED, engine_role
 from pdserve.engine.block_pool import new_block_generations
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -37,9 +39,17 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # fixes the KV block count (tests, benchmarks)
     enable_prefix_caching: bool = True
-    kv_transfer: KVTransferConfig | None = None  # None: no P/D transfers (colocated)
+    role: str = COLOCATED.name  # colocated | prefill | decode
+    kv_transfer: KVTransferConfig | None = None  # P/D roles: how blocks move (default settings when None)
     kv_events_host: str = "127.0.0.1"  # where the core publishes KV-cache events for routers
     kv_events_port: int | None = 0  # 0: a free port; None: no events
+
+    def __post_init__(self) -> None:
+        role = engine_role(self.role)
+        if role.kv_transfer and self.kv_transfer is None:
+            self.kv_transfer = KVTransferConfig()
+        elif not role.kv_transfer and self.kv_transfer is not None:
+            raise ValueError(f"the {role.name} role moves no KV blocks: kv_transfer settings need a P/D role")
 
     def resolved_model(self) -> str:
         return self.model or str(ensure_demo_model())
@@ -75,8 +85,8 @@ class EngineArgs:
                 return agent
 
         runner = ModelRunner(model_config, runner_config, make_agent)
-        logger.info("model %s (%s, %s on %s); %s", folder, model_config.architecture, dtype, device,
-                    runner.describe())
+        logger.info("%s engine: model %s (%s, %s on %s); %s", self.role, folder, model_config.architecture, dtype,
+                    device, runner.describe())
         connector = None
         generations = None
         if agents:

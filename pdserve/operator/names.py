@@ -4,22 +4,24 @@ Everything another component reads (the router's discovery selector, the chart's
 printer columns) is spelled here once; the manifest builders and handlers only import it.
 """
 
+from pdserve.api import roles
+
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 PDSERVICES = "pdservices"
 PDPOOLS = "pdpools"
 
-ROUTER = "router"
-PREFILL = "prefill"
-DECODE = "decode"
-ENGINE_ROLES = (PREFILL, DECODE)
+ROUTER = roles.ROUTER
+PREFILL = roles.PREFILL.name
+DECODE = roles.DECODE.name
+ENGINE_ROLES = tuple(role.name for role in roles.POOL_ROLES)
 ROLES = (ROUTER, PREFILL, DECODE)
 
-# Container ports: the defaults of `pdserve router|prefill|decode` (DESIGN §7), fixed so that
-# Services, probes and the router's discovery never have to ask the pods.
-PORTS = {ROUTER: 8000, PREFILL: 8100, DECODE: 8200}
-KV_SIDE_CHANNEL_PORT = 5600
+# Container ports: the defaults of `pdserve router|prefill|decode` (pdserve.api.roles), fixed so
+# that Services, probes and the router's discovery never have to ask the pods.
+PORTS = {ROUTER: roles.ROUTER_PORT, **{role.name: role.default_port for role in roles.POOL_ROLES}}
+KV_SIDE_CHANNEL_PORT = roles.POD_KV_SIDE_CHANNEL_PORT
 MODEL_DIR = "/models/model"
 
 OPERATOR = "pdserve-operator"
@@ -27,7 +29,7 @@ LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_ROLE = "pdserve.io/role"
+LABEL_ROLE = roles.ROLE_LABEL
 LABEL_SERVICE = "pdserve.io/service"
 
 

@@ -17,10 +17,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.api.roles import POOL_ROLES, ROLE_LABEL
+
 logger = logging.getLogger(__name__)
 
-ROLE_LABEL = "pdserve.io/role"
-DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}
+DEFAULT_PORTS = {role.name: role.default_port for role in POOL_ROLES}
 WATCH_TIMEOUT_S = 10  # a watch ends this often, so a stop request is noticed
 RETRY_DELAY_S = 2.0
 

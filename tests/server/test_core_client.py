@@ -45,7 +45,8 @@ def test_requests_aborts_and_rejections_through_the_core_process(args):
         client = await EngineCoreClient.start(args)
         try:
             assert client.ready.max_model_len == 256 and client.ready.num_kv_blocks > 0
-            queues = [await client.add_request(f"r{i}", p, greedy, llm.processor.eos_token_id) for i, p in enumerate(PROMPTS)]
+            eos = llm.processor.eos_token_id
+            queues = [await client.add_request(f"r{i}", p, greedy, eos) for i, p in enumerate(PROMPTS)]
             results = await asyncio.gather(*(_collect(q) for q in queues))
             assert [[t for o in outs for t in o.new_token_ids] for outs in results] == expected
             assert all(outs[-1].finish_reason == "length" for outs in results)
