@@ -21,6 +21,7 @@ serve: setup
 
 lint: setup
 	$(BIN)/ruff check pdserve tests bench
+	$(BIN)/ruff format --check pdserve tests bench
 
 test: lint
 	$(BIN)/python -m pytest -m "not slow"

@@ -70,8 +70,9 @@ def _random_batch(specs, num_kv_heads, group, head_dim, block_size, dtype, seed=
     tables = []
     for num_cached, query_len in specs:
         tables.append([order.pop() for _ in range(-(-(num_cached + query_len) // block_size))])
-    metadata = reference.build_attention_metadata([q for _, q in specs], [c + q for c, q in specs], tables,
-                                                  block_size, DEVICE)
+    metadata = reference.build_attention_metadata(
+        [q for _, q in specs], [c + q for c, q in specs], tables, block_size, DEVICE
+    )
     num_tokens = sum(q for _, q in specs)
     query = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
     new_k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
@@ -81,14 +82,18 @@ def _random_batch(specs, num_kv_heads, group, head_dim, block_size, dtype, seed=
 
 def check_kernels() -> dict:
     results = []
-    specs = [(0, 7), (40, 1), (13, 5), (3, 1), (0, 1)] if DRY_RUN else \
-        [(0, 300), (1000, 1), (77, 129), (4000, 1), (15, 1), (0, 1)] + [(511, 1)] * 32
+    specs = (
+        [(0, 7), (40, 1), (13, 5), (3, 1), (0, 1)]
+        if DRY_RUN
+        else [(0, 300), (1000, 1), (77, 129), (4000, 1), (15, 1), (0, 1)] + [(511, 1)] * 32
+    )
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         for group, head_dim, block_size in ((1, 64, 16), (2, 128, 16), (4, 80, 32)):
             if DRY_RUN and dtype == torch.bfloat16:
                 continue
             k_cache, v_cache, metadata, query, new_k, new_v = _random_batch(
-                specs, 2, group, 16 if DRY_RUN else head_dim, 4 if DRY_RUN else block_size, dtype)
+                specs, 2, group, 16 if DRY_RUN else head_dim, 4 if DRY_RUN else block_size, dtype
+            )
             ref_k, ref_v = k_cache.clone(), v_cache.clone()
             reference.write_kv(new_k, new_v, ref_k, ref_v, metadata)
             tri.write_kv(new_k, new_v, k_cache, v_cache, metadata)
@@ -97,9 +102,16 @@ def check_kernels() -> dict:
             expected = reference.paged_attention(query.float(), ref_k.float(), ref_v.float(), metadata, scale)
             actual = tri.paged_attention(query, k_cache, v_cache, metadata, scale).float()
             error = float((actual - expected).abs().max())
-            results.append({"dtype": str(dtype)[6:], "group": group, "head_dim": query.shape[-1],
-                            "write_kv_exact": write_ok, "max_abs_error": error,
-                            "passed": write_ok and error <= tolerance})
+            results.append(
+                {
+                    "dtype": str(dtype)[6:],
+                    "group": group,
+                    "head_dim": query.shape[-1],
+                    "write_kv_exact": write_ok,
+                    "max_abs_error": error,
+                    "passed": write_ok and error <= tolerance,
+                }
+            )
     return {"passed": all(r["passed"] for r in results), "cases": results}
 
 
@@ -110,19 +122,30 @@ def check_attention_bandwidth() -> dict:
     specs = [(context - 1, 1)] * num_decodes
     k_cache, v_cache, metadata, query, _, _ = _random_batch(specs, kv_heads, group, head_dim, block_size, dtype)
     token_seq, token_pos = tri.token_positions(metadata, DEVICE)
-    seconds = _time(lambda: tri.paged_attention(query, k_cache, v_cache, metadata, head_dim ** -0.5,
-                                                token_seq, token_pos), 3 if DRY_RUN else 20)
+    seconds = _time(
+        lambda: tri.paged_attention(query, k_cache, v_cache, metadata, head_dim**-0.5, token_seq, token_pos),
+        3 if DRY_RUN else 20,
+    )
     kv_bytes = 2 * num_decodes * context * kv_heads * head_dim * k_cache.element_size()
     big = torch.empty(64 << 20 if DRY_RUN else 1 << 30, dtype=torch.uint8, device=DEVICE)
     dest = torch.empty_like(big)
     copy_seconds = _time(lambda: dest.copy_(big), 3 if DRY_RUN else 10)
     copy_gbps = 2 * big.numel() / copy_seconds / 1e9  # read + write
     attention_gbps = kv_bytes / seconds / 1e9
-    return {"passed": None if DRY_RUN else attention_gbps >= 0.7 * copy_gbps, "decodes": num_decodes,
-            "context": context,
-            "kv_heads": kv_heads, "group": group, "head_dim": head_dim, "dtype": str(dtype)[6:],
-            "kernel_ms": seconds * 1e3, "kv_read_gbps": attention_gbps, "copy_gbps": copy_gbps,
-            "fraction_of_copy_bandwidth": attention_gbps / copy_gbps, "target": 0.7}
+    return {
+        "passed": None if DRY_RUN else attention_gbps >= 0.7 * copy_gbps,
+        "decodes": num_decodes,
+        "context": context,
+        "kv_heads": kv_heads,
+        "group": group,
+        "head_dim": head_dim,
+        "dtype": str(dtype)[6:],
+        "kernel_ms": seconds * 1e3,
+        "kv_read_gbps": attention_gbps,
+        "copy_gbps": copy_gbps,
+        "fraction_of_copy_bandwidth": attention_gbps / copy_gbps,
+        "target": 0.7,
+    }
 
 
 def check_parity() -> dict:
@@ -137,12 +160,20 @@ def check_parity() -> dict:
     tokenizer = str(ensure_demo_model())
     results = {}
     with tempfile.TemporaryDirectory() as root:
-        for name, (family, overrides) in list(SHAPES.items())[:2 if DRY_RUN else None]:
+        for name, (family, overrides) in list(SHAPES.items())[: 2 if DRY_RUN else None]:
             folder = os.path.join(root, name)
             hf = build_hf_model(family, overrides, folder)
             expected = [hf_greedy(hf, p, max_new) for p in prompts]
-            llm = LLM(folder, tokenizer=tokenizer, device=DEVICE.type, dtype="float32", block_size=16,
-                      kv_cache_memory=64 << 20, gpu_memory_utilization=0.3, max_model_len=512)
+            llm = LLM(
+                folder,
+                tokenizer=tokenizer,
+                device=DEVICE.type,
+                dtype="float32",
+                block_size=16,
+                kv_cache_memory=64 << 20,
+                gpu_memory_utilization=0.3,
+                max_model_len=512,
+            )
             outputs = llm.generate(prompts, greedy)
             mismatches, ties = [], []
             for index, (output, (tokens, logprobs)) in enumerate(zip(outputs, expected, strict=True)):
@@ -154,15 +185,24 @@ def check_parity() -> dict:
             if not DRY_RUN:
                 hf_bf16 = hf.to(DEVICE, torch.bfloat16)
                 expected16 = [hf_greedy(hf_bf16, p, max_new) for p in prompts]
-                llm16 = LLM(folder, tokenizer=tokenizer, device="cuda", dtype="bfloat16", block_size=16,
-                            gpu_memory_utilization=0.3, max_model_len=512)
+                llm16 = LLM(
+                    folder,
+                    tokenizer=tokenizer,
+                    device="cuda",
+                    dtype="bfloat16",
+                    block_size=16,
+                    gpu_memory_utilization=0.3,
+                    max_model_len=512,
+                )
                 differences = []
                 for prompt, (tokens, hf_logprobs) in zip(prompts, expected16, strict=True):
-                    (forced,) = llm16.generate([prompt + tokens[:-1]], SamplingParams(
-                        temperature=0.0, max_tokens=1, prompt_logprobs=0))
+                    (forced,) = llm16.generate(
+                        [prompt + tokens[:-1]], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+                    )
                     # Teacher-forced: prompt logprob j is that of token j of prompt + tokens[:-1].
-                    ours = torch.tensor([forced.prompt_logprobs[len(prompt) + i][t].logprob
-                                         for i, t in enumerate(tokens[:-1])])
+                    ours = torch.tensor(
+                        [forced.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(tokens[:-1])]
+                    )
                     theirs = hf_logprobs[torch.arange(len(tokens) - 1), torch.tensor(tokens[:-1])]
                     differences.append(float((ours - theirs).abs().max()))
                 entry["bf16_max_logprob_difference"] = max(differences)
@@ -181,8 +221,11 @@ def check_decode_step() -> dict:
     from pdserve.engine.request import Request
     from pdserve.models.demo import ensure_demo_model
 
-    model = dict(MODEL, num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=256,
-                 vocab_size=1024) if DRY_RUN else MODEL
+    model = (
+        dict(MODEL, num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=256, vocab_size=1024)
+        if DRY_RUN
+        else MODEL
+    )
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -192,9 +235,15 @@ def check_decode_step() -> dict:
         num_params = sum(p.numel() for p in hf.parameters())
         hf.save_pretrained(folder)
         del hf
-        llm = LLM(folder, tokenizer=str(ensure_demo_model()), device=DEVICE.type,
-                  dtype="float32" if DRY_RUN else "bfloat16", kv_cache_memory=64 << 20, gpu_memory_utilization=0.5,
-                  max_model_len=1024)
+        llm = LLM(
+            folder,
+            tokenizer=str(ensure_demo_model()),
+            device=DEVICE.type,
+            dtype="float32" if DRY_RUN else "bfloat16",
+            kv_cache_memory=64 << 20,
+            gpu_memory_utilization=0.5,
+            max_model_len=1024,
+        )
         weight_bytes = num_params * (4 if DRY_RUN else 2)
         big = torch.empty(64 << 20 if DRY_RUN else 1 << 30, dtype=torch.uint8, device=DEVICE)
         dest = torch.empty_like(big)
@@ -204,18 +253,27 @@ def check_decode_step() -> dict:
             params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
             for i in range(batch):
                 engine.add_request(Request(f"b{batch}-{i}", list(range(1, 129)), params))
-            while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                                  for r in engine.scheduler.running):
+            while engine.scheduler.waiting or any(
+                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+            ):
                 engine.step()
             step_seconds = _time(engine.step, 5 if DRY_RUN else 20)
             engine.abort_requests([f"b{batch}-{i}" for i in range(batch)])
             engine.step()
             weight_read = weight_bytes / (copy_gbps / 2 * 1e9)
-            results[f"batch_{batch}"] = {"step_ms": step_seconds * 1e3, "weight_read_ms": weight_read * 1e3,
-                                         "ratio_to_weight_read": step_seconds / weight_read}
+            results[f"batch_{batch}"] = {
+                "step_ms": step_seconds * 1e3,
+                "weight_read_ms": weight_read * 1e3,
+                "ratio_to_weight_read": step_seconds / weight_read,
+            }
     # A target for GPUs: judged only there (None: not judged).
-    return {"passed": None if DRY_RUN else results["batch_8"]["ratio_to_weight_read"] <= 1.5, "target_ratio": 1.5,
-            "copy_gbps": copy_gbps, "params": num_params, **results}
+    return {
+        "passed": None if DRY_RUN else results["batch_8"]["ratio_to_weight_read"] <= 1.5,
+        "target_ratio": 1.5,
+        "copy_gbps": copy_gbps,
+        "params": num_params,
+        **results,
+    }
 
 
 def main() -> None:
@@ -225,15 +283,23 @@ def main() -> None:
     args = parser.parse_args()
     if not DRY_RUN and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --dry-run to exercise this script on CPU")
-    report: dict = {"dry_run": DRY_RUN, "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"}
+    report: dict = {
+        "dry_run": DRY_RUN,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
+    }
     try:
         import triton
+
         report["triton"] = triton.__version__
     except ImportError:
         report["triton"] = None
-    sections = {"kernels": check_kernels, "attention_bandwidth": check_attention_bandwidth,
-                "parity": check_parity, "decode_step": check_decode_step}
+    sections = {
+        "kernels": check_kernels,
+        "attention_bandwidth": check_attention_bandwidth,
+        "parity": check_parity,
+        "decode_step": check_decode_step,
+    }
     for name, check in sections.items():
         start = time.perf_counter()
         print(f"== {name}", flush=True)
@@ -248,8 +314,10 @@ def main() -> None:
         with open(args.out, "w") as handle:  # after every section: a timeout still leaves results
             json.dump(report, handle, indent=2, default=str)
     failed = [n for n in sections if report[n].get("passed") is False]
-    print(f"GPU check: {len(sections) - len(failed)} of {len(sections)} sections passed, skipped or not judged; "
-          f"failed: {failed or 'none'}; results in {args.out}")
+    print(
+        f"GPU check: {len(sections) - len(failed)} of {len(sections)} sections passed, skipped or not judged; "
+        f"failed: {failed or 'none'}; results in {args.out}"
+    )
     sys.exit(1 if failed else 0)
 
 

@@ -89,8 +89,9 @@ def _pull_all(transport: str) -> dict[int, float]:
                 remote_ids = rng.sample(range(NUM_BLOCKS), count)
                 pipe.send((request_id, remote_ids))
                 generations = pipe.recv()
-                remote = RemotePrefill(engine_id, request_id, "127.0.0.1", port, remote_ids, generations, 0, "", "",
-                                       60.0)
+                remote = RemotePrefill(
+                    engine_id, request_id, "127.0.0.1", port, remote_ids, generations, 0, "", "", 60.0
+                )
                 local_ids = rng.sample(range(NUM_BLOCKS), count)
                 start = time.perf_counter()
                 agent.submit(TransferWork(loads=[LoadSpec(request_id, remote, local_ids, remote_ids, generations)]))
@@ -134,8 +135,7 @@ def _memcpy() -> dict[int, float]:
         count = (size << 20) // BLOCK_BYTES
         times = []
         for _ in range(REPEATS):
-            pairs = list(zip(rng.sample(range(NUM_BLOCKS), count), rng.sample(range(NUM_BLOCKS), count),
-                             strict=True))
+            pairs = list(zip(rng.sample(range(NUM_BLOCKS), count), rng.sample(range(NUM_BLOCKS), count), strict=True))
             start = time.perf_counter()
             for local, remote in pairs:
                 np.copyto(target[local], source[remote])
@@ -149,25 +149,46 @@ def main() -> None:
     contiguous = _contiguous_memcpy()
     nixl = _pull_all("nixl")
     tcp = _pull_all("tcp")
-    print(f"KV pull between two processes vs numpy copying the same blocks in one process; "
-          f"{BLOCK_BYTES >> 10} KiB blocks, best of {REPEATS} (GB/s)")
+    print(
+        f"KV pull between two processes vs numpy copying the same blocks in one process; "
+        f"{BLOCK_BYTES >> 10} KiB blocks, best of {REPEATS} (GB/s)"
+    )
     print(f"{'size':>8} {'memcpy':>8} {'nixl':>8} {'tcp':>8} {'nixl/memcpy':>12} {'tcp/memcpy':>11}")
     for size in SIZES_MIB:
-        print(f"{size:>5} MiB {memcpy[size]:8.2f} {nixl[size]:8.2f} {tcp[size]:8.2f} "
-              f"{nixl[size] / memcpy[size]:12.2f} {tcp[size] / memcpy[size]:11.2f}")
-    print(f"one contiguous cache-warm 16 MiB numpy copy: {contiguous:.2f} GB/s (nixl at 16 MiB: "
-          f"{nixl[16] / contiguous:.2f} of it)")
+        print(
+            f"{size:>5} MiB {memcpy[size]:8.2f} {nixl[size]:8.2f} {tcp[size]:8.2f} "
+            f"{nixl[size] / memcpy[size]:12.2f} {tcp[size] / memcpy[size]:11.2f}"
+        )
+    print(
+        f"one contiguous cache-warm 16 MiB numpy copy: {contiguous:.2f} GB/s (nixl at 16 MiB: "
+        f"{nixl[16] / contiguous:.2f} of it)"
+    )
     from plots import bar_chart
 
-    path = bar_chart("kv_transfer", "KV pull between two processes vs numpy copying the same blocks (GB/s)",
-                     "GB/s", {f"{size} MiB": {"numpy, same blocks": memcpy[size], "NIXL": nixl[size], "TCP": tcp[size]}
-                              for size in SIZES_MIB})
+    path = bar_chart(
+        "kv_transfer",
+        "KV pull between two processes vs numpy copying the same blocks (GB/s)",
+        "GB/s",
+        {
+            f"{size} MiB": {"numpy, same blocks": memcpy[size], "NIXL": nixl[size], "TCP": tcp[size]}
+            for size in SIZES_MIB
+        },
+    )
     print(f"plot: {path}")
-    print(json.dumps({"bench": "kv_transfer", "nixl_16mib_gbps": round(nixl[16], 2),
-                      "memcpy_16mib_gbps": round(memcpy[16], 2), "ratio": round(nixl[16] / memcpy[16], 2),
-                      "tcp_16mib_gbps": round(tcp[16], 2), "nixl_256mib_gbps": round(nixl[256], 2),
-                      "memcpy_256mib_gbps": round(memcpy[256], 2),
-                      "memcpy_contiguous_16mib_gbps": round(contiguous, 2)}))
+    print(
+        json.dumps(
+            {
+                "bench": "kv_transfer",
+                "nixl_16mib_gbps": round(nixl[16], 2),
+                "memcpy_16mib_gbps": round(memcpy[16], 2),
+                "ratio": round(nixl[16] / memcpy[16], 2),
+                "tcp_16mib_gbps": round(tcp[16], 2),
+                "nixl_256mib_gbps": round(nixl[256], 2),
+                "memcpy_256mib_gbps": round(memcpy[256], 2),
+                "memcpy_contiguous_16mib_gbps": round(contiguous, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,10 +36,28 @@ from pdserve.launcher import free_port
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
-         "num_key_value_heads": 12, "vocab_size": 1024, "tie_word_embeddings": True, "max_position_embeddings": 2048}
-ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "1024", "--kv-cache-memory", "1GiB", "--served-model-name",
-                "bench", "--log-level", "warning"]
+MODEL = {
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "vocab_size": 1024,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 2048,
+}
+ENGINE_FLAGS = [
+    "--device",
+    "cpu",
+    "--max-model-len",
+    "1024",
+    "--kv-cache-memory",
+    "1GiB",
+    "--served-model-name",
+    "bench",
+    "--log-level",
+    "warning",
+]
 
 
 def build_model(folder: Path) -> None:
@@ -60,8 +78,9 @@ def start(argv: list[str], cores: str | None, threads: int, log: Path) -> subpro
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     prefix = ["taskset", "-c", cores] if cores else []
     with open(log, "wb") as handle:
-        return subprocess.Popen([*prefix, sys.executable, "-m", "pdserve.cli", *argv], env=env, stdout=handle,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [*prefix, sys.executable, "-m", "pdserve.cli", *argv], env=env, stdout=handle, stderr=subprocess.STDOUT
+        )
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
@@ -81,11 +100,22 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> N
 def run_load(url: str, args: argparse.Namespace) -> dict:
     from pdserve.bench.loadgen import BenchConfig, run_benchmark
 
-    config = BenchConfig(base_url=url, model="bench", num_prompts=args.num_prompts, request_rate=args.request_rate,
-                         input_len=args.input_len, output_len=args.output_len, ignore_eos=True,
-                         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=1, progress=False)
-    warmup = BenchConfig(base_url=url, model="bench", num_prompts=2, input_len=64, output_len=4, ignore_eos=True,
-                         seed=2, progress=False)
+    config = BenchConfig(
+        base_url=url,
+        model="bench",
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        ignore_eos=True,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        seed=1,
+        progress=False,
+    )
+    warmup = BenchConfig(
+        base_url=url, model="bench", num_prompts=2, input_len=64, output_len=4, ignore_eos=True, seed=2, progress=False
+    )
     asyncio.run(run_benchmark(warmup))
     return asyncio.run(run_benchmark(config))
 
@@ -95,22 +125,50 @@ def run_setup(name: str, folder: Path, logs: Path, args: argparse.Namespace) -> 
     try:
         if name == "colocated":
             port = free_port()
-            processes.append(start(["serve", "--mode", "colocated", "--port", str(port), "--model", str(folder),
-                                    *ENGINE_FLAGS], "0,1", 2, logs / "colocated.log"))
+            processes.append(
+                start(
+                    ["serve", "--mode", "colocated", "--port", str(port), "--model", str(folder), *ENGINE_FLAGS],
+                    "0,1",
+                    2,
+                    logs / "colocated.log",
+                )
+            )
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, processes[0])
         else:
             engines = []
             for role, core in (("prefill", "0"), ("decode", "1")):
                 port = free_port()
-                processes.append(start([role, "--port", str(port), "--model", str(folder), *ENGINE_FLAGS], core, 1,
-                                       logs / f"{role}.log"))
+                processes.append(
+                    start(
+                        [role, "--port", str(port), "--model", str(folder), *ENGINE_FLAGS],
+                        core,
+                        1,
+                        logs / f"{role}.log",
+                    )
+                )
                 engines.append(f"http://127.0.0.1:{port}")
             for url, process in zip(engines, processes, strict=True):
                 wait_healthy(url, process)
             port = free_port()
-            processes.append(start(["router", "--port", str(port), "--log-level", "warning", "--prefill", engines[0],
-                                    "--decode", engines[1]], None, 1, logs / "router.log"))
+            processes.append(
+                start(
+                    [
+                        "router",
+                        "--port",
+                        str(port),
+                        "--log-level",
+                        "warning",
+                        "--prefill",
+                        engines[0],
+                        "--decode",
+                        engines[1],
+                    ],
+                    None,
+                    1,
+                    logs / "router.log",
+                )
+            )
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, processes[-1])
         return run_load(url, args)
@@ -156,19 +214,34 @@ def main() -> None:
         folder = Path(scratch) / "model"
         build_model(folder)
         results = {name: run_setup(name, folder, Path(scratch), args) for name in ("colocated", "1P1D")}
-    print(f"{args.num_prompts} requests, {args.input_len} in / {args.output_len} out, Poisson {args.request_rate}/s; "
-          f"SLO TTFT {args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms")
-    print(f"{'setup':<10} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'TPOT p50':>9} {'p90':>7} {'p99':>7} "
-          f"{'goodput':>8} {'tok/s':>7} {'failed':>6}")
+    print(
+        f"{args.num_prompts} requests, {args.input_len} in / {args.output_len} out, Poisson {args.request_rate}/s; "
+        f"SLO TTFT {args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms"
+    )
+    print(
+        f"{'setup':<10} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'TPOT p50':>9} {'p90':>7} {'p99':>7} "
+        f"{'goodput':>8} {'tok/s':>7} {'failed':>6}"
+    )
     for name, s in results.items():
-        print(f"{name:<10} {s['median_ttft_ms']:9.0f} {s['p90_ttft_ms']:7.0f} {s['p99_ttft_ms']:7.0f} "
-              f"{s['median_tpot_ms']:9.1f} {s['p90_tpot_ms']:7.1f} {s['p99_tpot_ms']:7.1f} "
-              f"{s['goodput']:8.2f} {s['output_throughput']:7.1f} {s['failed']:6d}")
+        print(
+            f"{name:<10} {s['median_ttft_ms']:9.0f} {s['p90_ttft_ms']:7.0f} {s['p99_ttft_ms']:7.0f} "
+            f"{s['median_tpot_ms']:9.1f} {s['p90_tpot_ms']:7.1f} {s['p99_tpot_ms']:7.1f} "
+            f"{s['goodput']:8.2f} {s['output_throughput']:7.1f} {s['failed']:6d}"
+        )
     plot(results, Path(args.plot))
     print(f"plot: {args.plot}")
-    print(json.dumps({"bench": "pd_vs_colocated", **{
-        f"{name}_{key}": round(s[key], 2) for name, s in results.items()
-        for key in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "goodput")}}))
+    print(
+        json.dumps(
+            {
+                "bench": "pd_vs_colocated",
+                **{
+                    f"{name}_{key}": round(s[key], 2)
+                    for name, s in results.items()
+                    for key in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "goodput")
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -37,16 +37,34 @@ def run(folder: Path, caching: bool, args: argparse.Namespace, log: Path) -> dic
 
     port = free_port()
     flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
-    process = start(["serve", "--mode", "colocated", "--port", str(port), "--model", str(folder), flag,
-                     *ENGINE_FLAGS], "0,1", 2, log)
+    process = start(
+        ["serve", "--mode", "colocated", "--port", str(port), "--model", str(folder), flag, *ENGINE_FLAGS],
+        "0,1",
+        2,
+        log,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process)
         hits_before, queries_before = prefix_counters(url)
-        summary = asyncio.run(run_benchmark(BenchConfig(
-            base_url=url, model="bench", num_prompts=args.num_prompts, request_rate=args.request_rate,
-            workload="shared-prefix", prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
-            input_len=args.suffix_len, output_len=args.output_len, ignore_eos=True, seed=3, progress=False)))
+        summary = asyncio.run(
+            run_benchmark(
+                BenchConfig(
+                    base_url=url,
+                    model="bench",
+                    num_prompts=args.num_prompts,
+                    request_rate=args.request_rate,
+                    workload="shared-prefix",
+                    prefix_len=args.prefix_len,
+                    num_prefixes=args.num_prefixes,
+                    input_len=args.suffix_len,
+                    output_len=args.output_len,
+                    ignore_eos=True,
+                    seed=3,
+                    progress=False,
+                )
+            )
+        )
         hits, queries = prefix_counters(url)
         summary["hit_rate"] = (hits - hits_before) / max(queries - queries_before, 1)
         return summary
@@ -90,21 +108,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "model"
         build_model(folder)
-        results = {name: run(folder, name == "caching on", args, Path(scratch) / f"{name}.log")
-                   for name in ("caching on", "caching off")}
-    print(f"{args.num_prompts} requests: {args.num_prefixes} prefixes x {args.prefix_len} tokens + "
-          f"{args.suffix_len}-token suffix, {args.output_len} out, Poisson {args.request_rate}/s")
+        results = {
+            name: run(folder, name == "caching on", args, Path(scratch) / f"{name}.log")
+            for name in ("caching on", "caching off")
+        }
+    print(
+        f"{args.num_prompts} requests: {args.num_prefixes} prefixes x {args.prefix_len} tokens + "
+        f"{args.suffix_len}-token suffix, {args.output_len} out, Poisson {args.request_rate}/s"
+    )
     print(f"{'':<12} {'hit rate':>9} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6}")
     for name, s in results.items():
-        print(f"{name:<12} {s['hit_rate']:9.1%} {s['median_ttft_ms']:9.0f} {s['p90_ttft_ms']:7.0f} "
-              f"{s['p99_ttft_ms']:7.0f} {s['request_throughput']:6.2f}")
+        print(
+            f"{name:<12} {s['hit_rate']:9.1%} {s['median_ttft_ms']:9.0f} {s['p90_ttft_ms']:7.0f} "
+            f"{s['p99_ttft_ms']:7.0f} {s['request_throughput']:6.2f}"
+        )
     plot(results, Path(args.plot))
     print(f"plot: {args.plot}")
     on, off = results["caching on"], results["caching off"]
-    print(json.dumps({"bench": "prefix_cache", "hit_rate": round(on["hit_rate"], 3),
-                      "ttft_p50_on_ms": round(on["median_ttft_ms"], 1),
-                      "ttft_p50_off_ms": round(off["median_ttft_ms"], 1),
-                      "ratio": round(off["median_ttft_ms"] / on["median_ttft_ms"], 2)}))
+    print(
+        json.dumps(
+            {
+                "bench": "prefix_cache",
+                "hit_rate": round(on["hit_rate"], 3),
+                "ttft_p50_on_ms": round(on["median_ttft_ms"], 1),
+                "ttft_p50_off_ms": round(off["median_ttft_ms"], 1),
+                "ratio": round(off["median_ttft_ms"] / on["median_ttft_ms"], 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

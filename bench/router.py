@@ -34,32 +34,56 @@ from pdserve.launcher import free_port
 TOKENS = 8
 CONCURRENCY = 64
 BODY = {"model": "demo", "prompt": "Tell me about disaggregated serving.", "max_tokens": TOKENS, "stream": True}
-KV_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_request_id": "r",
-             "remote_block_ids": [1, 2, 3, 4], "remote_host": "127.0.0.1", "remote_port": 5555}
+KV_PARAMS = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "e1",
+    "remote_request_id": "r",
+    "remote_block_ids": [1, 2, 3, 4],
+    "remote_host": "127.0.0.1",
+    "remote_port": 5555,
+}
 _CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.IGNORECASE)
 _STREAM_TRUE = re.compile(rb'"stream":\s*true')
 
 
 # ----- stub engines (plain asyncio streams: an HTTP/1.1 server that knows just enough) -----------------------
 
+
 def _sse_events() -> list[bytes]:
     events = []
     for i in range(TOKENS):
-        chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "demo",
-                 "choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if i == TOKENS - 1 else None}]}
+        chunk = {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 1,
+            "model": "demo",
+            "choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if i == TOKENS - 1 else None}],
+        }
         events.append(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
     return [*events, b"data: [DONE]\n\n"]
 
 
 def _whole(status: int, payload: bytes) -> bytes:
-    return (b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (status, len(payload))
-            + payload)
+    return (
+        b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (status, len(payload))
+        + payload
+    )
 
 
 async def _stub(role: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    prefill_answer = _whole(200, msgspec.json.encode({
-        "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "demo",
-        "choices": [{"index": 0, "text": "x", "finish_reason": "length"}], "kv_transfer_params": KV_PARAMS}))
+    prefill_answer = _whole(
+        200,
+        msgspec.json.encode(
+            {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "created": 1,
+                "model": "demo",
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "kv_transfer_params": KV_PARAMS,
+            }
+        ),
+    )
     events = [b"%x\r\n%s\r\n" % (len(event), event) for event in _sse_events()]
     stream_head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     try:
@@ -84,13 +108,16 @@ async def _stub(role: str, reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 
 async def serve_stubs(prefill_port: int, decode_port: int) -> None:
-    servers = [await asyncio.start_server(lambda r, w, role=role: _stub(role, r, w), "127.0.0.1", port)
-               for role, port in (("prefill", prefill_port), ("decode", decode_port))]
+    servers = [
+        await asyncio.start_server(lambda r, w, role=role: _stub(role, r, w), "127.0.0.1", port)
+        for role, port in (("prefill", prefill_port), ("decode", decode_port))
+    ]
     print("ready", flush=True)
     await asyncio.gather(*(server.serve_forever() for server in servers))
 
 
 # ----- proxies under test -------------------------------------------------------------------------------------
+
 
 async def serve_router(port: int, prefill: str, decode: str) -> None:
     from pdserve.router import RouterConfig, start_router
@@ -133,6 +160,7 @@ def serve_baseline(port: int, prefill: str, decode: str) -> None:
 
 # ----- load generator -----------------------------------------------------------------------------------------
 
+
 class Connection:
     """One keep-alive HTTP/1.1 connection: POST, read the whole answer (Content-Length or chunked)."""
 
@@ -145,8 +173,10 @@ class Connection:
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        self.writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d"
-                          b"\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body))
+        self.writer.write(
+            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d"
+            b"\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body)
+        )
         head = await self.reader.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
         length = _CONTENT_LENGTH.search(head)
@@ -256,8 +286,9 @@ async def _wait_listening(port: int) -> None:
     raise RuntimeError(f"nothing listens on {port}")
 
 
-async def measure_proxy(name: str, role: str, prefill: str, decode: str, core: int | None, requests: int,
-                        seconds: float) -> dict:
+async def measure_proxy(
+    name: str, role: str, prefill: str, decode: str, core: int | None, requests: int, seconds: float
+) -> dict:
     port = free_port()
     process = _spawn(["--serve", role, "--port", str(port), "--prefill", prefill, "--decode", decode], core)
     try:
@@ -296,11 +327,14 @@ async def run(requests: int, seconds: float) -> None:
         rows.append({"name": "client makes both legs", "p50_ms": p50, "p99_ms": p99, "rps": rps})
         rows.append(await measure_proxy("pdserve router", "router", prefill, decode, proxy_core, requests, seconds))
         if _have_baseline():
-            rows.append(await measure_proxy("FastAPI + httpx proxy", "baseline", prefill, decode, proxy_core,
-                                            requests, seconds))
+            rows.append(
+                await measure_proxy("FastAPI + httpx proxy", "baseline", prefill, decode, proxy_core, requests, seconds)
+            )
         else:
-            print("(d) skipped: fastapi/httpx/uvicorn are not installed "
-                  "(.venv/bin/pip install fastapi httpx uvicorn)", file=sys.stderr)
+            print(
+                "(d) skipped: fastapi/httpx/uvicorn are not installed (.venv/bin/pip install fastapi httpx uvicorn)",
+                file=sys.stderr,
+            )
     finally:
         stubs.terminate()
         stubs.wait(10)
@@ -310,21 +344,39 @@ async def run(requests: int, seconds: float) -> None:
     print(f"{'path':<24}{'p50 ms':>9}{'p99 ms':>9}{'added p50 ms':>14}{'req/s':>9}")
     for row in rows:
         added = row["p50_ms"] - direct["p50_ms"]
-        print(f"{row['name']:<24}{row['p50_ms']:>9.3f}{row['p99_ms']:>9.3f}"
-              f"{'-' if row is direct else f'{added:+.3f}':>14}{row['rps']:>9.0f}")
+        print(
+            f"{row['name']:<24}{row['p50_ms']:>9.3f}{row['p99_ms']:>9.3f}"
+            f"{'-' if row is direct else f'{added:+.3f}':>14}{row['rps']:>9.0f}"
+        )
     router = rows[1]
     baseline = rows[2] if len(rows) > 2 else None
     from plots import bar_chart
 
-    bar_chart("router_latency", "two legs, streamed: latency with 1 request in flight (ms)", "ms",
-              {row["name"]: {"p50": row["p50_ms"], "p99": row["p99_ms"]} for row in rows})
-    path = bar_chart("router_throughput", f"requests/s with {CONCURRENCY} in flight", "requests/s",
-                     {row["name"]: {"req/s": row["rps"]} for row in rows}, log=True)
+    bar_chart(
+        "router_latency",
+        "two legs, streamed: latency with 1 request in flight (ms)",
+        "ms",
+        {row["name"]: {"p50": row["p50_ms"], "p99": row["p99_ms"]} for row in rows},
+    )
+    path = bar_chart(
+        "router_throughput",
+        f"requests/s with {CONCURRENCY} in flight",
+        "requests/s",
+        {row["name"]: {"req/s": row["rps"]} for row in rows},
+        log=True,
+    )
     print(f"plots: {path.parent}/router_latency.png, {path}")
-    print(json.dumps({
-        "bench": "router", "overhead_p50_ms": round(router["p50_ms"] - direct["p50_ms"], 3),
-        "router_rps": round(router["rps"], 1), "baseline_rps": round(baseline["rps"], 1) if baseline else None,
-        "ratio": round(router["rps"] / baseline["rps"], 2) if baseline else None}))
+    print(
+        json.dumps(
+            {
+                "bench": "router",
+                "overhead_p50_ms": round(router["p50_ms"] - direct["p50_ms"], 3),
+                "router_rps": round(router["rps"], 1),
+                "baseline_rps": round(baseline["rps"], 1) if baseline else None,
+                "ratio": round(router["rps"] / baseline["rps"], 2) if baseline else None,
+            }
+        )
+    )
 
 
 def main() -> None:

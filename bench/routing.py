@@ -35,8 +35,18 @@ from pd_vs_colocated import build_model, free_port, start, wait_healthy
 from plots import bar_chart
 from prefix_cache import prefix_counters
 
-ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", "112MiB", "--served-model-name",
-                "bench", "--log-level", "warning"]
+ENGINE_FLAGS = [
+    "--device",
+    "cpu",
+    "--max-model-len",
+    "512",
+    "--kv-cache-memory",
+    "112MiB",
+    "--served-model-name",
+    "bench",
+    "--log-level",
+    "warning",
+]
 POLICIES = ("prefix-load", "round-robin")
 
 
@@ -57,21 +67,60 @@ def run(folder: Path, policy: str, args: argparse.Namespace, scratch: Path) -> d
         engines = []
         for core in (0, 1):
             port = free_port()
-            processes.append(start(["decode", "--port", str(port), "--model", str(folder), *ENGINE_FLAGS], str(core),
-                                   1, scratch / f"{policy}-engine{core}.log"))
+            processes.append(
+                start(
+                    ["decode", "--port", str(port), "--model", str(folder), *ENGINE_FLAGS],
+                    str(core),
+                    1,
+                    scratch / f"{policy}-engine{core}.log",
+                )
+            )
             engines.append(f"http://127.0.0.1:{port}")
         for url, process in zip(engines, processes, strict=True):
             wait_healthy(url, process)
         port = free_port()
         router_url = f"http://127.0.0.1:{port}"
-        processes.append(start(["router", "--port", str(port), "--routing", policy, "--tokenizer", str(folder),
-                                "--load-weight", str(args.load_weight), "--log-level", "warning", "--decode", *engines],
-                               None, 1, scratch / f"{policy}-router.log"))
+        processes.append(
+            start(
+                [
+                    "router",
+                    "--port",
+                    str(port),
+                    "--routing",
+                    policy,
+                    "--tokenizer",
+                    str(folder),
+                    "--load-weight",
+                    str(args.load_weight),
+                    "--log-level",
+                    "warning",
+                    "--decode",
+                    *engines,
+                ],
+                None,
+                1,
+                scratch / f"{policy}-router.log",
+            )
+        )
         wait_healthy(router_url, processes[-1])
-        summary = asyncio.run(run_benchmark(BenchConfig(
-            base_url=router_url, model="bench", num_prompts=args.num_prompts, request_rate=args.request_rate,
-            workload="shared-prefix", prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
-            input_len=args.suffix_len, output_len=args.output_len, ignore_eos=True, seed=7, progress=False)))
+        summary = asyncio.run(
+            run_benchmark(
+                BenchConfig(
+                    base_url=router_url,
+                    model="bench",
+                    num_prompts=args.num_prompts,
+                    request_rate=args.request_rate,
+                    workload="shared-prefix",
+                    prefix_len=args.prefix_len,
+                    num_prefixes=args.num_prefixes,
+                    input_len=args.suffix_len,
+                    output_len=args.output_len,
+                    ignore_eos=True,
+                    seed=7,
+                    progress=False,
+                )
+            )
+        )
         hits = queries = 0.0
         for url in engines:
             engine_hits, engine_queries = prefix_counters(url)
@@ -80,8 +129,10 @@ def run(folder: Path, policy: str, args: argparse.Namespace, scratch: Path) -> d
         counters = router_counters(router_url)
         summary["predicted"] = counters.get('pdserve_router_prefix_blocks_predicted_total{role="decode"}', 0.0)
         summary["realised"] = counters.get('pdserve_router_prefix_blocks_realised_total{role="decode"}', 0.0)
-        summary["split"] = [counters.get(f'pdserve_router_choices_total{{pod="{url}",policy="{policy}",role="decode"}}',
-                                         0.0) for url in engines]
+        summary["split"] = [
+            counters.get(f'pdserve_router_choices_total{{pod="{url}",policy="{policy}",role="decode"}}', 0.0)
+            for url in engines
+        ]
         return summary
     finally:
         for process in reversed(processes):
@@ -99,43 +150,62 @@ def main() -> None:
     parser.add_argument("--suffix-len", type=int, default=48)
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--load-weight", type=float, default=4.0, help="the router's --load-weight (prefix-load)")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=["prefix-load", "round-robin",
-                                                                                 "prefix", "least-load"])
+    parser.add_argument(
+        "--policies", nargs="+", default=list(POLICIES), choices=["prefix-load", "round-robin", "prefix", "least-load"]
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
         folder = scratch / "model"
         build_model(folder)
         results = {policy: run(folder, policy, args, scratch) for policy in args.policies}
-    print(f"{args.num_prompts} requests: {args.num_prefixes} prefixes x {args.prefix_len} tokens + "
-          f"{args.suffix_len}-token suffix, {args.output_len} out, Poisson {args.request_rate}/s; 2 engines, one core "
-          f"each; prefix-load's --load-weight {args.load_weight}")
-    print(f"{'policy':<12} {'hit rate':>9} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6} {'out tok/s':>9} "
-          f"{'split':>9} {'predicted/realised blocks':>26}")
+    print(
+        f"{args.num_prompts} requests: {args.num_prefixes} prefixes x {args.prefix_len} tokens + "
+        f"{args.suffix_len}-token suffix, {args.output_len} out, Poisson {args.request_rate}/s; 2 engines, one core "
+        f"each; prefix-load's --load-weight {args.load_weight}"
+    )
+    print(
+        f"{'policy':<12} {'hit rate':>9} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'req/s':>6} {'out tok/s':>9} "
+        f"{'split':>9} {'predicted/realised blocks':>26}"
+    )
     for policy, s in results.items():
         split = "/".join(f"{n:.0f}" for n in s["split"])
-        print(f"{policy:<12} {s['hit_rate']:9.1%} {s['median_ttft_ms']:9.0f} {s['p90_ttft_ms']:7.0f} "
-              f"{s['p99_ttft_ms']:7.0f} {s['request_throughput']:6.2f} {s['output_throughput']:9.1f} {split:>9} "
-              f"{s['predicted']:>13.0f}/{s['realised']:<12.0f}")
+        print(
+            f"{policy:<12} {s['hit_rate']:9.1%} {s['median_ttft_ms']:9.0f} {s['p90_ttft_ms']:7.0f} "
+            f"{s['p99_ttft_ms']:7.0f} {s['request_throughput']:6.2f} {s['output_throughput']:9.1f} {split:>9} "
+            f"{s['predicted']:>13.0f}/{s['realised']:<12.0f}"
+        )
         if s["failed"]:
             print(f"  {s['failed']} failed: {s['errors']}")
     if set(POLICIES) - set(results):
         return  # an exploration run: no plot, no summary line
-    path = bar_chart("routing", "shared-prefix workload, 2 engines: prefix-load vs round-robin (bench/routing.py)",
-                     "ms  |  %", {
-                         "TTFT p50 (ms)": {p: results[p]["median_ttft_ms"] for p in POLICIES},
-                         "TTFT p90 (ms)": {p: results[p]["p90_ttft_ms"] for p in POLICIES},
-                         "prompt tokens from cache (%)": {p: results[p]["hit_rate"] * 100 for p in POLICIES}})
+    path = bar_chart(
+        "routing",
+        "shared-prefix workload, 2 engines: prefix-load vs round-robin (bench/routing.py)",
+        "ms  |  %",
+        {
+            "TTFT p50 (ms)": {p: results[p]["median_ttft_ms"] for p in POLICIES},
+            "TTFT p90 (ms)": {p: results[p]["p90_ttft_ms"] for p in POLICIES},
+            "prompt tokens from cache (%)": {p: results[p]["hit_rate"] * 100 for p in POLICIES},
+        },
+    )
     print(f"plot: {path}")
     load, rr = results["prefix-load"], results["round-robin"]
-    print(json.dumps({"bench": "routing", "hit_rate_prefix_load": round(load["hit_rate"], 3),
-                      "hit_rate_round_robin": round(rr["hit_rate"], 3),
-                      "ttft_p50_prefix_load_ms": round(load["median_ttft_ms"], 1),
-                      "ttft_p50_round_robin_ms": round(rr["median_ttft_ms"], 1),
-                      "ttft_p90_prefix_load_ms": round(load["p90_ttft_ms"], 1),
-                      "ttft_p90_round_robin_ms": round(rr["p90_ttft_ms"], 1),
-                      "req_s_prefix_load": round(load["request_throughput"], 2),
-                      "req_s_round_robin": round(rr["request_throughput"], 2)}))
+    print(
+        json.dumps(
+            {
+                "bench": "routing",
+                "hit_rate_prefix_load": round(load["hit_rate"], 3),
+                "hit_rate_round_robin": round(rr["hit_rate"], 3),
+                "ttft_p50_prefix_load_ms": round(load["median_ttft_ms"], 1),
+                "ttft_p50_round_robin_ms": round(rr["median_ttft_ms"], 1),
+                "ttft_p90_prefix_load_ms": round(load["p90_ttft_ms"], 1),
+                "ttft_p90_round_robin_ms": round(rr["p90_ttft_ms"], 1),
+                "req_s_prefix_load": round(load["request_throughput"], 2),
+                "req_s_round_robin": round(rr["request_throughput"], 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

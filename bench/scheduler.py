@@ -96,22 +96,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     results = {}
-    print(f"{'running':>8} {'variant':>8} {'median ms/step':>15} {'p90 ms/step':>12} {'us/request':>11} "
-          f"{'schedule ms':>12} {'update ms':>10}")
+    print(
+        f"{'running':>8} {'variant':>8} {'median ms/step':>15} {'p90 ms/step':>12} {'us/request':>11} "
+        f"{'schedule ms':>12} {'update ms':>10}"
+    )
     for churn in (False, True):
         for size in args.sizes:
             result = run_case(size, churn, args.warmup, args.steps)
             results[(size, churn)] = result
             variant = "churn" if churn else "steady"
-            print(f"{size:>8} {variant:>8} {result['median_ms']:>15.3f} {result['p90_ms']:>12.3f} "
-                  f"{1000 * result['median_ms'] / size:>11.2f} {result['schedule_ms']:>12.3f} "
-                  f"{result['update_ms']:>10.3f}", flush=True)
+            print(
+                f"{size:>8} {variant:>8} {result['median_ms']:>15.3f} {result['p90_ms']:>12.3f} "
+                f"{1000 * result['median_ms'] / size:>11.2f} {result['schedule_ms']:>12.3f} "
+                f"{result['update_ms']:>10.3f}",
+                flush=True,
+            )
     from plots import bar_chart
 
-    path = bar_chart("scheduler", "scheduler step (schedule + update from output), model excluded", "ms per step",
-                     {f"{size} running": {variant: results[(size, churn)]["median_ms"]
-                                          for churn, variant in ((False, "steady"), (True, "churn"))}
-                      for size in args.sizes})
+    path = bar_chart(
+        "scheduler",
+        "scheduler step (schedule + update from output), model excluded",
+        "ms per step",
+        {
+            f"{size} running": {
+                variant: results[(size, churn)]["median_ms"] for churn, variant in ((False, "steady"), (True, "churn"))
+            }
+            for size in args.sizes
+        },
+    )
     print(f"plot: {path}")
     key = (256, False) if (256, False) in results else next(iter(results))
     print(json.dumps({"bench": "scheduler", "running": key[0], "step_ms": round(results[key]["median_ms"], 4)}))

@@ -46,17 +46,41 @@ import aiohttp
 from pdserve.launcher import free_port
 
 LEASE_SECONDS = 5
-ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", "8MiB", "--kv-lease-seconds",
-                str(LEASE_SECONDS), "--served-model-name", "demo", "--log-level", "warning"]
+ENGINE_FLAGS = [
+    "--device",
+    "cpu",
+    "--max-model-len",
+    "512",
+    "--kv-cache-memory",
+    "8MiB",
+    "--kv-lease-seconds",
+    str(LEASE_SECONDS),
+    "--served-model-name",
+    "demo",
+    "--log-level",
+    "warning",
+]
 CONCURRENCY = 16
 REQUEST_TIMEOUT_S = 180
 # Router error kinds that mean a leg failed (the router may hide them from the client, e.g. a prefill 5xx falls
 # back to decode-only). Client disconnects are expected here; retries of an overloaded pod are not failures.
-ROUTER_LEG_FAILURES = ("prefill_unreachable", "prefill_5xx", "prefill_bad_answer", "no_prefill",
-                       "decode_unreachable", "no_decode", "decode_broken", "timeout")
-IDLE_SERIES = ("pdserve_num_requests_running", "pdserve_num_requests_waiting",
-               "pdserve_num_requests_waiting_for_remote_kv", "pdserve_kv_blocks_held_for_remote",
-               "pdserve_kv_cache_usage_ratio")
+ROUTER_LEG_FAILURES = (
+    "prefill_unreachable",
+    "prefill_5xx",
+    "prefill_bad_answer",
+    "no_prefill",
+    "decode_unreachable",
+    "no_decode",
+    "decode_broken",
+    "timeout",
+)
+IDLE_SERIES = (
+    "pdserve_num_requests_running",
+    "pdserve_num_requests_waiting",
+    "pdserve_num_requests_waiting_for_remote_kv",
+    "pdserve_kv_blocks_held_for_remote",
+    "pdserve_kv_cache_usage_ratio",
+)
 
 
 # ----- processes ----------------------------------------------------------------------------------------------
@@ -76,8 +100,9 @@ class Server:
 
     def start(self, env: dict[str, str]) -> None:
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *self.argv], env=env,
-                                            stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.cli", *self.argv], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def healthy(self) -> bool:
         try:
@@ -119,13 +144,37 @@ def start_cluster(log_dir: Path, transport: str) -> tuple[Server, Server, Server
     engines = []
     for role in ("prefill", "decode"):
         port = free_port()
-        argv = [role, "--port", str(port), "--model", model, "--kv-transfer", transport, "--kv-side-channel-port",
-                str(free_port()), *ENGINE_FLAGS]
+        argv = [
+            role,
+            "--port",
+            str(port),
+            "--model",
+            model,
+            "--kv-transfer",
+            transport,
+            "--kv-side-channel-port",
+            str(free_port()),
+            *ENGINE_FLAGS,
+        ]
         engines.append(Server(role, argv, port, log_dir / f"{role}.log"))
     prefill, decode = engines
     router_port = free_port()
-    router = Server("router", ["router", "--port", str(router_port), "--log-level", "warning", "--prefill",
-                               prefill.url, "--decode", decode.url], router_port, log_dir / "router.log")
+    router = Server(
+        "router",
+        [
+            "router",
+            "--port",
+            str(router_port),
+            "--log-level",
+            "warning",
+            "--prefill",
+            prefill.url,
+            "--decode",
+            decode.url,
+        ],
+        router_port,
+        log_dir / "router.log",
+    )
     try:
         for engine in engines:
             engine.start(env)
@@ -256,8 +305,13 @@ def make_plans(count: int, seed: int, start: int = 0) -> list[Plan]:
         ids = [rng.randrange(3, vocab_size) for _ in range(length)]  # 0-2 are special tokens
         text = tokenizer.decode(ids)
         max_tokens = rng.choice([1, rng.randint(2, 16), rng.randint(16, 64), 64])
-        common = {"model": "demo", "max_tokens": max_tokens, "stream": rng.random() < 0.5,
-                  "temperature": rng.choice([0.0, 0.8]), "ignore_eos": rng.random() < 0.7}
+        common = {
+            "model": "demo",
+            "max_tokens": max_tokens,
+            "stream": rng.random() < 0.5,
+            "temperature": rng.choice([0.0, 0.8]),
+            "ignore_eos": rng.random() < 0.7,
+        }
         if common["stream"] and rng.random() < 0.5:
             common["stream_options"] = {"include_usage": True}
         if rng.random() < 0.5:
@@ -305,8 +359,10 @@ async def _abort(url: str, plan: Plan) -> None:
     """Write the whole request, then close the connection without reading a byte."""
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps(plan.body).encode()
-    head = (f"POST {plan.path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST {plan.path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     _, writer = await asyncio.open_connection(host, int(port))
     writer.write(head + body)
     await writer.drain()
@@ -355,10 +411,16 @@ async def run_plans(url: str, plans: list[Plan], outcomes: Outcomes) -> None:
 
 def router_counts(url: str) -> tuple[dict[str, float], dict[str, float]]:
     values = metrics(url)
-    paths = {m.group(1): v for name, v in values.items()
-             if (m := re.fullmatch(r'pdserve_router_requests_total\{path="(\w+)"\}', name))}
-    errors = {m.group(1): v for name, v in values.items()
-              if (m := re.fullmatch(r'pdserve_router_errors_total\{kind="(\w+)"\}', name)) and v}
+    paths = {
+        m.group(1): v
+        for name, v in values.items()
+        if (m := re.fullmatch(r'pdserve_router_requests_total\{path="(\w+)"\}', name))
+    }
+    errors = {
+        m.group(1): v
+        for name, v in values.items()
+        if (m := re.fullmatch(r'pdserve_router_errors_total\{kind="(\w+)"\}', name)) and v
+    }
     return paths, errors
 
 
@@ -367,8 +429,12 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transport", choices=["nixl", "tcp"], default="nixl")
-    parser.add_argument("--rss-bound-mib", type=float, default=64.0,
-                        help="largest RSS growth allowed per process (engine: API + core) after the warm-up")
+    parser.add_argument(
+        "--rss-bound-mib",
+        type=float,
+        default=64.0,
+        help="largest RSS growth allowed per process (engine: API + core) after the warm-up",
+    )
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder, kept on failure)")
     args = parser.parse_args()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-soak-"))
@@ -398,37 +464,61 @@ def main() -> int:
 
     growth = {name: rss_end[name] - rss_warm[name] for name in rss_warm}
     leg_failures = {kind: count for kind, count in router_errors.items() if kind in ROUTER_LEG_FAILURES}
-    leftover_blocks = int(sum(max(state["owned_blocks"], state["pdserve_kv_blocks_held_for_remote"])
-                              for state in final.values()))
+    leftover_blocks = int(
+        sum(max(state["owned_blocks"], state["pdserve_kv_blocks_held_for_remote"]) for state in final.values())
+    )
     leaked = not all(is_idle(state) for state in final.values())
     errors = sum(outcomes.errors.values())
-    ok = (all(alive.values()) and errors == 0 and not leg_failures and not leaked
-          and max(growth.values()) <= args.rss_bound_mib)
+    ok = (
+        all(alive.values())
+        and errors == 0
+        and not leg_failures
+        and not leaked
+        and max(growth.values()) <= args.rss_bound_mib
+    )
 
-    print(f"{args.requests} requests ({warmup_count} warm-up), concurrency {CONCURRENCY}, "
-          f"{run_seconds:.1f} s of traffic, {time.monotonic() - started:.1f} s in all")
-    print(f"  completed {outcomes.completed}, disconnected {outcomes.disconnected}, aborted {outcomes.aborted}, "
-          f"errors {errors}")
+    print(
+        f"{args.requests} requests ({warmup_count} warm-up), concurrency {CONCURRENCY}, "
+        f"{run_seconds:.1f} s of traffic, {time.monotonic() - started:.1f} s in all"
+    )
+    print(
+        f"  completed {outcomes.completed}, disconnected {outcomes.disconnected}, aborted {outcomes.aborted}, "
+        f"errors {errors}"
+    )
     for kind, count in outcomes.errors.most_common():
         print(f"    {kind}: {count}  e.g. {outcomes.samples[kind]}")
     print(f"  router paths {paths}; router errors {router_errors}")
     for name in rss_warm:
-        print(f"  RSS {name:<8} warm-up {rss_warm[name]:7.1f} MiB  end {rss_end[name]:7.1f} MiB  "
-              f"growth {growth[name]:+6.1f} MiB (bound {args.rss_bound_mib:g})")
+        print(
+            f"  RSS {name:<8} warm-up {rss_warm[name]:7.1f} MiB  end {rss_end[name]:7.1f} MiB  "
+            f"growth {growth[name]:+6.1f} MiB (bound {args.rss_bound_mib:g})"
+        )
     # Holds whose decode leg never came (the client left between the legs) end by lease expiry, not by release.
     print(f"  idle {idle_after:.1f} s after the last request; prefill lease expirations {expirations:g}")
     for name, state in final.items():
-        print(f"  {name} at the end: " + ", ".join(f"{key.removeprefix('pdserve_')}={value:g}"
-                                                   for key, value in state.items()))
+        print(
+            f"  {name} at the end: "
+            + ", ".join(f"{key.removeprefix('pdserve_')}={value:g}" for key, value in state.items())
+        )
     print(f"  alive and healthy: {alive}")
     if not ok:
         print(f"  NOT OK; server logs kept in {log_dir}")
     elif args.log_dir is None:
         shutil.rmtree(log_dir, ignore_errors=True)
-    print(json.dumps({"bench": "soak", "requests": args.requests, "completed": outcomes.completed,
-                      "left": outcomes.disconnected + outcomes.aborted, "errors": errors,
-                      "rss_growth_mib": round(max(growth.values()), 1), "leftover_blocks": leftover_blocks,
-                      "ok": ok}))
+    print(
+        json.dumps(
+            {
+                "bench": "soak",
+                "requests": args.requests,
+                "completed": outcomes.completed,
+                "left": outcomes.disconnected + outcomes.aborted,
+                "errors": errors,
+                "rss_growth_mib": round(max(growth.values()), 1),
+                "leftover_blocks": leftover_blocks,
+                "ok": ok,
+            }
+        )
+    )
     return 0 if ok else 1
 
 

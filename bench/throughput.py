@@ -33,8 +33,15 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.request import Request
 from pdserve.models.demo import ensure_demo_model
 
-MODEL = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
-         "vocab_size": 32000, "tie_word_embeddings": True, "max_position_embeddings": 1024}
+MODEL = {
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "vocab_size": 32000,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 1024,
+}
 HF_CB = {"page_size": 32, "num_blocks": 640, "max_batch_tokens": 32, "max_requests_per_batch": 64}
 
 
@@ -72,8 +79,13 @@ def gemm_gflops() -> float:
 
 def run_pdserve(folder: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
     """(output tokens/s of the whole generate, median seconds of a batch-64 decode step)."""
-    llm = LLM(folder, tokenizer=str(ensure_demo_model()), max_model_len=512, kv_cache_memory=2 << 30,
-              max_num_batched_tokens=2048)
+    llm = LLM(
+        folder,
+        tokenizer=str(ensure_demo_model()),
+        max_model_len=512,
+        kv_cache_memory=2 << 30,
+        max_num_batched_tokens=2048,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     start = time.perf_counter()
@@ -86,8 +98,9 @@ def run_pdserve(folder: str, prompts: list[list[int]], new_tokens: int) -> tuple
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(Request(f"decode-{i}", prompt, params))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
-            engine.scheduler.waiting:
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
+    ):
         engine.step()
     step_times = []
     for _ in range(8):
@@ -105,12 +118,15 @@ def run_hf(folder: str, prompts: list[list[int]], new_tokens: int) -> float:
     generation = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     batching = ContinuousBatchingConfig(**HF_CB)
     with torch.inference_mode():
-        model.generate_batch(prompts[:4], generation_config=GenerationConfig(
-            max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0),
-            continuous_batching_config=batching)
+        model.generate_batch(
+            prompts[:4],
+            generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0),
+            continuous_batching_config=batching,
+        )
         start = time.perf_counter()
-        outputs = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching,
-                                       warmup=False)  # warmed up above: time the work alone
+        outputs = model.generate_batch(
+            prompts, generation_config=generation, continuous_batching_config=batching, warmup=False
+        )  # warmed up above: time the work alone
         elapsed = time.perf_counter() - start
     num_tokens = sum(len(o.generated_tokens) for o in outputs.values())
     assert num_tokens == len(prompts) * new_tokens, num_tokens
@@ -129,19 +145,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         num_params = build_model(folder)
         weight_bytes = num_params * 4
-        print(f"model: {num_params / 1e6:.1f}M parameters, {weight_bytes / 1e6:.0f} MB fp32, "
-              f"torch threads {torch.get_num_threads()}")
-        print(f"workload: {args.requests} requests x {args.prompt_len} prompt + {args.new_tokens} new tokens, "
-              "greedy, EOS ignored", flush=True)
+        print(
+            f"model: {num_params / 1e6:.1f}M parameters, {weight_bytes / 1e6:.0f} MB fp32, "
+            f"torch threads {torch.get_num_threads()}"
+        )
+        print(
+            f"workload: {args.requests} requests x {args.prompt_len} prompt + {args.new_tokens} new tokens, "
+            "greedy, EOS ignored",
+            flush=True,
+        )
         pdserve_tok_s, decode_step_s = run_pdserve(folder, prompts, args.new_tokens)
         print(f"pdserve LLM.generate:        {pdserve_tok_s:8.1f} output tok/s", flush=True)
         bandwidth = weight_streaming_gbps()
         roofline_s = weight_bytes / (bandwidth * 1e9)
         compute_s = 2 * num_params * args.requests / (gemm_gflops() * 1e9)
-        print(f"decode step at batch {args.requests}: {decode_step_s * 1e3:.1f} ms; weight-read roofline "
-              f"{roofline_s * 1e3:.1f} ms at {bandwidth:.1f} GB/s -> {roofline_s / decode_step_s:.0%} of roofline; "
-              f"peak-GEMM compute floor {compute_s * 1e3:.1f} ms -> {compute_s / decode_step_s:.0%} (at this batch "
-              "a step is compute-bound, not weight-bound)")
+        print(
+            f"decode step at batch {args.requests}: {decode_step_s * 1e3:.1f} ms; weight-read roofline "
+            f"{roofline_s * 1e3:.1f} ms at {bandwidth:.1f} GB/s -> {roofline_s / decode_step_s:.0%} of roofline; "
+            f"peak-GEMM compute floor {compute_s * 1e3:.1f} ms -> {compute_s / decode_step_s:.0%} (at this batch "
+            "a step is compute-bound, not weight-bound)"
+        )
         hf_tok_s = None
         if not args.skip_hf:
             hf_tok_s = run_hf(folder, prompts, args.new_tokens)
@@ -149,14 +172,24 @@ def main() -> None:
             print(f"ratio: {pdserve_tok_s / hf_tok_s:.2f}x")
             from plots import bar_chart
 
-            path = bar_chart("throughput", f"offline generation, {args.requests} x ({args.prompt_len} + "
-                             f"{args.new_tokens}) tokens, ~110M Llama fp32", "output tokens/s",
-                             {"pdserve LLM.generate": {"tok/s": pdserve_tok_s},
-                              "transformers generate_batch": {"tok/s": hf_tok_s}})
+            path = bar_chart(
+                "throughput",
+                f"offline generation, {args.requests} x ({args.prompt_len} + "
+                f"{args.new_tokens}) tokens, ~110M Llama fp32",
+                "output tokens/s",
+                {"pdserve LLM.generate": {"tok/s": pdserve_tok_s}, "transformers generate_batch": {"tok/s": hf_tok_s}},
+            )
             print(f"plot: {path}")
-    print(json.dumps({"bench": "throughput", "pdserve_tok_s": round(pdserve_tok_s, 1),
-                      "hf_tok_s": None if hf_tok_s is None else round(hf_tok_s, 1),
-                      "ratio": None if hf_tok_s is None else round(pdserve_tok_s / hf_tok_s, 2)}))
+    print(
+        json.dumps(
+            {
+                "bench": "throughput",
+                "pdserve_tok_s": round(pdserve_tok_s, 1),
+                "hf_tok_s": None if hf_tok_s is None else round(hf_tok_s, 1),
+                "ratio": None if hf_tok_s is None else round(pdserve_tok_s / hf_tok_s, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -17,9 +17,12 @@ from typing import Any
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     if "torch" in sys.modules:
-        warnings.warn("torch was imported before pdserve, so OMP_WAIT_POLICY=PASSIVE cannot take effect in "
-                      "this process; export OMP_WAIT_POLICY=PASSIVE before starting Python (CPU generation "
-                      "can otherwise be several times slower)", stacklevel=2)
+        warnings.warn(
+            "torch was imported before pdserve, so OMP_WAIT_POLICY=PASSIVE cannot take effect in "
+            "this process; export OMP_WAIT_POLICY=PASSIVE before starting Python (CPU generation "
+            "can otherwise be several times slower)",
+            stacklevel=2,
+        )
 
 # Start-up facts (model, dtype, KV blocks, concurrency) should be visible without configuring
 # logging, as vLLM's are; PDSERVE_CONFIGURE_LOGGING=0 leaves logging entirely to the application.

@@ -33,8 +33,11 @@ def parse_size(text: str) -> int:
 def _add_server_flags(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port)
-    parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 (default: env PDSERVE_API_KEY)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: env PDSERVE_API_KEY)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -51,39 +54,86 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache size on CPU (default 2GiB)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--max-pending-requests", type=int, default=4096,
-                        help="requests (choices) running or queued beyond which new ones get 503 + Retry-After")
-    parser.add_argument("--request-timeout", type=float, default=None,
-                        help="seconds a request may take before it is aborted with 504 (default: no bound)")
-    parser.add_argument("--drain-timeout", type=float, default=None,
-                        help="on SIGTERM, seconds to let running requests finish and held KV blocks be pulled "
-                             "(default: the KV lease + 15 s)")
+    parser.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=4096,
+        help="requests (choices) running or queued beyond which new ones get 503 + Retry-After",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take before it is aborted with 504 (default: no bound)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        help="on SIGTERM, seconds to let running requests finish and held KV blocks be pulled "
+        "(default: the KV lease + 15 s)",
+    )
 
 
 def _add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-transfer", choices=["nixl", "tcp"], default="nixl",
-                        help="how KV blocks move between engines (tcp: where UCX cannot run)")
-    parser.add_argument("--kv-side-channel-host", default=os.environ.get("PDSERVE_KV_HOST"),
-                        help="address of the KV side channel, advertised to decode engines (default: env "
-                             "PDSERVE_KV_HOST, else --host)")
+    parser.add_argument(
+        "--kv-transfer",
+        choices=["nixl", "tcp"],
+        default="nixl",
+        help="how KV blocks move between engines (tcp: where UCX cannot run)",
+    )
+    parser.add_argument(
+        "--kv-side-channel-host",
+        default=os.environ.get("PDSERVE_KV_HOST"),
+        help="address of the KV side channel, advertised to decode engines (default: env PDSERVE_KV_HOST, else --host)",
+    )
     parser.add_argument("--kv-side-channel-port", type=int, default=0, help="0: a free port (advertised)")
-    parser.add_argument("--kv-lease-seconds", type=float, default=30.0,
-                        help="held blocks are freed if no decode engine takes or renews them within this time")
-    parser.add_argument("--kv-transfer-timeout", type=float, default=10.0,
-                        help="seconds a handshake or one transfer may take")
-    parser.add_argument("--kv-load-failure", choices=["recompute", "fail"], default="recompute",
-                        help="what a failed or expired pull does: recompute the prompt locally, or fail the request")
-    parser.add_argument("--kv-events-port", type=int, default=0,
-                        help="where the engine publishes KV-cache events for routers (0: a free port, advertised "
-                             "in /health; -1: none)")
+    parser.add_argument(
+        "--kv-lease-seconds",
+        type=float,
+        default=30.0,
+        help="held blocks are freed if no decode engine takes or renews them within this time",
+    )
+    parser.add_argument(
+        "--kv-transfer-timeout", type=float, default=10.0, help="seconds a handshake or one transfer may take"
+    )
+    parser.add_argument(
+        "--kv-load-failure",
+        choices=["recompute", "fail"],
+        default="recompute",
+        help="what a failed or expired pull does: recompute the prompt locally, or fail the request",
+    )
+    parser.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=0,
+        help="where the engine publishes KV-cache events for routers (0: a free port, advertised in /health; -1: none)",
+    )
 
 
 # The engine flags `pdserve serve` forwards to its children (dest -> flag).
-_FORWARDED_ENGINE_FLAGS = ("model", "tokenizer", "served_model_name", "dtype", "device", "block_size",
-                           "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
-                           "gpu_memory_utilization", "enable_prefix_caching", "kv_transfer", "kv_lease_seconds",
-                           "kv_transfer_timeout", "kv_load_failure", "max_pending_requests", "request_timeout",
-                           "drain_timeout", "log_level")
+_FORWARDED_ENGINE_FLAGS = (
+    "model",
+    "tokenizer",
+    "served_model_name",
+    "dtype",
+    "device",
+    "block_size",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_memory",
+    "gpu_memory_utilization",
+    "enable_prefix_caching",
+    "kv_transfer",
+    "kv_lease_seconds",
+    "kv_transfer_timeout",
+    "kv_load_failure",
+    "max_pending_requests",
+    "request_timeout",
+    "drain_timeout",
+    "log_level",
+)
 
 
 def _forwarded_argv(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -106,16 +156,30 @@ def _engine_args(args: argparse.Namespace, role: Role):  # -> EngineArgs (import
         from pdserve.kvtransfer.config import KVTransferConfig
 
         kv_transfer = KVTransferConfig(
-            transport=args.kv_transfer, host=args.kv_side_channel_host or args.host,
-            side_channel_port=args.kv_side_channel_port, lease_seconds=args.kv_lease_seconds,
-            transfer_timeout=args.kv_transfer_timeout, load_failure=args.kv_load_failure)
-    return EngineArgs(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-                      block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                      gpu_memory_utilization=args.gpu_memory_utilization,
-                      enable_prefix_caching=args.enable_prefix_caching, role=role.name, kv_transfer=kv_transfer,
-                      kv_events_host=args.kv_side_channel_host or args.host,
-                      kv_events_port=None if args.kv_events_port < 0 else args.kv_events_port)
+            transport=args.kv_transfer,
+            host=args.kv_side_channel_host or args.host,
+            side_channel_port=args.kv_side_channel_port,
+            lease_seconds=args.kv_lease_seconds,
+            transfer_timeout=args.kv_transfer_timeout,
+            load_failure=args.kv_load_failure,
+        )
+    return EngineArgs(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        role=role.name,
+        kv_transfer=kv_transfer,
+        kv_events_host=args.kv_side_channel_host or args.host,
+        kv_events_port=None if args.kv_events_port < 0 else args.kv_events_port,
+    )
 
 
 async def _wait_for_signal() -> None:
@@ -131,8 +195,9 @@ async def _run_engine(args: argparse.Namespace, role: Role) -> None:
     from pdserve.server.serving import ServerLimits
 
     limits = ServerLimits(max_in_flight=args.max_pending_requests, request_timeout=args.request_timeout)
-    running = await start_engine_server(_engine_args(args, role), args.host,
-                                        args.port, args.served_model_name, args.api_key, limits)
+    running = await start_engine_server(
+        _engine_args(args, role), args.host, args.port, args.served_model_name, args.api_key, limits
+    )
     print(f"pdserve {role.name} engine serving {running.server.model_name} at {running.url}/v1", flush=True)
     await _wait_for_signal()
     log = logging.getLogger("pdserve")
@@ -155,14 +220,29 @@ async def _run_router(args: argparse.Namespace) -> None:
 
     if args.discovery == "static" and not args.decode:
         raise SystemExit("pdserve router: --decode URL ... is required with --discovery static")
-    running = await start_router(RouterConfig(
-        prefill_urls=args.prefill, decode_urls=args.decode or [], api_key=args.api_key, discovery=args.discovery,
-        namespace=args.namespace, selector=args.selector, routing=args.routing, tokenizer=args.tokenizer,
-        prefix_weight=args.prefix_weight, load_weight=args.load_weight,
-        pd_min_prefill_tokens=args.pd_min_prefill_tokens, session_affinity=args.session_affinity),
-        args.host, args.port)
-    pods = (f"prefill: {', '.join(args.prefill) or 'none'}; decode: {', '.join(args.decode)}"
-            if args.discovery == "static" else f"pods found by Kubernetes discovery ({args.selector or 'all'})")
+    running = await start_router(
+        RouterConfig(
+            prefill_urls=args.prefill,
+            decode_urls=args.decode or [],
+            api_key=args.api_key,
+            discovery=args.discovery,
+            namespace=args.namespace,
+            selector=args.selector,
+            routing=args.routing,
+            tokenizer=args.tokenizer,
+            prefix_weight=args.prefix_weight,
+            load_weight=args.load_weight,
+            pd_min_prefill_tokens=args.pd_min_prefill_tokens,
+            session_affinity=args.session_affinity,
+        ),
+        args.host,
+        args.port,
+    )
+    pods = (
+        f"prefill: {', '.join(args.prefill) or 'none'}; decode: {', '.join(args.decode)}"
+        if args.discovery == "static"
+        else f"pods found by Kubernetes discovery ({args.selector or 'all'})"
+    )
     print(f"pdserve router serving at {running.url}/v1 ({pods})", flush=True)
     await _wait_for_signal()
     await running.close()
@@ -191,8 +271,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.api_key:  # children read it from the environment: a command line is visible to every user
         os.environ["PDSERVE_API_KEY"] = args.api_key
     router_argv = [*_forwarded_argv(args, ("log_level",)), "--tokenizer", args.tokenizer or args.model]
-    return run_disaggregated(args.host, args.port, args.prefill, args.decode,
-                             _forwarded_argv(args, _FORWARDED_ENGINE_FLAGS), router_argv)
+    return run_disaggregated(
+        args.host, args.port, args.prefill, args.decode, _forwarded_argv(args, _FORWARDED_ENGINE_FLAGS), router_argv
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -201,12 +282,26 @@ def _bench(args: argparse.Namespace) -> int:
     from pdserve.bench.loadgen import BenchConfig, format_summary, run_benchmark
 
     config = BenchConfig(
-        base_url=args.base_url, model=args.model, num_prompts=args.num_prompts, request_rate=args.request_rate,
-        arrival=args.arrival, max_concurrency=args.max_concurrency, input_len=args.input_len,
-        output_len=args.output_len, range_ratio=args.range_ratio, workload=args.workload,
-        prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, vocab_size=args.vocab_size,
-        ignore_eos=args.ignore_eos, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed,
-        api_key=args.api_key, progress=not args.no_progress)
+        base_url=args.base_url,
+        model=args.model,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        arrival=args.arrival,
+        max_concurrency=args.max_concurrency,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        workload=args.workload,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        vocab_size=args.vocab_size,
+        ignore_eos=args.ignore_eos,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        seed=args.seed,
+        api_key=args.api_key,
+        progress=not args.no_progress,
+    )
     summary = asyncio.run(run_benchmark(config))
     print(format_summary(summary))
     if args.result_file:
@@ -234,8 +329,11 @@ def _demo_model(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = commands.add_parser("serve", help="serve the OpenAI API locally: router + prefill + decode processes "
-                                              "(--mode disagg, default) or one engine (--mode colocated)")
+    serve = commands.add_parser(
+        "serve",
+        help="serve the OpenAI API locally: router + prefill + decode processes "
+        "(--mode disagg, default) or one engine (--mode colocated)",
+    )
     serve.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
     serve.add_argument("--prefill", type=int, default=1, help="number of prefill engines (disagg)")
     serve.add_argument("--decode", type=int, default=1, help="number of decode engines (disagg)")
@@ -244,8 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_transfer_flags(serve)
     serve.set_defaults(handler=_serve)
     for role in POOL_ROLES:
-        engine = commands.add_parser(role.name, help=f"run one {role.name} engine (OpenAI API + KV transfer), as a "
-                                                     "pod does")
+        engine = commands.add_parser(
+            role.name, help=f"run one {role.name} engine (OpenAI API + KV transfer), as a pod does"
+        )
         _add_server_flags(engine, role.default_port)
         _add_engine_flags(engine)
         _add_kv_transfer_flags(engine)
@@ -254,23 +353,47 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_flags(router, ROUTER_PORT)
     router.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill engine URLs (without /v1)")
     router.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode engine URLs (without /v1)")
-    router.add_argument("--discovery", choices=["static", "kubernetes"], default="static",
-                        help="static: the URLs given; kubernetes: watch the pods matching --selector")
+    router.add_argument(
+        "--discovery",
+        choices=["static", "kubernetes"],
+        default="static",
+        help="static: the URLs given; kubernetes: watch the pods matching --selector",
+    )
     router.add_argument("--namespace", default=None, help="kubernetes discovery: namespace (default: the router's)")
     router.add_argument("--selector", default="", help="kubernetes discovery: label selector of the engine pods")
-    router.add_argument("--routing", choices=["round-robin", "least-load", "prefix", "prefix-load"],
-                        default="prefix-load", help="pod choice: prefix policies match the prompt against the "
-                        "engines' KV-cache events (they need --tokenizer; without it, least-load)")
-    router.add_argument("--tokenizer", default=None, metavar="PATH",
-                        help="the served model's folder: prompts are tokenized and hashed as the engines do")
-    router.add_argument("--prefix-weight", type=float, default=1.0,
-                        help="prefix-load: score per cached leading prompt block")
-    router.add_argument("--load-weight", type=float, default=4.0,
-                        help="prefix-load: score lost per request running or queued on the pod")
-    router.add_argument("--pd-min-prefill-tokens", type=int, default=256,
-                        help="skip the prefill leg when the decode pod lacks fewer prompt tokens (0: never skip)")
-    router.add_argument("--session-affinity", action="store_true",
-                        help="keep a session (X-Session-Id header, else the body's user) on one pod per role")
+    router.add_argument(
+        "--routing",
+        choices=["round-robin", "least-load", "prefix", "prefix-load"],
+        default="prefix-load",
+        help="pod choice: prefix policies match the prompt against the "
+        "engines' KV-cache events (they need --tokenizer; without it, least-load)",
+    )
+    router.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="the served model's folder: prompts are tokenized and hashed as the engines do",
+    )
+    router.add_argument(
+        "--prefix-weight", type=float, default=1.0, help="prefix-load: score per cached leading prompt block"
+    )
+    router.add_argument(
+        "--load-weight",
+        type=float,
+        default=4.0,
+        help="prefix-load: score lost per request running or queued on the pod",
+    )
+    router.add_argument(
+        "--pd-min-prefill-tokens",
+        type=int,
+        default=256,
+        help="skip the prefill leg when the decode pod lacks fewer prompt tokens (0: never skip)",
+    )
+    router.add_argument(
+        "--session-affinity",
+        action="store_true",
+        help="keep a session (X-Session-Id header, else the body's user) on one pod per role",
+    )
     router.set_defaults(handler=_router)
     bench = commands.add_parser("bench", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)")
     bench.add_argument("--base-url", required=True, help="server URL without /v1, e.g. http://127.0.0.1:8000")

@@ -41,7 +41,7 @@ def split_cores(num_engines: int) -> list[list[int]]:
     if len(cores) < num_engines:
         return [cores] * num_engines
     share = len(cores) // num_engines
-    return [cores[i * share:(i + 1) * share] for i in range(num_engines)]
+    return [cores[i * share : (i + 1) * share] for i in range(num_engines)]
 
 
 @dataclass
@@ -59,6 +59,7 @@ def _start(name: str, command: list[str], cores: list[int] | None, url: str) -> 
 
         def preexec() -> None:
             os.sched_setaffinity(0, cores)
+
     process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *command], env=env, preexec_fn=preexec)
     logger.info("started %s (pid %d)%s", name, process.pid, f" on cores {cores}" if cores else "")
     return Child(name, process, url)
@@ -97,8 +98,9 @@ def _stop(children: list[Child]) -> None:
             child.process.wait()
 
 
-def run_disaggregated(host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
-                      router_argv: list[str]) -> int:
+def run_disaggregated(
+    host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str], router_argv: list[str]
+) -> int:
     """Start everything, serve until a signal or a child's death; returns the exit code."""
     stopping = [False]
 
@@ -115,17 +117,40 @@ def run_disaggregated(host: str, port: int, num_prefill: int, num_decode: int, e
             engine_port = free_port(host)
             name = f"{role}-{counts[role]}"
             counts[role] += 1
-            children.append(_start(name, [role, "--host", host, "--port", str(engine_port), *engine_argv],
-                                   cores if len(core_sets) > 1 else None, base_url(host, engine_port)))
+            children.append(
+                _start(
+                    name,
+                    [role, "--host", host, "--port", str(engine_port), *engine_argv],
+                    cores if len(core_sets) > 1 else None,
+                    base_url(host, engine_port),
+                )
+            )
         _wait_healthy(children, time.monotonic() + STARTUP_TIMEOUT_S, stopping)
         urls = {role: [c.url for c in children if c.name.startswith(role)] for role in counts}
         router_url = base_url(host, port)
-        router = _start(ROUTER, [ROUTER, "--host", host, "--port", str(port), "--prefill", *urls[PREFILL.name],
-                                 "--decode", *urls[DECODE.name], *router_argv], None, router_url)
+        router = _start(
+            ROUTER,
+            [
+                ROUTER,
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--prefill",
+                *urls[PREFILL.name],
+                "--decode",
+                *urls[DECODE.name],
+                *router_argv,
+            ],
+            None,
+            router_url,
+        )
         children.append(router)
         _wait_healthy([router], time.monotonic() + 60, stopping)
-        print(f"pdserve (disaggregated: {num_prefill} prefill, {num_decode} decode) serving at {router_url}/v1",
-              flush=True)
+        print(
+            f"pdserve (disaggregated: {num_prefill} prefill, {num_decode} decode) serving at {router_url}/v1",
+            flush=True,
+        )
         while not stopping[0]:
             dead = next((c for c in children if c.process.poll() is not None), None)
             if dead is not None:

@@ -86,23 +86,37 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_logprobs: int = 20,
     ) -> None:
-        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
-                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
-                          gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks,
-                          enable_prefix_caching=enable_prefix_caching)
+        args = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            num_kv_blocks=num_kv_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        )
         self.engine, self.model_config = args.build_engine_core()
         self.tokenizer = load_tokenizer(tokenizer or args.resolved_model())
         eos_ids = self.model_config.eos_token_ids or (
-            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
-        self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.engine.config.max_model_len,
-                                        eos_ids, max_logprobs)
+            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        )
+        self.processor = InputProcessor(
+            self.tokenizer, self.model_config.vocab_size, self.engine.config.max_model_len, eos_ids, max_logprobs
+        )
         self._next_id = 0
 
     # ----- public API ---------------------------------------------------------------------
 
-    def generate(self, prompts: PromptInput | Sequence[PromptInput],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Run the prompts to completion. Everything is checked, and every choice's parameters
         built, before anything is queued: a call that raises leaves no request behind."""
         normalised = self.processor.prompts(prompts)
@@ -113,21 +127,32 @@ class LLM:
             if len(params_list) != len(normalised):
                 raise ValueError(f"{len(params_list)} sampling params for {len(normalised)} prompts")
         choices = [self.processor.choice_params(params) for params in params_list]
-        groups = [(prompt, params, self._add(prompt.token_ids, per_choice))
-                  for prompt, params, per_choice in zip(normalised, params_list, choices, strict=True)]
+        groups = [
+            (prompt, params, self._add(prompt.token_ids, per_choice))
+            for prompt, params, per_choice in zip(normalised, params_list, choices, strict=True)
+        ]
         self._run([pending for *_, children in groups for pending in children])
         return [self._request_output(prompt, params, children) for prompt, params, children in groups]
 
-    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; each through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptInput] = [
-            {"prompt_token_ids": self.processor.chat_prompt(conversation, add_generation_prompt,  # type: ignore[arg-type]
-                                                            chat_template_kwargs).token_ids}
-            for conversation in conversations]
+            {
+                "prompt_token_ids": self.processor.chat_prompt(
+                    conversation,
+                    add_generation_prompt,  # type: ignore[arg-type]
+                    chat_template_kwargs,
+                ).token_ids
+            }
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params)
 
     # ----- internals ----------------------------------------------------------------------
@@ -176,9 +201,10 @@ class LLM:
         self.engine.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        result = {token_id: Logprob(logprob, rank + 1, self.tokenizer.decode([token_id]))
-                  for rank, (token_id, logprob) in enumerate(zip(entry.top_token_ids, entry.top_logprobs,
-                                                                  strict=True))}
+        result = {
+            token_id: Logprob(logprob, rank + 1, self.tokenizer.decode([token_id]))
+            for rank, (token_id, logprob) in enumerate(zip(entry.top_token_ids, entry.top_logprobs, strict=True))
+        }
         if entry.token_id not in result:
             result[entry.token_id] = Logprob(entry.logprob, entry.rank, self.tokenizer.decode([entry.token_id]))
         return result
@@ -187,26 +213,33 @@ class LLM:
         completions = []
         for index, child in enumerate(children):
             request = child.request
-            output_text = self.tokenizer.decode(request.output_token_ids,
-                                                skip_special_tokens=params.skip_special_tokens)
+            output_text = self.tokenizer.decode(
+                request.output_token_ids, skip_special_tokens=params.skip_special_tokens
+            )
             if child.stop_text_end is not None:
-                output_text = output_text[:child.stop_text_end]
+                output_text = output_text[: child.stop_text_end]
             logprobs = [self._logprob_dict(e) for e in child.logprobs] if params.logprobs is not None else None
-            completions.append(CompletionOutput(
-                index=index,
-                text=output_text,
-                token_ids=list(request.output_token_ids),
-                cumulative_logprob=sum(e.logprob for e in child.logprobs) if logprobs is not None else None,
-                logprobs=logprobs,
-                finish_reason=child.finish_reason,
-                stop_reason=request.stop_reason,
-            ))
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=output_text,
+                    token_ids=list(request.output_token_ids),
+                    cumulative_logprob=sum(e.logprob for e in child.logprobs) if logprobs is not None else None,
+                    logprobs=logprobs,
+                    finish_reason=child.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
         first = children[0]
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             # The first prompt token has nothing before it, so no logprob (vLLM's None).
             prompt_logprobs = [None] + [self._logprob_dict(e) for e in first.prompt_logprobs or []]
         return RequestOutput(
-            request_id=first.request.request_id, prompt=prompt.text, prompt_token_ids=prompt.token_ids,
-            prompt_logprobs=prompt_logprobs, outputs=completions, num_cached_tokens=first.num_cached_tokens,
+            request_id=first.request.request_id,
+            prompt=prompt.text,
+            prompt_token_ids=prompt.token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            num_cached_tokens=first.num_cached_tokens,
         )

@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gpu_check_dry_run_passes_every_section(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(out)], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     report = json.loads(out.read_text())
     assert report["dry_run"] is True
     for section in ("kernels", "parity"):

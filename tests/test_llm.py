@@ -17,8 +17,7 @@ from pdserve.models.demo import ensure_demo_model
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    return LLM(str(ensure_demo_model(tmp_path_factory.mktemp("cache"))), kv_cache_memory=64 << 20,
-               max_model_len=512)
+    return LLM(str(ensure_demo_model(tmp_path_factory.mktemp("cache"))), kv_cache_memory=64 << 20, max_model_len=512)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -29,8 +28,11 @@ def test_prompt_forms(llm):
     assert len(text) == 1 and text[0].prompt == "Hello there"
     assert text[0].prompt_token_ids == llm.tokenizer.encode("Hello there")
     ids = text[0].prompt_token_ids
-    same = [llm.generate(ids, GREEDY)[0], llm.generate({"prompt_token_ids": ids}, GREEDY)[0],
-            llm.generate({"prompt": "Hello there"}, GREEDY)[0]]
+    same = [
+        llm.generate(ids, GREEDY)[0],
+        llm.generate({"prompt_token_ids": ids}, GREEDY)[0],
+        llm.generate({"prompt": "Hello there"}, GREEDY)[0],
+    ]
     assert all(o.outputs[0].token_ids == text[0].outputs[0].token_ids for o in same)
     two = llm.generate([[1, 2], [3]], GREEDY)
     assert [o.prompt_token_ids for o in two] == [[1, 2], [3]]
@@ -61,27 +63,30 @@ def test_n_seeds_and_reproducibility(llm):
 def test_stop_strings_cut_the_text(llm):
     (full,) = llm.generate("Stop here", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     text = full.outputs[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     (cut,) = llm.generate("Stop here", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))
     out = cut.outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == text[:text.index(stop)]
-    (kept,) = llm.generate("Stop here", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                                                       stop=[stop], include_stop_str_in_output=True))
-    assert kept.outputs[0].text == text[:text.index(stop) + len(stop)]
+    assert out.text == text[: text.index(stop)]
+    (kept,) = llm.generate(
+        "Stop here",
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+    )
+    assert kept.outputs[0].text == text[: text.index(stop) + len(stop)]
 
 
 def test_logprobs_and_prompt_logprobs_shapes(llm):
-    (out,) = llm.generate([4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2,
-                                                      prompt_logprobs=1))
+    (out,) = llm.generate(
+        [4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    )
     completion = out.outputs[0]
     assert len(completion.logprobs) == 5
     for token, step in zip(completion.token_ids, completion.logprobs, strict=True):
         assert token in step and step[token].rank == 1  # greedy picks the top token
         assert len(step) == 2
-    assert completion.cumulative_logprob == pytest.approx(sum(s[t].logprob for t, s in
-                                                              zip(completion.token_ids, completion.logprobs,
-                                                                  strict=True)))
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(s[t].logprob for t, s in zip(completion.token_ids, completion.logprobs, strict=True))
+    )
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 4
     for token, step in zip([5, 6, 7], out.prompt_logprobs[1:], strict=True):
         assert token in step
@@ -109,8 +114,13 @@ def test_import_sets_omp_wait_policy():
     code = "import os, pdserve; print(os.environ['OMP_WAIT_POLICY'])"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "PASSIVE"
-    late = subprocess.run([sys.executable, "-W", "always", "-c", "import torch, pdserve"], env=env,
-                          capture_output=True, text=True, check=True)
+    late = subprocess.run(
+        [sys.executable, "-W", "always", "-c", "import torch, pdserve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "OMP_WAIT_POLICY" in late.stderr
 
 

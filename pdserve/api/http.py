@@ -28,8 +28,9 @@ _KEPT_ERROR_HEADERS = ("Allow",)
 
 
 def json_response(payload: msgspec.Struct, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=msgspec.json.encode(payload), status=status, content_type="application/json",
-                        headers=headers)
+    return web.Response(
+        body=msgspec.json.encode(payload), status=status, content_type="application/json", headers=headers
+    )
 
 
 def api_key_middleware(api_key: str | None) -> Middleware:
@@ -50,8 +51,10 @@ def api_key_middleware(api_key: str | None) -> Middleware:
     return check_api_key
 
 
-def error_middleware(to_protocol_error: Callable[[Exception], ProtocolError | None] | None = None,
-                     extra_headers: Callable[[web.Request], dict[str, str]] | None = None) -> Middleware:
+def error_middleware(
+    to_protocol_error: Callable[[Exception], ProtocolError | None] | None = None,
+    extra_headers: Callable[[web.Request], dict[str, str]] | None = None,
+) -> Middleware:
     """Every failure becomes ``{"error": {...}}`` with the right status; nothing escapes as a bare 500.
 
     ``to_protocol_error`` maps an application's own exceptions to errors (None: not one of its
@@ -85,8 +88,10 @@ def error_middleware(to_protocol_error: Callable[[Exception], ProtocolError | No
             if mapped is not None:
                 return answer(request, mapped)
             logger.exception("request %s %s failed", request.method, request.path)
-            return answer(request, ProtocolError(f"internal error: {type(error).__name__}", 500,
-                                                 error_type="internal_server_error"))
+            return answer(
+                request,
+                ProtocolError(f"internal error: {type(error).__name__}", 500, error_type="internal_server_error"),
+            )
 
     return errors_as_json
 

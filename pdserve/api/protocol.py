@@ -61,8 +61,10 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         if isinstance(self.prompt, list):
             kinds = {type(item) for item in self.prompt}
             if not self.prompt or len(kinds) > 1:
-                raise ValueError("`prompt` must be a string, a non-empty list of strings, of token ids, or of "
-                                 "token-id lists (not a mix)")
+                raise ValueError(
+                    "`prompt` must be a string, a non-empty list of strings, of token ids, or of "
+                    "token-id lists (not a mix)"
+                )
 
 
 class TextContentPart(Struct, kw_only=True):
@@ -226,8 +228,14 @@ class ErrorResponse(Struct):
 class ProtocolError(Exception):
     """A request the API refuses, with what the client needs to fix it."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 error_type: str = "invalid_request_error", retry_after: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        error_type: str = "invalid_request_error",
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -271,27 +279,53 @@ def sse_event(payload: Struct) -> bytes:
 
 # ----- OpenAPI -------------------------------------------------------------------------------
 
+
 def openapi_document(title: str, version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 description of the OpenAI-compatible API, generated from the structs above
     (the same types requests are validated with, so the document cannot drift from the code)."""
     # ChatCompletionChunk is listed so that its schema (the SSE payload) is among the components.
     (completion_req, chat_req, completion_resp, chat_resp, _, models, error), components = (
         msgspec.json.schema_components(
-            [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
-             ChatCompletionChunk, ModelList, ErrorResponse], ref_template="#/components/schemas/{name}"))
-    errors = {str(status): {"description": description, "content": {"application/json": {"schema": error}}}
-              for status, description in ((400, "Invalid request"), (401, "Missing or wrong API key"),
-                                          (404, "Unknown model"), (413, "Body too large"),
-                                          (503, "Engine unavailable"))}
+            [
+                CompletionRequest,
+                ChatCompletionRequest,
+                CompletionResponse,
+                ChatCompletionResponse,
+                ChatCompletionChunk,
+                ModelList,
+                ErrorResponse,
+            ],
+            ref_template="#/components/schemas/{name}",
+        )
+    )
+    errors = {
+        str(status): {"description": description, "content": {"application/json": {"schema": error}}}
+        for status, description in (
+            (400, "Invalid request"),
+            (401, "Missing or wrong API key"),
+            (404, "Unknown model"),
+            (413, "Body too large"),
+            (503, "Engine unavailable"),
+        )
+    }
 
     def generation(request_schema: dict, response_schema: dict, summary: str) -> dict[str, Any]:
-        return {"post": {
-            "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}},
-            "responses": {"200": {"description": "The result, or an SSE stream of chunks when stream is true",
-                                  "content": {"application/json": {"schema": response_schema},
-                                              "text/event-stream": {"schema": {"type": "string"}}}},
-                          **errors}}}
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}},
+                "responses": {
+                    "200": {
+                        "description": "The result, or an SSE stream of chunks when stream is true",
+                        "content": {
+                            "application/json": {"schema": response_schema},
+                            "text/event-stream": {"schema": {"type": "string"}},
+                        },
+                    },
+                    **errors,
+                },
+            }
+        }
 
     return {
         "openapi": "3.1.0",
@@ -299,10 +333,23 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
         "paths": {
             "/v1/completions": generation(completion_req, completion_resp, "Text completion"),
             "/v1/chat/completions": generation(chat_req, chat_resp, "Chat completion"),
-            "/v1/models": {"get": {"summary": "Served models", "responses": {
-                "200": {"description": "The model list", "content": {"application/json": {"schema": models}}}}}},
-            "/health": {"get": {"summary": "Liveness of the engine", "responses": {
-                "200": {"description": "Serving"}, "503": {"description": "The engine core is not running"}}}},
+            "/v1/models": {
+                "get": {
+                    "summary": "Served models",
+                    "responses": {
+                        "200": {"description": "The model list", "content": {"application/json": {"schema": models}}}
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "Liveness of the engine",
+                    "responses": {
+                        "200": {"description": "Serving"},
+                        "503": {"description": "The engine core is not running"},
+                    },
+                }
+            },
         },
         "components": {"schemas": components},
     }

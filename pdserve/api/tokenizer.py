@@ -23,14 +23,30 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 # Arguments of the rendering itself: a client's chat_template_kwargs may only add template variables.
-_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template",
-                                       "return_dict", "return_tensors", "tokenizer_kwargs", "padding", "truncation",
-                                       "max_length", "continue_final_message"})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenize",
+        "add_generation_prompt",
+        "chat_template",
+        "return_dict",
+        "return_tensors",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+        "continue_final_message",
+    }
+)
 
 
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
-                        add_generation_prompt: bool = True,
-                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """Token ids of a conversation rendered by the model's chat template, with ``template_kwargs`` as
     extra template variables; ValueError for anything the template or the variables cannot render."""
     template_kwargs = template_kwargs or {}
@@ -40,8 +56,9 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **template_kwargs)
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
     except (TemplateError, TypeError) as error:  # the template raised, or a variable has the wrong type
         raise ValueError(f"the chat template could not be rendered: {error}") from error
     # The template already wrote any special tokens it wants (BOS included).

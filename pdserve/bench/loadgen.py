@@ -77,17 +77,25 @@ def make_workload(config: BenchConfig) -> list[BenchRequest]:
     if config.workload == "random":
         for _ in range(config.num_prompts):
             length = _length(rng, config.input_len, config.range_ratio)
-            requests.append(BenchRequest([rng.randrange(config.vocab_size) for _ in range(length)], None,
-                                         _length(rng, config.output_len, config.range_ratio), length))
+            requests.append(
+                BenchRequest(
+                    [rng.randrange(config.vocab_size) for _ in range(length)],
+                    None,
+                    _length(rng, config.output_len, config.range_ratio),
+                    length,
+                )
+            )
     elif config.workload == "shared-prefix":
-        prefixes = [[rng.randrange(config.vocab_size) for _ in range(config.prefix_len)]
-                    for _ in range(config.num_prefixes)]
+        prefixes = [
+            [rng.randrange(config.vocab_size) for _ in range(config.prefix_len)] for _ in range(config.num_prefixes)
+        ]
         for index in range(config.num_prompts):
             suffix_len = _length(rng, config.input_len, config.range_ratio)
             suffix = [rng.randrange(config.vocab_size) for _ in range(suffix_len)]
             prompt = prefixes[index % config.num_prefixes] + suffix
-            requests.append(BenchRequest(prompt, None, _length(rng, config.output_len, config.range_ratio),
-                                         len(prompt)))
+            requests.append(
+                BenchRequest(prompt, None, _length(rng, config.output_len, config.range_ratio), len(prompt))
+            )
         rng.shuffle(requests)
     elif config.workload == "chat":
         topics = ["the weather", "a recipe", "a trip", "a bug", "a book", "the news"]
@@ -118,8 +126,13 @@ def arrival_offsets(count: int, rate: float, arrival: str, seed: int) -> list[fl
 
 async def _send(session: aiohttp.ClientSession, config: BenchConfig, request: BenchRequest) -> RequestResult:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    body: dict[str, Any] = {"model": config.model, "max_tokens": request.output_len, "stream": True,
-                            "stream_options": {"include_usage": True}, "temperature": 0.0}
+    body: dict[str, Any] = {
+        "model": config.model,
+        "max_tokens": request.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+    }
     if config.ignore_eos:
         body["ignore_eos"] = True
     if request.messages is not None:
@@ -181,8 +194,12 @@ def _percentiles(values: list[float], name: str) -> dict[str, float]:
     def pick(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
 
-    return {f"mean_{name}_ms": statistics.fmean(values) * 1e3, f"median_{name}_ms": statistics.median(values) * 1e3,
-            f"p90_{name}_ms": pick(0.90), f"p99_{name}_ms": pick(0.99)}
+    return {
+        f"mean_{name}_ms": statistics.fmean(values) * 1e3,
+        f"median_{name}_ms": statistics.median(values) * 1e3,
+        f"p90_{name}_ms": pick(0.90),
+        f"p99_{name}_ms": pick(0.99),
+    }
 
 
 def summarise(config: BenchConfig, results: list[RequestResult], duration: float) -> dict[str, Any]:
@@ -190,21 +207,34 @@ def summarise(config: BenchConfig, results: list[RequestResult], duration: float
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     output_tokens = sum(r.output_tokens for r in done)
     input_tokens = sum(r.prompt_len for r in done)
-    good = [r for r in done
-            if (config.slo_ttft_ms is None or r.ttft * 1e3 <= config.slo_ttft_ms)
-            and (config.slo_tpot_ms is None or r.output_tokens <= 1
-                 or (r.e2e - r.ttft) / (r.output_tokens - 1) * 1e3 <= config.slo_tpot_ms)]
+    good = [
+        r
+        for r in done
+        if (config.slo_ttft_ms is None or r.ttft * 1e3 <= config.slo_ttft_ms)
+        and (
+            config.slo_tpot_ms is None
+            or r.output_tokens <= 1
+            or (r.e2e - r.ttft) / (r.output_tokens - 1) * 1e3 <= config.slo_tpot_ms
+        )
+    ]
     summary: dict[str, Any] = {
-        "model_id": config.model, "workload": config.workload, "num_prompts": config.num_prompts,
+        "model_id": config.model,
+        "workload": config.workload,
+        "num_prompts": config.num_prompts,
         "request_rate": config.request_rate if config.request_rate != float("inf") else "inf",
-        "max_concurrency": config.max_concurrency, "duration": duration, "completed": len(done),
-        "failed": len(results) - len(done), "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "max_concurrency": config.max_concurrency,
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration if duration else 0.0,
         "output_throughput": output_tokens / duration if duration else 0.0,
         "total_token_throughput": (input_tokens + output_tokens) / duration if duration else 0.0,
         "request_goodput": len(good) / duration if duration else 0.0,
         "goodput": len(good) / duration if duration else 0.0,
-        "slo_ttft_ms": config.slo_ttft_ms, "slo_tpot_ms": config.slo_tpot_ms,
+        "slo_ttft_ms": config.slo_ttft_ms,
+        "slo_tpot_ms": config.slo_tpot_ms,
         "errors": sorted({r.error for r in results if not r.ok})[:10],
     }
     summary.update(_percentiles([r.ttft for r in done], "ttft"))
@@ -213,8 +243,9 @@ def summarise(config: BenchConfig, results: list[RequestResult], duration: float
     summary.update(_percentiles([r.e2e for r in done], "e2el"))
     # Per-request values (completed requests, in workload order), for distributions and plots.
     summary["ttfts_ms"] = [r.ttft * 1e3 for r in done]
-    summary["tpots_ms"] = [(r.e2e - r.ttft) / (r.output_tokens - 1) * 1e3 if r.output_tokens > 1 else None
-                           for r in done]
+    summary["tpots_ms"] = [
+        (r.e2e - r.ttft) / (r.output_tokens - 1) * 1e3 if r.output_tokens > 1 else None for r in done
+    ]
     return summary
 
 
@@ -246,14 +277,22 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    lines = [f"{'Successful requests:':<36}{summary['completed']:>12}",
-             f"{'Failed requests:':<36}{summary['failed']:>12}",
-             f"{'Benchmark duration (s):':<36}{summary['duration']:>12.2f}",
-             f"{'Request throughput (req/s):':<36}{summary['request_throughput']:>12.2f}",
-             f"{'Output token throughput (tok/s):':<36}{summary['output_throughput']:>12.2f}",
-             f"{'Goodput (req/s):':<36}{summary['goodput']:>12.2f}"]
-    for name, title in (("ttft", "Time to first token"), ("tpot", "Time per output token"),
-                        ("itl", "Inter-token latency"), ("e2el", "End-to-end latency")):
-        lines.append(f"{title} (ms): mean {summary[f'mean_{name}_ms']:.2f}, median {summary[f'median_{name}_ms']:.2f},"
-                     f" p90 {summary[f'p90_{name}_ms']:.2f}, p99 {summary[f'p99_{name}_ms']:.2f}")
+    lines = [
+        f"{'Successful requests:':<36}{summary['completed']:>12}",
+        f"{'Failed requests:':<36}{summary['failed']:>12}",
+        f"{'Benchmark duration (s):':<36}{summary['duration']:>12.2f}",
+        f"{'Request throughput (req/s):':<36}{summary['request_throughput']:>12.2f}",
+        f"{'Output token throughput (tok/s):':<36}{summary['output_throughput']:>12.2f}",
+        f"{'Goodput (req/s):':<36}{summary['goodput']:>12.2f}",
+    ]
+    for name, title in (
+        ("ttft", "Time to first token"),
+        ("tpot", "Time per output token"),
+        ("itl", "Inter-token latency"),
+        ("e2el", "End-to-end latency"),
+    ):
+        lines.append(
+            f"{title} (ms): mean {summary[f'mean_{name}_ms']:.2f}, median {summary[f'median_{name}_ms']:.2f},"
+            f" p90 {summary[f'p90_{name}_ms']:.2f}, p99 {summary[f'p99_{name}_ms']:.2f}"
+        )
     return "\n".join(lines)

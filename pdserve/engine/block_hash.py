@@ -80,9 +80,7 @@ def extend_block_hashes(
     return block_hashes
 
 
-def hash_prompt_blocks(
-    token_ids: Iterable[int], block_size: int, cache_salt: str | None = None
-) -> list[BlockHash]:
+def hash_prompt_blocks(token_ids: Iterable[int], block_size: int, cache_salt: str | None = None) -> list[BlockHash]:
     """Hashes of every full block of a prompt, in order (what a router matches against pods)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

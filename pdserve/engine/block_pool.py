@@ -57,8 +57,9 @@ class BlockPool:
         if generations is None:
             generations = new_block_generations(num_blocks)
         elif generations.shape != (num_blocks,) or generations.dtype != np.int64:
-            raise ValueError(f"block generations must be int64[{num_blocks}], got {generations.dtype}"
-                             f"{list(generations.shape)}")
+            raise ValueError(
+                f"block generations must be int64[{num_blocks}], got {generations.dtype}{list(generations.shape)}"
+            )
         # Shared with the KV connector's worker side, which registers it for remote reads.
         self.generations = generations
         # Hashes that entered / left the cache since the KV-event publisher last took them

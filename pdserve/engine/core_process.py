@@ -134,8 +134,16 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     if args.kv_events_port is not None:
         engine_id = args.kv_transfer.engine_id if args.kv_transfer is not None else uuid.uuid4().hex
         publisher = KVEventPublisher(context, core, engine_id, args.kv_events_host, args.kv_events_port)
-    outputs.send(encode(CoreReady(scheduler_config.num_blocks, scheduler_config.block_size,
-                                  scheduler_config.max_model_len, publisher.port if publisher else None)))
+    outputs.send(
+        encode(
+            CoreReady(
+                scheduler_config.num_blocks,
+                scheduler_config.block_size,
+                scheduler_config.max_model_len,
+                publisher.port if publisher else None,
+            )
+        )
+    )
     last_stats = 0.0
     try:
         while not stopping:
@@ -155,10 +163,17 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                     outputs.send(encode(CachedBlocks(message.token, core.cached_block_hashes())))
                 else:
                     try:
-                        core.add_request(Request(
-                            message.request_id, message.prompt_token_ids, message.sampling_params,
-                            message.eos_token_id, message.arrival_time, message.kv_transfer_params,
-                            message.cache_salt))
+                        core.add_request(
+                            Request(
+                                message.request_id,
+                                message.prompt_token_ids,
+                                message.sampling_params,
+                                message.eos_token_id,
+                                message.arrival_time,
+                                message.kv_transfer_params,
+                                message.cache_salt,
+                            )
+                        )
                     except ValueError as error:
                         core.release_remote(message.kv_transfer_params)
                         outputs.send(encode(CoreError(message.request_id, str(error))))

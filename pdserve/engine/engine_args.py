@@ -63,19 +63,32 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, device)
         max_model_len = self.max_model_len or model_config.max_model_len
         runner_config = RunnerConfig(
-            model=folder, dtype=dtype, device=device, block_size=self.block_size, max_model_len=max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_memory=self.kv_cache_memory,
-            gpu_memory_utilization=self.gpu_memory_utilization, num_blocks=self.num_kv_blocks)
+            model=folder,
+            dtype=dtype,
+            device=device,
+            block_size=self.block_size,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_blocks=self.num_kv_blocks,
+        )
         agents: list[TransferAgent] = []
         compat_hash = ""
         make_agent = None
         if self.kv_transfer is not None:
             kv_transfer = self.kv_transfer
             compat_hash = kv_compat_hash(
-                architecture=model_config.architecture, layers=model_config.num_layers,
-                kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-                hidden_size=model_config.hidden_size, vocab_size=model_config.vocab_size,
-                dtype=str(dtype), block_size=self.block_size, layout=KV_CACHE_LAYOUT)
+                architecture=model_config.architecture,
+                layers=model_config.num_layers,
+                kv_heads=model_config.num_kv_heads,
+                head_dim=model_config.head_dim,
+                hidden_size=model_config.hidden_size,
+                vocab_size=model_config.vocab_size,
+                dtype=str(dtype),
+                block_size=self.block_size,
+                layout=KV_CACHE_LAYOUT,
+            )
 
             def make_agent(kv_cache: torch.Tensor) -> TransferAgent:
                 # The agent registers the KV cache and the block generations with its transport,
@@ -85,17 +98,31 @@ class EngineArgs:
                 return agent
 
         runner = ModelRunner(model_config, runner_config, make_agent)
-        logger.info("%s engine: model %s (%s, %s on %s); %s", self.role, folder, model_config.architecture, dtype,
-                    device, runner.describe())
+        logger.info(
+            "%s engine: model %s (%s, %s on %s); %s",
+            self.role,
+            folder,
+            model_config.architecture,
+            dtype,
+            device,
+            runner.describe(),
+        )
         connector = None
         generations = None
         if agents:
             agent = agents[0]
             generations = agent.generations
             connector = PDConnectorScheduler(agent.config, compat_hash, self.block_size, agent.port, generations)
-        scheduler = Scheduler(SchedulerConfig(
-            num_blocks=runner.num_blocks, block_size=self.block_size, max_model_len=max_model_len,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_prefix_caching=self.enable_prefix_caching,
-        ), connector, generations)
+        scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=runner.num_blocks,
+                block_size=self.block_size,
+                max_model_len=max_model_len,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            connector,
+            generations,
+        )
         return EngineCore(scheduler, runner), model_config

@@ -17,8 +17,9 @@ from pdserve.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 block_generations: np.ndarray | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, block_generations: np.ndarray | None = None
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -153,9 +154,7 @@ class KVCacheManager:
         num_cached = self.num_cached_blocks[request_id]
         if num_full_blocks <= num_cached:
             return
-        hashes = extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
-        )
+        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
         blocks = self.req_to_blocks[request_id]
         cache_block = self.block_pool.cache_block
         for index in range(num_cached, num_full_blocks):

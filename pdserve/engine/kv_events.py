@@ -42,10 +42,22 @@ class KVEventPublisher:
         if not (stored or removed or snapshot_due or now - self._last_publish >= IDLE_PUBLISH_INTERVAL_S):
             return
         stats = self.core.make_stats()
-        load = EngineLoad(stats.num_running, stats.num_waiting, stats.num_waiting_for_remote_kvs,
-                          stats.kv_cache_usage, stats.num_blocks_held_for_remote)
-        batch = KVEventBatch(self.engine_id, self._seq, self.core.config.block_size, stored, removed, load,
-                             self.core.cached_block_hashes() if snapshot_due else None)
+        load = EngineLoad(
+            stats.num_running,
+            stats.num_waiting,
+            stats.num_waiting_for_remote_kvs,
+            stats.kv_cache_usage,
+            stats.num_blocks_held_for_remote,
+        )
+        batch = KVEventBatch(
+            self.engine_id,
+            self._seq,
+            self.core.config.block_size,
+            stored,
+            removed,
+            load,
+            self.core.cached_block_hashes() if snapshot_due else None,
+        )
         self.socket.send(encode_batch(batch))  # PUB drops, never blocks, at a full subscriber: it resyncs
         self._seq += 1
         self._last_publish = now

@@ -86,11 +86,17 @@ class SamplingParams:
         )
         require(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
         require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1]")
-        require(_is_int(self.top_k) and 0 <= self.top_k < _INT32, "top_k",
-                "must be -1 or 0 (disabled) or a positive integer below 2^31")
+        require(
+            _is_int(self.top_k) and 0 <= self.top_k < _INT32,
+            "top_k",
+            "must be -1 or 0 (disabled) or a positive integer below 2^31",
+        )
         require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be a number in [0, 1]")
-        require(self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64), "seed",
-                "must be a 64-bit signed integer or None")
+        require(
+            self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),
+            "seed",
+            "must be a 64-bit signed integer or None",
+        )
         require(
             isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
             "stop",
@@ -108,14 +114,16 @@ class SamplingParams:
         )
         require(_is_int(self.min_tokens) and 0 <= self.min_tokens < _INT32, "min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise SamplingParamsError(
-                "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
-            )
+            raise SamplingParamsError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             require(value is None or (_is_int(value) and value >= 0), name, "must be an integer >= 0 or None")
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                     "include_stop_str_in_output"):
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+        ):
             require(isinstance(getattr(self, name), bool), name, "must be a boolean")
 
     @property

@@ -71,14 +71,19 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, connector: KVConnectorScheduler | None = None,
-                 block_generations: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        connector: KVConnectorScheduler | None = None,
+        block_generations: np.ndarray | None = None,
+    ) -> None:
         """``block_generations``: the pool's generation array when a KV connector made (and
         registered) it first; else the pool makes its own."""
         self.config = config
         self.connector = connector or NoKVConnector()
-        self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                               block_generations)
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, block_generations
+        )
         # Every request the scheduler still knows: unfinished ones, and finished ones whose blocks
         # are still held (for a remote reader, or until an in-flight load into them drains).
         self.requests: dict[str, Request] = {}
@@ -162,8 +167,13 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Unfinished requests, blocks still waiting on the transfer worker, or work for it."""
-        return bool(self.waiting or self.running or self.held_for_remote or self.aborted_while_loading
-                    or self.connector.has_pending_work())
+        return bool(
+            self.waiting
+            or self.running
+            or self.held_for_remote
+            or self.aborted_while_loading
+            or self.connector.has_pending_work()
+        )
 
     # ----- one step -----------------------------------------------------------------------
 
@@ -256,8 +266,10 @@ class Scheduler:
             num_computed = request.num_computed_tokens + num_local + num_external
             num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
 
-            if kv.allocate_slots(request, num_new + num_external, hit_blocks, num_local,
-                                 delay_cache_blocks=load_async) is None:
+            if (
+                kv.allocate_slots(request, num_new + num_external, hit_blocks, num_local, delay_cache_blocks=load_async)
+                is None
+            ):
                 break  # first come, first served: nobody overtakes a request that does not fit
             waiting.popleft()
             if request.num_cached_tokens < 0:
@@ -359,7 +371,7 @@ class Scheduler:
             # A recomputed (preempted) prompt reports positions it already reported: keep the first.
             skip = len(collected) - first_position
             if skip < len(entries):
-                collected.extend(entries[max(skip, 0):])
+                collected.extend(entries[max(skip, 0) :])
             request.prompt_logprobs = collected
 
     @staticmethod
@@ -414,8 +426,9 @@ class Scheduler:
         self.waiting.remove(request)
         request.status = RequestStatus.FINISHED_ERROR
         self._release(request)  # frees its blocks
-        outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error",
-                                        stop_reason="the remote KV transfer failed"))
+        outputs.append(
+            EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason="the remote KV transfer failed")
+        )
 
     # ----- observation ----------------------------------------------------------------------
 

@@ -252,13 +252,16 @@ def cpu_ops():
             verbose=False,
         )
     except Exception as error:  # a missing compiler, headers or ninja: fall back, loudly
-        logger.warning("CPU kernels unavailable (%s); using torch ops",
-                       str(error).splitlines()[0] if str(error) else type(error).__name__)
+        logger.warning(
+            "CPU kernels unavailable (%s); using torch ops",
+            str(error).splitlines()[0] if str(error) else type(error).__name__,
+        )
         return None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-             ) -> torch.Tensor | None:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """Fused (residual +=) x; RMSNorm. None when the kernel does not apply (not fp32 on CPU,
     not contiguous, or not built): the caller then uses torch ops."""
     ops = cpu_ops() if x.dtype == torch.float32 and x.device.type == "cpu" else None
@@ -269,21 +272,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return ops.rms_norm(x, residual, weight, eps, True)
 
 
-def rope_write_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata) -> bool:
+def rope_write_kv(
+    qk: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> bool:
     """Rotate ``qk`` [tokens, q_heads + kv_heads, head_dim] in place and store its k heads and
     ``value`` in the cache; False (nothing done) when the kernel does not apply (then the caller
     uses torch ops)."""
     ops = cpu_ops() if qk.dtype == torch.float32 and qk.device.type == "cpu" else None
     if ops is None:
         return False
-    ops.rope_write_kv(qk, value, cos.reshape(len(qk), -1), sin.reshape(len(qk), -1), k_cache, v_cache,
-                      metadata.slot_block_ids, metadata.slot_offsets)
+    ops.rope_write_kv(
+        qk,
+        value,
+        cos.reshape(len(qk), -1),
+        sin.reshape(len(qk), -1),
+        k_cache,
+        v_cache,
+        metadata.slot_block_ids,
+        metadata.slot_offsets,
+    )
     return True
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """``reference.paged_attention`` with the decodes computed by the fused kernel (fp32, when it
     could be built); prefill chunks, other dtypes and kernel-less hosts use the reference."""
     ops = cpu_ops() if query.dtype == torch.float32 else None
@@ -292,7 +311,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     output = torch.empty_like(query)
     rows = metadata.decode_token_indices
     if len(rows):
-        ops.decode_attention(output, query, rows, k_cache, v_cache, metadata.decode_block_ids.view(len(rows), -1),
-                             metadata.decode_context_lens, scale)
+        ops.decode_attention(
+            output,
+            query,
+            rows,
+            k_cache,
+            v_cache,
+            metadata.decode_block_ids.view(len(rows), -1),
+            metadata.decode_context_lens,
+            scale,
+        )
     reference.prefill_attention(query, k_cache, v_cache, metadata, scale, output)
     return output

@@ -61,10 +61,16 @@ def build_attention_metadata(
     for i, blocks in enumerate(block_tables):
         table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
 
-    positions = torch.cat([
-        torch.arange(context_len - query_len, context_len)
-        for query_len, context_len in zip(query_lens, context_lens, strict=True)
-    ]) if num_seqs else torch.zeros(0, dtype=torch.int64)
+    positions = (
+        torch.cat(
+            [
+                torch.arange(context_len - query_len, context_len)
+                for query_len, context_len in zip(query_lens, context_lens, strict=True)
+            ]
+        )
+        if num_seqs
+        else torch.zeros(0, dtype=torch.int64)
+    )
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens, dtype=torch.int64))
     slot_block_ids = table[seq_of_token, positions // block_size]
     slot_offsets = positions % block_size
@@ -73,8 +79,7 @@ def build_attention_metadata(
     decode_lens = [context_lens[i] for i in decode_seqs]
     decode_blocks = -(-max(decode_lens, default=0) // block_size)
     decode_block_ids = table[decode_seqs, :decode_blocks].reshape(-1)
-    padding = (torch.arange(decode_blocks * block_size)[None, :]
-               >= torch.tensor(decode_lens, dtype=torch.int64)[:, None])
+    padding = torch.arange(decode_blocks * block_size)[None, :] >= torch.tensor(decode_lens, dtype=torch.int64)[:, None]
     return AttentionMetadata(
         slot_block_ids=slot_block_ids.to(device),
         slot_offsets=slot_offsets.to(device),
@@ -82,8 +87,7 @@ def build_attention_metadata(
         context_lens=list(context_lens),
         block_tables=table.to(device),
         decode_seq_indices=torch.tensor(decode_seqs, dtype=torch.int64, device=device),
-        decode_token_indices=torch.tensor([query_start_loc[i] for i in decode_seqs], dtype=torch.int64,
-                                          device=device),
+        decode_token_indices=torch.tensor([query_start_loc[i] for i in decode_seqs], dtype=torch.int64, device=device),
         decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64, device=device),
         decode_block_ids=decode_block_ids.to(device),
         decode_padding=padding.to(device),
@@ -127,8 +131,14 @@ def paged_attention(
     return output
 
 
-def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      metadata: AttentionMetadata, scale: float, output: torch.Tensor) -> None:
+def prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    output: torch.Tensor,
+) -> None:
     """The prefill chunks' part of ``paged_attention``, written into ``output``."""
     group = query.shape[1] // k_cache.shape[2]
     for seq in metadata.prefill_seq_indices:
@@ -145,14 +155,22 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
             # Query i sits at position num_cached + i and sees keys up to there.
-            visible = (torch.arange(context_len, device=query.device)[None, :]
-                       <= torch.arange(num_cached, context_len, device=query.device)[:, None])
+            visible = (
+                torch.arange(context_len, device=query.device)[None, :]
+                <= torch.arange(num_cached, context_len, device=query.device)[:, None]
+            )
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=group > 1)
         output[start:end] = out[0].transpose(0, 1)
 
 
-def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     metadata: AttentionMetadata, scale: float, output: torch.Tensor) -> None:
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    output: torch.Tensor,
+) -> None:
     """The decodes' part of ``paged_attention``, written into ``output``."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = query.shape[1] // num_kv_heads
@@ -177,9 +195,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     output[rows] = out
 
 
-def dense_causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-) -> torch.Tensor:
+def dense_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """Plain causal attention over one whole sequence ``[seq_len, heads, head_dim]`` (K/V with
     kv heads), with no paging or batching: the naive oracle for the paged ops."""
     group = query.shape[1] // key.shape[1]

@@ -22,11 +22,24 @@ from pdserve.kernels.reference import AttentionMetadata
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, block_ids_ptr, offsets_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch,
-    stride_vcb, stride_vcs, stride_vch,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_ids_ptr,
+    offsets_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -53,28 +66,59 @@ def write_kv(
     if key.stride(2) != 1 or value.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("write_kv needs the head dimension contiguous")
     _write_kv_kernel[(num_tokens, num_kv_heads)](
-        key, value, k_cache, v_cache, metadata.slot_block_ids, metadata.slot_offsets,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        metadata.slot_block_ids,
+        metadata.slot_offsets,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
     )
 
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, partial_ptr, stats_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, token_seq_ptr,
+    out_ptr,
+    partial_ptr,
+    stats_ptr,
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    token_seq_ptr,
     token_pos_ptr,
     scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch,
-    stride_vcb, stride_vcs, stride_vch,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
     stride_table,
     num_partitions,
-    GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_SIZE_PADDED: tl.constexpr,
-    PARTITION_BLOCKS: tl.constexpr, SPLIT: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PADDED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE_PADDED: tl.constexpr,
+    PARTITION_BLOCKS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,8 +133,11 @@ def _paged_attention_kernel(
     in_dim = dims < HEAD_DIM
     slots = tl.arange(0, BLOCK_SIZE_PADDED)
 
-    q = tl.load(query_ptr + token * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=in_group[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        query_ptr + token * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=in_group[:, None] & in_dim[None, :],
+        other=0.0,
+    ).to(tl.float32)
     q = q * scale
 
     max_score = tl.full([GROUP_PADDED], float("-inf"), tl.float32)
@@ -104,10 +151,16 @@ def _paged_attention_kernel(
         key_positions = block_index * BLOCK_SIZE + slots
         visible = (slots < BLOCK_SIZE) & (key_positions <= position)
         kv_mask = visible[:, None] & in_dim[None, :]
-        k = tl.load(k_cache_ptr + block * stride_cb + slots[:, None] * stride_cs + kv_head * stride_ch
-                    + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + block * stride_vcb + slots[:, None] * stride_vcs + kv_head * stride_vch
-                    + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(
+            k_cache_ptr + block * stride_cb + slots[:, None] * stride_cs + kv_head * stride_ch + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)
+        v = tl.load(
+            v_cache_ptr + block * stride_vcb + slots[:, None] * stride_vcs + kv_head * stride_vch + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP, BLOCK]
         scores = tl.where(visible[None, :], scores, float("-inf"))
         new_max = tl.maximum(max_score, tl.max(scores, axis=1))
@@ -127,14 +180,24 @@ def _paged_attention_kernel(
         tl.store(partial_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_dim_mask)
     else:
         out = acc / denominator[:, None]
-        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_dim_mask)
+        tl.store(
+            out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=head_dim_mask,
+        )
 
 
 @triton.jit
 def _merge_partitions_kernel(
-    out_ptr, partial_ptr, stats_ptr, stride_ot, stride_oh, num_partitions,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PARTITIONS_PADDED: tl.constexpr,
+    out_ptr,
+    partial_ptr,
+    stats_ptr,
+    stride_ot,
+    stride_oh,
+    num_partitions,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    PARTITIONS_PADDED: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -147,8 +210,9 @@ def _merge_partitions_kernel(
     sums = tl.load(stats_ptr + rows * 2 + 1, mask=in_parts, other=0.0)
     overall = tl.max(maxes, axis=0)
     weights = tl.where(in_parts & (sums > 0), tl.exp(maxes - overall), 0.0)
-    partial = tl.load(partial_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
-                      mask=in_parts[:, None] & in_dim[None, :], other=0.0)
+    partial = tl.load(
+        partial_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=in_parts[:, None] & in_dim[None, :], other=0.0
+    )
     out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(sums * weights, axis=0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=in_dim)
 
@@ -184,29 +248,55 @@ def paged_attention(
     num_partitions = -(-longest_blocks // partition_blocks)
     split = num_partitions > 1
     if split:
-        partial = torch.empty((num_tokens * num_heads * num_partitions, head_dim), dtype=torch.float32,
-                              device=query.device)
+        partial = torch.empty(
+            (num_tokens * num_heads * num_partitions, head_dim), dtype=torch.float32, device=query.device
+        )
         stats = torch.empty((num_tokens * num_heads * num_partitions, 2), dtype=torch.float32, device=query.device)
     else:
         partial = stats = output  # unused
     head_dim_padded = triton.next_power_of_2(head_dim)
     _paged_attention_kernel[(num_tokens, num_kv_heads, num_partitions)](
-        output, partial, stats, query, k_cache, v_cache, metadata.block_tables, token_seq, token_pos,
+        output,
+        partial,
+        stats,
+        query,
+        k_cache,
+        v_cache,
+        metadata.block_tables,
+        token_seq,
+        token_pos,
         scale,
-        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         metadata.block_tables.stride(0),
         num_partitions,
-        GROUP=group, GROUP_PADDED=triton.next_power_of_2(group),
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-        BLOCK_SIZE=block_size, BLOCK_SIZE_PADDED=triton.next_power_of_2(block_size),
-        PARTITION_BLOCKS=partition_blocks, SPLIT=split,
+        GROUP=group,
+        GROUP_PADDED=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_SIZE=block_size,
+        BLOCK_SIZE_PADDED=triton.next_power_of_2(block_size),
+        PARTITION_BLOCKS=partition_blocks,
+        SPLIT=split,
     )
     if split:
         _merge_partitions_kernel[(num_tokens, num_heads)](
-            output, partial, stats, output.stride(0), output.stride(1), num_partitions,
-            HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+            output,
+            partial,
+            stats,
+            output.stride(0),
+            output.stride(1),
+            num_partitions,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PADDED=head_dim_padded,
             PARTITIONS_PADDED=triton.next_power_of_2(num_partitions),
         )
     return output
@@ -220,5 +310,7 @@ def token_positions(metadata: AttentionMetadata, device: torch.device) -> tuple[
         context_len = metadata.context_lens[seq]
         seqs.extend([seq] * (end - start))
         positions.extend(range(context_len - (end - start), context_len))
-    return (torch.tensor(seqs, dtype=torch.int32, device=device),
-            torch.tensor(positions, dtype=torch.int32, device=device))
+    return (
+        torch.tensor(seqs, dtype=torch.int32, device=device),
+        torch.tensor(positions, dtype=torch.int32, device=device),
+    )

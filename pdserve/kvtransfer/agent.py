@@ -59,8 +59,9 @@ class _Peer:
 
 
 class TransferAgent:
-    def __init__(self, config: KVTransferConfig, kv_cache: torch.Tensor, generations: np.ndarray,
-                 compat_hash: str) -> None:
+    def __init__(
+        self, config: KVTransferConfig, kv_cache: torch.Tensor, generations: np.ndarray, compat_hash: str
+    ) -> None:
         self.config = config
         self.compat_hash = compat_hash
         self.faults = config.faults
@@ -101,8 +102,14 @@ class TransferAgent:
         self._poller = zmq.Poller()
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-agent", daemon=True)
         self._thread.start()
-        logger.info("KV transfer agent %s: %s transport, side channel %s:%d, lease %.0f s", config.engine_id[:8],
-                    self.transport.name, config.host, self.port, config.lease_seconds)
+        logger.info(
+            "KV transfer agent %s: %s transport, side channel %s:%d, lease %.0f s",
+            config.engine_id[:8],
+            self.transport.name,
+            config.host,
+            self.port,
+            config.lease_seconds,
+        )
 
     # ----- engine thread ------------------------------------------------------------------
 
@@ -114,8 +121,14 @@ class TransferAgent:
     def collect(self) -> KVConnectorOutput | None:
         with self._results_lock:
             results = self._results
-            if not (results.finished_sending or results.finished_recving or results.failed_recving
-                    or results.transfers or results.num_failed_transfers or results.num_expired_leases):
+            if not (
+                results.finished_sending
+                or results.finished_recving
+                or results.failed_recving
+                or results.transfers
+                or results.num_failed_transfers
+                or results.num_expired_leases
+            ):
                 return None
             self._results = KVConnectorOutput()
         return results
@@ -228,15 +241,25 @@ class TransferAgent:
     def _handshake_reply(self) -> messages.HandshakeReply:
         config = self.config
         error = "handshake refused (fault injection)" if self.faults.fail_handshake else None
-        return messages.HandshakeReply(config.engine_id, self.compat_hash, self.transport.name,
-                                       self.transport.block_bytes, self.transport.num_blocks,
-                                       self.transport.local_info(), error)
+        return messages.HandshakeReply(
+            config.engine_id,
+            self.compat_hash,
+            self.transport.name,
+            self.transport.block_bytes,
+            self.transport.num_blocks,
+            self.transport.local_info(),
+            error,
+        )
 
     def _serve_read(self, identity: bytes, message: messages.ReadBlocks, retried: bool = False) -> None:
         held = self._held.get(message.request_id)
         error = None
-        if (held is None and not retried and message.request_id not in self._released
-                and len(self._early_reads) < MAX_EARLY_READS):
+        if (
+            held is None
+            and not retried
+            and message.request_id not in self._released
+            and len(self._early_reads) < MAX_EARLY_READS
+        ):
             # Not held yet? The engine hands this agent a hold one step after the request finished,
             # and the params may reach a fast decode engine before that: wait a little for it.
             self._early_reads.append((time.monotonic() + EARLY_READ_GRACE_S, identity, message))
@@ -404,8 +427,9 @@ class TransferAgent:
     def _send_release(self, remote: RemotePrefill) -> None:
         if self.faults.no_release:
             return
-        self._peer(remote.address).socket.send(messages.encode(messages.ReleaseBlocks([remote.request_id])),
-                                               zmq.NOBLOCK)
+        self._peer(remote.address).socket.send(
+            messages.encode(messages.ReleaseBlocks([remote.request_id])), zmq.NOBLOCK
+        )
 
     def _check_deadlines(self, now: float) -> None:
         expired = [rid for rid, (_, deadline) in self._held.items() if deadline <= now]

@@ -93,9 +93,7 @@ class KVConnectorScheduler(ABC):
         return False
 
     @abstractmethod
-    def get_num_new_matched_tokens(
-        self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """(tokens loadable from elsewhere past ``num_computed_tokens``, whether the load is async)."""
 
     @abstractmethod
@@ -118,9 +116,7 @@ class KVConnectorScheduler(ABC):
 class NoKVConnector(KVConnectorScheduler):
     """The colocated role: nothing is loaded from or handed to another engine."""
 
-    def get_num_new_matched_tokens(
-        self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False
 
     def update_state_after_alloc(

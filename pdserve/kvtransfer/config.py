@@ -67,7 +67,8 @@ class KVTransferConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"kv transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.load_failure not in LOAD_FAILURE_POLICIES:
-            raise ValueError(f"kv load failure policy must be one of {', '.join(LOAD_FAILURE_POLICIES)}, "
-                             f"got {self.load_failure!r}")
+            raise ValueError(
+                f"kv load failure policy must be one of {', '.join(LOAD_FAILURE_POLICIES)}, got {self.load_failure!r}"
+            )
         if self.lease_seconds <= 0 or self.transfer_timeout <= 0:
             raise ValueError("kv lease and transfer timeout must be positive")

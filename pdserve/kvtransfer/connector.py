@@ -18,8 +18,14 @@ from pdserve.kvtransfer.work import TransferWork, WorkOrders
 
 
 class PDConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVTransferConfig, compat_hash: str, block_size: int, advertised_port: int,
-                 block_generations: np.ndarray) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        compat_hash: str,
+        block_size: int,
+        advertised_port: int,
+        block_generations: np.ndarray,
+    ) -> None:
         """``advertised_port``: where the transfer agent's side channel listens; ``block_generations``:
         the block pool's generation array, handed out with held blocks."""
         self.compat_hash = compat_hash
@@ -37,12 +43,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         return self.decode.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         self.decode.update_state_after_alloc(request, block_ids, num_external_tokens)
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int],
-                         finish_reason: str) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: list[int], finish_reason: str
+    ) -> tuple[bool, dict[str, Any] | None]:
         self.decode.request_finished(request, finish_reason)
         return self.prefill.request_finished(request, block_ids, finish_reason)
 

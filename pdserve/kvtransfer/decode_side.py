@@ -52,11 +52,15 @@ class DecodeSide:
             return
         if remote is None:
             return
-        if (remote.compat_hash != self.compat_hash or remote.num_tokens != len(request.prompt_token_ids)
-                or remote.prompt_hash != prompt_hash(request.prompt_token_ids)):
+        if (
+            remote.compat_hash != self.compat_hash
+            or remote.num_tokens != len(request.prompt_token_ids)
+            or remote.prompt_hash != prompt_hash(request.prompt_token_ids)
+        ):
             # Blocks of another model, layout or text: computing locally is the only correct answer.
-            logger.warning("request %s: remote KV does not match this engine or prompt; prefilling locally",
-                           request.request_id)
+            logger.warning(
+                "request %s: remote KV does not match this engine or prompt; prefilling locally", request.request_id
+            )
             self.outbox.pending.releases.append((request.request_id, remote))
             return
         self._remote[request.request_id] = remote
@@ -79,8 +83,9 @@ class DecodeSide:
             return 0, False
         return request.num_tokens - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         remote = self._remote.pop(request.request_id, None)
         if remote is None:
             return
@@ -90,8 +95,15 @@ class DecodeSide:
         first = (request.num_tokens - num_external_tokens) // self.block_size
         last = -(-request.num_tokens // self.block_size)
         self._pulling.add(request.request_id)
-        self.outbox.pending.loads.append(LoadSpec(request.request_id, remote, block_ids[first:last],
-                                                  remote.block_ids[first:last], remote.generations[first:last]))
+        self.outbox.pending.loads.append(
+            LoadSpec(
+                request.request_id,
+                remote,
+                block_ids[first:last],
+                remote.block_ids[first:last],
+                remote.generations[first:last],
+            )
+        )
 
     def request_finished(self, request: ConnectorRequest, finish_reason: str) -> None:
         remote = self._remote.pop(request.request_id, None)

@@ -83,24 +83,48 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
     if not lease_seconds > 0:
         raise ValueError("kv_transfer_params.remote_lease_seconds must be positive")
     return RemotePrefill(
-        engine_id=_field(params, "remote_engine_id", str), request_id=_field(params, "remote_request_id", str),
-        host=_field(params, "remote_host", str), port=port, block_ids=block_ids, generations=generations,
-        num_tokens=num_tokens, prompt_hash=_field(params, "remote_prompt_hash", str),
-        compat_hash=_field(params, "kv_compat_hash", str), lease_seconds=float(lease_seconds))
+        engine_id=_field(params, "remote_engine_id", str),
+        request_id=_field(params, "remote_request_id", str),
+        host=_field(params, "remote_host", str),
+        port=port,
+        block_ids=block_ids,
+        generations=generations,
+        num_tokens=num_tokens,
+        prompt_hash=_field(params, "remote_prompt_hash", str),
+        compat_hash=_field(params, "kv_compat_hash", str),
+        lease_seconds=float(lease_seconds),
+    )
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
     return bool(params) and params.get("do_remote_decode") is True  # type: ignore[union-attr]
 
 
-def remote_prefill_params(*, engine_id: str, request_id: str, host: str, port: int, block_ids: list[int],
-                          generations: list[int], num_tokens: int, prompt: list[int], compat_hash: str,
-                          lease_seconds: float) -> dict[str, Any]:
+def remote_prefill_params(
+    *,
+    engine_id: str,
+    request_id: str,
+    host: str,
+    port: int,
+    block_ids: list[int],
+    generations: list[int],
+    num_tokens: int,
+    prompt: list[int],
+    compat_hash: str,
+    lease_seconds: float,
+) -> dict[str, Any]:
     """What a prefill engine returns for a request whose blocks it now holds."""
     return {
-        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
-        "remote_request_id": request_id, "remote_block_ids": block_ids, "remote_host": host, "remote_port": port,
-        "remote_block_generations": generations, "remote_num_tokens": num_tokens,
-        "remote_prompt_hash": prompt_hash(prompt), "kv_compat_hash": compat_hash,
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_block_ids": block_ids,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_block_generations": generations,
+        "remote_num_tokens": num_tokens,
+        "remote_prompt_hash": prompt_hash(prompt),
+        "kv_compat_hash": compat_hash,
         "remote_lease_seconds": lease_seconds,
     }

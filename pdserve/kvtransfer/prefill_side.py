@@ -40,8 +40,10 @@ def is_prefill_leg(kv_transfer_params: dict[str, Any] | None, stream: bool) -> b
     if not wants_remote_decode(kv_transfer_params):
         return False
     if stream:
-        raise ValueError("a prefill leg (kv_transfer_params.do_remote_decode) needs stream=false: its answer "
-                         "carries the transfer parameters")
+        raise ValueError(
+            "a prefill leg (kv_transfer_params.do_remote_decode) needs stream=false: its answer "
+            "carries the transfer parameters"
+        )
     return True
 
 
@@ -54,8 +56,15 @@ def prefill_leg_sampling(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 class PrefillSide:
-    def __init__(self, config: KVTransferConfig, compat_hash: str, block_size: int, advertised_port: int,
-                 block_generations: np.ndarray, outbox: WorkOrders) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        compat_hash: str,
+        block_size: int,
+        advertised_port: int,
+        block_generations: np.ndarray,
+        outbox: WorkOrders,
+    ) -> None:
         self.config = config
         self.compat_hash = compat_hash
         self.block_size = block_size
@@ -63,19 +72,27 @@ class PrefillSide:
         self.generations = block_generations
         self.outbox = outbox
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int],
-                         finish_reason: str) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: list[int], finish_reason: str
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Hold a finished prefill leg's prompt blocks and say where they are; else nothing."""
         if not (wants_remote_decode(request.kv_transfer_params) and finish_reason == "length" and block_ids):
             return False, None
         num_tokens = len(request.prompt_token_ids)
-        held = block_ids[:-(-num_tokens // self.block_size)]
+        held = block_ids[: -(-num_tokens // self.block_size)]
         self.outbox.pending.holds.append((request.request_id, list(held)))
         return True, remote_prefill_params(
-            engine_id=self.config.engine_id, request_id=request.request_id, host=self.config.host,
-            port=self.advertised_port, block_ids=list(held), generations=self.generations[held].tolist(),
-            num_tokens=num_tokens, prompt=request.prompt_token_ids, compat_hash=self.compat_hash,
-            lease_seconds=self.config.lease_seconds)
+            engine_id=self.config.engine_id,
+            request_id=request.request_id,
+            host=self.config.host,
+            port=self.advertised_port,
+            block_ids=list(held),
+            generations=self.generations[held].tolist(),
+            num_tokens=num_tokens,
+            prompt=request.prompt_token_ids,
+            compat_hash=self.compat_hash,
+            lease_seconds=self.config.lease_seconds,
+        )
 
     def hold_cancelled(self, request_id: str) -> None:
         self.outbox.pending.unholds.append(request_id)

@@ -125,8 +125,11 @@ class TcpTransport(Transport):
     def start_pull(self, pull: Pull, socket: zmq.Socket) -> None:
         spec = pull.spec
         pull.released = True  # the read asks prefill to free once the bytes are sent
-        socket.send(messages.encode(messages.ReadBlocks(spec.remote.request_id, spec.remote_block_ids,
-                                                        spec.generations, release=True)))
+        socket.send(
+            messages.encode(
+                messages.ReadBlocks(spec.remote.request_id, spec.remote_block_ids, spec.generations, release=True)
+            )
+        )
         self._pulls.append(pull)
 
     def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None) -> None:
@@ -175,24 +178,36 @@ class NixlTransport(Transport):
         # Where pulled generations land: one slot per local block, so concurrent pulls never share one.
         self.pulled_generations = np.zeros(self.num_blocks, dtype=np.int64)
         self._registrations = [
-            self.agent.register_memory([(self.kv_base, self.num_blocks * self.block_bytes, self.device_id, "")],
-                                       self.mem_type),
+            self.agent.register_memory(
+                [(self.kv_base, self.num_blocks * self.block_bytes, self.device_id, "")], self.mem_type
+            ),
             self.agent.register_memory([(generations.ctypes.data, generations.nbytes, 0, "")], "DRAM"),
-            self.agent.register_memory([(self.pulled_generations.ctypes.data, self.pulled_generations.nbytes, 0,
-                                         "")], "DRAM"),
+            self.agent.register_memory(
+                [(self.pulled_generations.ctypes.data, self.pulled_generations.nbytes, 0, "")], "DRAM"
+            ),
         ]
         self._peers: dict[tuple[str, int], _NixlPeer] = {}
 
     def local_info(self) -> dict[str, Any]:
-        return {"agent_metadata": self.agent.get_agent_metadata(), "kv_base": self.kv_base,
-                "gen_base": self.generations.ctypes.data, "mem_type": self.mem_type, "device_id": self.device_id}
+        return {
+            "agent_metadata": self.agent.get_agent_metadata(),
+            "kv_base": self.kv_base,
+            "gen_base": self.generations.ctypes.data,
+            "mem_type": self.mem_type,
+            "device_id": self.device_id,
+        }
 
     def add_peer(self, address: tuple[str, int], reply: messages.HandshakeReply) -> None:
         self.forget_peer(address)
         info = reply.transport_info
         name = self.agent.add_remote_agent(info["agent_metadata"])
-        self._peers[address] = _NixlPeer(name.decode() if isinstance(name, bytes) else name, int(info["kv_base"]),
-                                         int(info["gen_base"]), str(info["mem_type"]), int(info["device_id"]))
+        self._peers[address] = _NixlPeer(
+            name.decode() if isinstance(name, bytes) else name,
+            int(info["kv_base"]),
+            int(info["gen_base"]),
+            str(info["mem_type"]),
+            int(info["device_id"]),
+        )
 
     def forget_peer(self, address: tuple[str, int]) -> None:
         # A restarted engine comes back with new memory: keeping the old agent mapped is how vLLM
@@ -212,14 +227,27 @@ class NixlTransport(Transport):
         self._pulls.append(pull)
         self._post(pull, "data", peer, local, self.mem_type, remote, peer.mem_type)
 
-    def _post(self, pull: Pull, stage: str, peer: _NixlPeer, local: list, local_mem: str, remote: list,
-              remote_mem: str, notification: bytes = b"") -> None:
+    def _post(
+        self,
+        pull: Pull,
+        stage: str,
+        peer: _NixlPeer,
+        local: list,
+        local_mem: str,
+        remote: list,
+        remote_mem: str,
+        notification: bytes = b"",
+    ) -> None:
         """Create and post one READ; NIXL errors (a peer that died, say) mark the pull failed."""
         handle = None
         try:
-            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, local_mem),
-                                                self.agent.get_xfer_descs(remote, remote_mem), peer.agent_name,
-                                                notification)
+            handle = self.agent.initialize_xfer(
+                "READ",
+                self.agent.get_xfer_descs(local, local_mem),
+                self.agent.get_xfer_descs(remote, remote_mem),
+                peer.agent_name,
+                notification,
+            )
             pull.state = (stage, handle, peer)
             if self.agent.transfer(handle) == "ERR":
                 pull.state = ("failed", handle, peer, "the transfer could not be posted")
@@ -297,7 +325,7 @@ class NixlTransport(Transport):
         for notifications in notifications_by_agent.values():
             for message in notifications:
                 if message.startswith(_RELEASE_TAG):
-                    released.append(message[len(_RELEASE_TAG):].decode(errors="replace"))
+                    released.append(message[len(_RELEASE_TAG) :].decode(errors="replace"))
         return released
 
     def close(self) -> None:

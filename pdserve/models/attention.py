@@ -22,16 +22,25 @@ class AttentionBackend:
     paged_attention: Callable[..., torch.Tensor]
 
 
-def rotate_and_cache_with(write_kv: Callable[..., None], fused: Callable[..., bool] | None = None
-                          ) -> Callable[..., None]:
+def rotate_and_cache_with(
+    write_kv: Callable[..., None], fused: Callable[..., bool] | None = None
+) -> Callable[..., None]:
     """A backend's rotate_and_cache from its write_kv, trying a fused kernel first if given (it
     returns False when it does not apply)."""
-    def rotate_and_cache(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+
+    def rotate_and_cache(
+        qk: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None:
         if fused is not None and fused(qk, value, cos, sin, k_cache, v_cache, metadata):
             return
         qk.copy_(apply_rotary(qk, cos, sin))
-        write_kv(qk[:, qk.shape[1] - value.shape[1]:], value, k_cache, v_cache, metadata)
+        write_kv(qk[:, qk.shape[1] - value.shape[1] :], value, k_cache, v_cache, metadata)
 
     return rotate_and_cache
 
@@ -39,15 +48,17 @@ def rotate_and_cache_with(write_kv: Callable[..., None], fused: Callable[..., bo
 def triton_backend() -> AttentionBackend:
     from pdserve.kernels import triton_attention  # imports triton: only where it is used
 
-    return AttentionBackend("triton", rotate_and_cache_with(triton_attention.write_kv),
-                            triton_attention.paged_attention)
+    return AttentionBackend(
+        "triton", rotate_and_cache_with(triton_attention.write_kv), triton_attention.paged_attention
+    )
 
 
 def attention_backend(device: torch.device) -> AttentionBackend:
     if device.type == "cuda":
         return triton_backend()
-    return AttentionBackend("cpu", rotate_and_cache_with(reference.write_kv, cpu_kernels.rope_write_kv),
-                            cpu_kernels.paged_attention)
+    return AttentionBackend(
+        "cpu", rotate_and_cache_with(reference.write_kv, cpu_kernels.rope_write_kv), cpu_kernels.paged_attention
+    )
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "attention_backend"]

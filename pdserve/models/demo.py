@@ -37,12 +37,67 @@ ARCHITECTURE = {
     "max_position_embeddings": 4096,
 }
 _WORDS = (
-    'the', 'a', 'one', 'every', 'some', 'model', 'token', 'cache', 'block', 'prefill', 'decode', 'router',
-    'pod', 'serve', 'stream', 'fast', 'slow', 'small', 'large', 'memory', 'request', 'answer', 'question',
-    'layer', 'head', 'key', 'value', 'query', 'batch', 'step', 'scheduler', 'engine', 'kernel', 'transfer',
-    'lease', 'hash', 'prefix', 'queue', 'run', 'wait', 'finish', 'start', 'read', 'write', 'is', 'was',
-    'will', 'can', 'must', 'may', 'not', 'and', 'or', 'but', 'with', 'from', 'into', 'over', 'under',
-    'after', 'before',
+    "the",
+    "a",
+    "one",
+    "every",
+    "some",
+    "model",
+    "token",
+    "cache",
+    "block",
+    "prefill",
+    "decode",
+    "router",
+    "pod",
+    "serve",
+    "stream",
+    "fast",
+    "slow",
+    "small",
+    "large",
+    "memory",
+    "request",
+    "answer",
+    "question",
+    "layer",
+    "head",
+    "key",
+    "value",
+    "query",
+    "batch",
+    "step",
+    "scheduler",
+    "engine",
+    "kernel",
+    "transfer",
+    "lease",
+    "hash",
+    "prefix",
+    "queue",
+    "run",
+    "wait",
+    "finish",
+    "start",
+    "read",
+    "write",
+    "is",
+    "was",
+    "will",
+    "can",
+    "must",
+    "may",
+    "not",
+    "and",
+    "or",
+    "but",
+    "with",
+    "from",
+    "into",
+    "over",
+    "under",
+    "after",
+    "before",
 )
 
 
@@ -89,11 +144,16 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(_corpus(), trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
-                                      pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
     wrapped.save_pretrained(str(path))
 
 
@@ -126,23 +186,24 @@ def write_demo_model(path: str | Path) -> Path:
     hidden, inter = arch["hidden_size"], arch["intermediate_size"]
     q_size = arch["num_attention_heads"] * arch["head_dim"]
     kv_size = arch["num_key_value_heads"] * arch["head_dim"]
-    tensors = {"model.embed_tokens.weight": normal(arch["vocab_size"], hidden),
-               "model.norm.weight": torch.ones(hidden)}
+    tensors = {"model.embed_tokens.weight": normal(arch["vocab_size"], hidden), "model.norm.weight": torch.ones(hidden)}
     for layer in range(arch["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
-        tensors.update({
-            prefix + "input_layernorm.weight": torch.ones(hidden),
-            prefix + "post_attention_layernorm.weight": torch.ones(hidden),
-            prefix + "self_attn.q_proj.weight": normal(q_size, hidden),
-            prefix + "self_attn.k_proj.weight": normal(kv_size, hidden),
-            prefix + "self_attn.v_proj.weight": normal(kv_size, hidden),
-            prefix + "self_attn.o_proj.weight": normal(hidden, q_size),
-            prefix + "self_attn.q_norm.weight": torch.ones(arch["head_dim"]),
-            prefix + "self_attn.k_norm.weight": torch.ones(arch["head_dim"]),
-            prefix + "mlp.gate_proj.weight": normal(inter, hidden),
-            prefix + "mlp.up_proj.weight": normal(inter, hidden),
-            prefix + "mlp.down_proj.weight": normal(hidden, inter),
-        })
+        tensors.update(
+            {
+                prefix + "input_layernorm.weight": torch.ones(hidden),
+                prefix + "post_attention_layernorm.weight": torch.ones(hidden),
+                prefix + "self_attn.q_proj.weight": normal(q_size, hidden),
+                prefix + "self_attn.k_proj.weight": normal(kv_size, hidden),
+                prefix + "self_attn.v_proj.weight": normal(kv_size, hidden),
+                prefix + "self_attn.o_proj.weight": normal(hidden, q_size),
+                prefix + "self_attn.q_norm.weight": torch.ones(arch["head_dim"]),
+                prefix + "self_attn.k_norm.weight": torch.ones(arch["head_dim"]),
+                prefix + "mlp.gate_proj.weight": normal(inter, hidden),
+                prefix + "mlp.up_proj.weight": normal(inter, hidden),
+                prefix + "mlp.down_proj.weight": normal(hidden, inter),
+            }
+        )
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

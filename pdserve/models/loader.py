@@ -74,8 +74,9 @@ def _target(model: CausalLM, name: str) -> tuple[torch.Tensor, slice | None, boo
     return None if not isinstance(param, torch.nn.Parameter) else (param, rows, False)
 
 
-def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> CausalLM:
+def load_model(
+    folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> CausalLM:
     folder = Path(folder)
     rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, dtype, device)
     # Built on the meta device: no time spent initialising weights that are overwritten next.
@@ -101,8 +102,9 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, devi
                     if rows is not None:
                         destination = destination[rows]
                     if destination.shape != tensor.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                                         f"model expects {tuple(destination.shape)}")
+                        raise ValueError(
+                            f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(destination.shape)}"
+                        )
                     destination.copy_(tensor)
                     filled[id(param)] = filled.get(id(param), 0) + tensor.numel()
     if unexpected:

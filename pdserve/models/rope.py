@@ -44,8 +44,15 @@ class RotaryEmbedding:
     empty, which must not wipe these tables.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat([freqs, freqs], dim=-1)

@@ -28,8 +28,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm of ``x``; given ``residual``, of ``residual + x``, returning (normed, the sum), the
         sum being the next residual (it may be computed in ``residual``'s memory)."""
         fused = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
@@ -67,15 +68,14 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend = backend
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
-                ) -> torch.Tensor:
+    def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         qk_size = self.q_size + self.kv_size
@@ -85,11 +85,15 @@ class Attention(nn.Module):
             # q and k heads sit side by side in qkv: rotate them in place, in one pass.
             qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         else:
-            qk = torch.cat([self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)),
-                            self.k_norm(qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads,
-                                                                        self.head_dim))], dim=1)
+            qk = torch.cat(
+                [
+                    self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)),
+                    self.k_norm(qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)),
+                ],
+                dim=1,
+            )
         self.backend.rotate_and_cache(qk, v, *rope, k_cache, v_cache, metadata)
-        q = qk[:, :self.num_heads]
+        q = qk[:, : self.num_heads]
         out = self.backend.paged_attention(q, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -114,8 +118,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        rope: Rope,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the residual add is deferred
         into the next norm, where it fuses."""
         if residual is None:
@@ -136,11 +146,13 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                          bias=False)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` of a flattened batch."""
         hidden = self.embed_tokens(input_ids)
         residual = None

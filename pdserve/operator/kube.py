@@ -105,8 +105,9 @@ class Kube:
         body = without_nulls(obj)
         return self._call(obj["kind"], "create", obj["metadata"]["namespace"], body=body)
 
-    def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any],
-              status: bool = False) -> dict[str, Any]:
+    def patch(
+        self, kind: str, namespace: str, name: str, patch: Mapping[str, Any], status: bool = False
+    ) -> dict[str, Any]:
         """JSON merge patch of the object, or of its status subresource."""
         if kind in _CUSTOM:
             return self._call(kind, "patch", namespace, name, body=patch, status=status, _content_type=MERGE_PATCH)

@@ -97,9 +97,9 @@ def owned_objects(
     objects = router_rbac(service_name, namespace)
     for role in (ROUTER, *ENGINE_ROLES):
         objects.append(service(service_name, namespace, role))
-    objects.append(deployment(
-        service_name, namespace, ROUTER, spec[ROUTER]["replicas"], router_pod(service_name, namespace, spec)
-    ))
+    objects.append(
+        deployment(service_name, namespace, ROUTER, spec[ROUTER]["replicas"], router_pod(service_name, namespace, spec))
+    )
     for role in ENGINE_ROLES:
         template = engine_pod(service_name, role, spec)
         objects.append(deployment(service_name, namespace, role, pool_replicas[role], template))

@@ -46,25 +46,44 @@ def engine_command(service: str, role: str, spec: dict[str, Any]) -> list[str]:
     model, kv = spec["model"], spec["kvTransfer"]
     model_dir = _model_dir(model)
     return [
-        "pdserve", role,
-        "--host", "0.0.0.0", "--port", str(PORTS[role]),
-        "--model", model_dir,
-        "--served-model-name", model.get("servedModelName") or service,
-        "--kv-transfer", kv["backend"],
-        "--kv-side-channel-port", str(KV_SIDE_CHANNEL_PORT),
-        "--kv-lease-seconds", number(kv["leaseSeconds"]),
-        "--kv-transfer-timeout", number(kv["transferTimeoutSeconds"]),
-        "--kv-load-failure", kv["loadFailure"],
+        "pdserve",
+        role,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(PORTS[role]),
+        "--model",
+        model_dir,
+        "--served-model-name",
+        model.get("servedModelName") or service,
+        "--kv-transfer",
+        kv["backend"],
+        "--kv-side-channel-port",
+        str(KV_SIDE_CHANNEL_PORT),
+        "--kv-lease-seconds",
+        number(kv["leaseSeconds"]),
+        "--kv-transfer-timeout",
+        number(kv["transferTimeoutSeconds"]),
+        "--kv-load-failure",
+        kv["loadFailure"],
         *spec[role].get("engineArgs", []),
     ]
 
 
 def router_command(service: str, namespace: str, spec: dict[str, Any]) -> list[str]:
     return [
-        "pdserve", ROUTER,
-        "--host", "0.0.0.0", "--port", str(PORTS[ROUTER]),
-        "--discovery", "kubernetes", "--namespace", namespace,
-        "--selector", f"app.kubernetes.io/instance={service}",
+        "pdserve",
+        ROUTER,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(PORTS[ROUTER]),
+        "--discovery",
+        "kubernetes",
+        "--namespace",
+        namespace,
+        "--selector",
+        f"app.kubernetes.io/instance={service}",
         *(["--tokenizer", _model_dir(spec["model"])] if _router_reads_model(spec["model"]) else []),
         *spec[ROUTER].get("args", []),
     ]
@@ -118,8 +137,12 @@ def _model_download(spec: dict[str, Any], security: dict[str, Any]) -> dict[str,
 
 def _pod_security() -> dict[str, Any]:
     # Meets the "restricted" Pod Security Standard (but for hostPath model volumes).
-    return {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": USER_ID,
+        "runAsGroup": USER_ID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def _container_security() -> dict[str, Any]:
@@ -159,7 +182,8 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "initContainers": [_model_download(spec, _container_security())]
-        if spec["model"]["source"] == "huggingface" else None,
+        if spec["model"]["source"] == "huggingface"
+        else None,
         "volumes": [_model_volume(spec["model"]), {"name": "scratch", "emptyDir": {}}],
         "securityContext": _pod_security(),
         "automountServiceAccountToken": False,

@@ -64,8 +64,9 @@ def _router_size(service: Mapping[str, Any], deployment: Mapping[str, Any] | Non
     return (deployment or {}).get("spec", {}).get("replicas", 0)  # spec unusable: report what runs
 
 
-def _follow_pool(kube: Kube, namespace: str, name: str, role: str,
-                 deployment: dict[str, Any] | None) -> tuple[int, dict[str, Any] | None]:
+def _follow_pool(
+    kube: Kube, namespace: str, name: str, role: str, deployment: dict[str, Any] | None
+) -> tuple[int, dict[str, Any] | None]:
     """Scale the role's Deployment to its PDPool and write the PDPool's status; returns (desired, deployment)."""
     pool = kube.get("PDPool", namespace, object_name(name, role))
     if pool is None:

@@ -20,8 +20,16 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 # Flags the operator writes into the pod commands; a user's value would contradict the ports,
 # probes, volumes or discovery the operator wires around them.
 RESERVED_ENGINE_FLAGS = (
-    "--host", "--port", "--model", "--served-model-name", "--kv-transfer", "--kv-side-channel-host",
-    "--kv-side-channel-port", "--kv-lease-seconds", "--kv-transfer-timeout", "--kv-load-failure",
+    "--host",
+    "--port",
+    "--model",
+    "--served-model-name",
+    "--kv-transfer",
+    "--kv-side-channel-host",
+    "--kv-side-channel-port",
+    "--kv-lease-seconds",
+    "--kv-transfer-timeout",
+    "--kv-load-failure",
 )
 RESERVED_ROUTER_FLAGS = ("--host", "--port", "--discovery", "--namespace", "--selector", "--prefill", "--decode")
 
@@ -138,10 +146,15 @@ def _args_problems(where: str, args: Any, reserved: tuple[str, ...]) -> list[str
     if not isinstance(args, list) or not all(isinstance(arg, str) for arg in args):
         return [f"{where} must be a list of strings"]
     # argparse also accepts unambiguous prefixes (`--mod` for `--model`), so prefixes count too.
-    taken = sorted({
-        flag for arg in args if arg.startswith("--") and len(arg) > 2
-        for flag in reserved if flag.startswith(arg.split("=", 1)[0])
-    })
+    taken = sorted(
+        {
+            flag
+            for arg in args
+            if arg.startswith("--") and len(arg) > 2
+            for flag in reserved
+            if flag.startswith(arg.split("=", 1)[0])
+        }
+    )
     if taken:
         return [f"{where} must not set {', '.join(taken)} (the operator sets them)"]
     return []

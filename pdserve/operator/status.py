@@ -20,8 +20,9 @@ def pool(desired: int, ready: int) -> dict[str, Any]:
     return {"replicas": desired, "readyReplicas": ready, "summary": f"{ready}/{desired}"}
 
 
-def ready_condition(problems: list[str], desired: Mapping[str, int], ready: Mapping[str, int],
-                    previous: Mapping[str, Any] | None) -> dict[str, Any]:
+def ready_condition(
+    problems: list[str], desired: Mapping[str, int], ready: Mapping[str, int], previous: Mapping[str, Any] | None
+) -> dict[str, Any]:
     """Ready is True when the spec is valid and every pool that should have pods has them all ready."""
     lagging = [f"{role} {ready[role]}/{desired[role]}" for role in ROLES if ready[role] < desired[role]]
     if problems:
@@ -32,12 +33,23 @@ def ready_condition(problems: list[str], desired: Mapping[str, int], ready: Mapp
         state, reason, message = "True", "AllPoolsReady", "every pool has its desired pods ready"
     # The transition time moves only when the status flips, as Kubernetes conditions do.
     since = previous.get("lastTransitionTime") if previous and previous.get("status") == state else None
-    return {"type": "Ready", "status": state, "reason": reason, "message": message,
-            "lastTransitionTime": since or now()}
+    return {
+        "type": "Ready",
+        "status": state,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since or now(),
+    }
 
 
-def service_status(name: str, namespace: str, problems: list[str], desired: Mapping[str, int],
-                   ready: Mapping[str, int], previous: Mapping[str, Any]) -> dict[str, Any]:
+def service_status(
+    name: str,
+    namespace: str,
+    problems: list[str],
+    desired: Mapping[str, int],
+    ready: Mapping[str, int],
+    previous: Mapping[str, Any],
+) -> dict[str, Any]:
     """The PDService status; `previous` is the current status (keeps the condition's transition time)."""
     old = next((c for c in previous.get("conditions") or [] if c.get("type") == "Ready"), None)
     return {

@@ -49,8 +49,9 @@ def pod_endpoint(pod: Any) -> tuple[str, str] | None:
 
 
 class KubernetesDiscovery:
-    def __init__(self, namespace: str, selector: str, on_snapshot: Callable[[Snapshot], None],
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, namespace: str, selector: str, on_snapshot: Callable[[Snapshot], None], loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.namespace = namespace
         self.selector = selector
         self._on_snapshot = on_snapshot
@@ -103,14 +104,21 @@ class KubernetesDiscovery:
                 self._publish()
                 version = listed.metadata.resource_version
                 while not self._stop.is_set():
-                    stream = watch.Watch().stream(api.list_namespaced_pod, self.namespace,
-                                                  label_selector=self.selector, resource_version=version,
-                                                  timeout_seconds=WATCH_TIMEOUT_S)
+                    stream = watch.Watch().stream(
+                        api.list_namespaced_pod,
+                        self.namespace,
+                        label_selector=self.selector,
+                        resource_version=version,
+                        timeout_seconds=WATCH_TIMEOUT_S,
+                    )
                     for event in stream:
                         pod = event["object"]
                         version = pod.metadata.resource_version or version
-                        changed = (self._endpoints.pop(pod.metadata.uid, None) is not None
-                                   if event["type"] == "DELETED" else self._set(pod))
+                        changed = (
+                            self._endpoints.pop(pod.metadata.uid, None) is not None
+                            if event["type"] == "DELETED"
+                            else self._set(pod)
+                        )
                         if changed:
                             self._publish()
             except ApiException as error:

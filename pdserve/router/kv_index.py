@@ -50,9 +50,13 @@ class KVIndex:
             self.num_gaps += 1
             if not pod.stale and batch.snapshot is None:
                 # Joining a running publisher is normal (router start); losing batches is worth a warning.
-                logger.log(logging.INFO if pod.seq < 0 else logging.WARNING,
-                           "KV events from %s: batch %d after %d; its index is stale until the next snapshot", url,
-                           batch.seq, pod.seq)
+                logger.log(
+                    logging.INFO if pod.seq < 0 else logging.WARNING,
+                    "KV events from %s: batch %d after %d; its index is stale until the next snapshot",
+                    url,
+                    batch.seq,
+                    pod.seq,
+                )
             pod.stale = True
         hashes = pod.hashes
         # Removed before stored: within one engine step (one batch) evictions happen while scheduling, before
@@ -89,9 +93,15 @@ class KVIndex:
         now = time.monotonic()
         out: dict[str, dict] = {}
         for url, pod in self.pods.items():
-            entry: dict = {"engine_id": pod.engine_id, "block_size": pod.block_size, "num_blocks": len(pod.hashes),
-                           "stale": pod.stale, "seq": pod.seq, "age_s": round(now - pod.updated, 3),
-                           "load": None if pod.load is None else msgspec.structs.asdict(pod.load)}
+            entry: dict = {
+                "engine_id": pod.engine_id,
+                "block_size": pod.block_size,
+                "num_blocks": len(pod.hashes),
+                "stale": pod.stale,
+                "seq": pod.seq,
+                "age_s": round(now - pod.updated, 3),
+                "load": None if pod.load is None else msgspec.structs.asdict(pod.load),
+            }
             if with_hashes:
                 entry["block_hashes"] = sorted(block_hash.hex() for block_hash in pod.hashes)
             out[url] = entry

@@ -31,8 +31,18 @@ from prometheus_client.registry import Collector
 from pdserve.router.kv_index import KVIndex
 
 PATHS = ("disagg", "decode_only", "fallback")
-ERROR_KINDS = ("prefill_unreachable", "prefill_5xx", "prefill_bad_answer", "no_prefill", "decode_unreachable",
-               "decode_unavailable", "no_decode", "decode_broken", "timeout", "client_disconnect")
+ERROR_KINDS = (
+    "prefill_unreachable",
+    "prefill_5xx",
+    "prefill_bad_answer",
+    "no_prefill",
+    "decode_unreachable",
+    "decode_unavailable",
+    "no_decode",
+    "decode_broken",
+    "timeout",
+    "client_disconnect",
+)
 ROLES = ("prefill", "decode")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -40,36 +50,56 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class RouterMetrics:
     def __init__(self, index: KVIndex | None = None) -> None:
         self.registry = CollectorRegistry()
-        requests = Counter("pdserve_router_requests", "Generation requests by the path they took",
-                           ["path"], registry=self.registry)
-        errors = Counter("pdserve_router_errors", "Failures the router saw, by kind", ["kind"],
-                         registry=self.registry)
+        requests = Counter(
+            "pdserve_router_requests", "Generation requests by the path they took", ["path"], registry=self.registry
+        )
+        errors = Counter("pdserve_router_errors", "Failures the router saw, by kind", ["kind"], registry=self.registry)
         # Children are looked up once here, not per request (labels() costs a lock and a dict lookup).
         self.paths = {path: requests.labels(path) for path in PATHS}
         self.errors = {kind: errors.labels(kind) for kind in ERROR_KINDS}
-        self.ejections = Counter("pdserve_router_pod_ejections", "Pods taken out of rotation after failing",
-                                 registry=self.registry)
-        self.latency = Histogram("pdserve_router_request_latency_seconds",
-                                 "Generation request latency through the router, until the last byte",
-                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self._choices = Counter("pdserve_router_choices", "Pods chosen, by role, pod and the policy that chose",
-                                ["role", "pod", "policy"], registry=self.registry)
+        self.ejections = Counter(
+            "pdserve_router_pod_ejections", "Pods taken out of rotation after failing", registry=self.registry
+        )
+        self.latency = Histogram(
+            "pdserve_router_request_latency_seconds",
+            "Generation request latency through the router, until the last byte",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._choices = Counter(
+            "pdserve_router_choices",
+            "Pods chosen, by role, pod and the policy that chose",
+            ["role", "pod", "policy"],
+            registry=self.registry,
+        )
         self._choice_children: dict[tuple[str, str, str], Counter] = {}
-        predicted = Counter("pdserve_router_prefix_blocks_predicted",
-                            "Cached leading prompt blocks the index predicted on the chosen pod", ["role"],
-                            registry=self.registry)
-        realised = Counter("pdserve_router_prefix_blocks_realised",
-                           "Cached leading prompt blocks the chosen pod's engine reported", ["role"],
-                           registry=self.registry)
+        predicted = Counter(
+            "pdserve_router_prefix_blocks_predicted",
+            "Cached leading prompt blocks the index predicted on the chosen pod",
+            ["role"],
+            registry=self.registry,
+        )
+        realised = Counter(
+            "pdserve_router_prefix_blocks_realised",
+            "Cached leading prompt blocks the chosen pod's engine reported",
+            ["role"],
+            registry=self.registry,
+        )
         self.predicted = {role: predicted.labels(role) for role in ROLES}
         self.realised = {role: realised.labels(role) for role in ROLES}
-        self.prefill_skipped = Counter("pdserve_router_prefill_skipped",
-                                       "Requests sent decode-only: the decode pod had nearly all the prompt cached",
-                                       registry=self.registry)
-        self.retries = Counter("pdserve_router_retries", "Decode legs retried on another pod before any byte",
-                               registry=self.registry)
-        self.malformed_events = Counter("pdserve_router_kv_events_malformed",
-                                        "KV-event frames dropped as malformed or oversized", registry=self.registry)
+        self.prefill_skipped = Counter(
+            "pdserve_router_prefill_skipped",
+            "Requests sent decode-only: the decode pod had nearly all the prompt cached",
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "pdserve_router_retries", "Decode legs retried on another pod before any byte", registry=self.registry
+        )
+        self.malformed_events = Counter(
+            "pdserve_router_kv_events_malformed",
+            "KV-event frames dropped as malformed or oversized",
+            registry=self.registry,
+        )
         if index is not None:
             self.registry.register(_IndexCollector(index))
 
@@ -100,13 +130,18 @@ class _IndexCollector(Collector):
         index = self.index
         batches = CounterMetricFamily("pdserve_router_kv_event_batches", "KV-event batches applied")
         batches.add_metric([], index.num_batches)
-        gaps = CounterMetricFamily("pdserve_router_kv_event_gaps",
-                                   "KV-event sequence gaps, joining a publisher mid-stream included")
+        gaps = CounterMetricFamily(
+            "pdserve_router_kv_event_gaps", "KV-event sequence gaps, joining a publisher mid-stream included"
+        )
         gaps.add_metric([], index.num_gaps)
-        blocks = GaugeMetricFamily("pdserve_router_kv_index_blocks", "Block hashes the index holds per pod",
-                                   labels=["pod"])
-        stale = GaugeMetricFamily("pdserve_router_kv_index_stale",
-                                  "1 while a pod's index missed batches and waits for a snapshot", labels=["pod"])
+        blocks = GaugeMetricFamily(
+            "pdserve_router_kv_index_blocks", "Block hashes the index holds per pod", labels=["pod"]
+        )
+        stale = GaugeMetricFamily(
+            "pdserve_router_kv_index_stale",
+            "1 while a pod's index missed batches and waits for a snapshot",
+            labels=["pod"],
+        )
         for url, pod in list(index.pods.items()):
             blocks.add_metric([url], len(pod.hashes))
             stale.add_metric([url], 1.0 if pod.stale else 0.0)

@@ -47,8 +47,13 @@ class PodSet:
     def any_healthy(self) -> bool:
         return any(pod.healthy for pod in self.pods)
 
-    def choose(self, exclude: Collection[Pod] = (), healthy_only: bool = False,
-               score: Callable[[Pod], float] | None = None, round_robin: bool = False) -> Pod | None:
+    def choose(
+        self,
+        exclude: Collection[Pod] = (),
+        healthy_only: bool = False,
+        score: Callable[[Pod], float] | None = None,
+        round_robin: bool = False,
+    ) -> Pod | None:
         """The pod with the highest ``score`` (when given), then the least-loaded (unless ``round_robin``), the
         scan order breaking ties so they go round-robin. Healthy pods first; an unhealthy one only when no
         healthy pod is left (a stale health view must not turn into refusing every request) and
@@ -100,8 +105,14 @@ class HealthChecker:
     """GETs every pod's /health each ``interval`` seconds; a pod that fails or answers non-200 is skipped
     until it answers 200 again. Each 200 answer's ``kv_events_port`` goes to ``on_health``."""
 
-    def __init__(self, session: aiohttp.ClientSession, podsets: Sequence[PodSet], interval: float,
-                 on_ejection: Callable[[], None], on_health: Callable[[Pod, int | None], None] | None = None) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        podsets: Sequence[PodSet],
+        interval: float,
+        on_ejection: Callable[[], None],
+        on_health: Callable[[Pod, int | None], None] | None = None,
+    ) -> None:
         self.session = session
         self.podsets = podsets
         self.interval = interval

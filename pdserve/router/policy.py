@@ -48,8 +48,14 @@ class Chooser:
         self.load_weight = config.load_weight if config.routing == "prefix-load" else 0.0
         self.fallback = "round-robin" if config.routing == "round-robin" else "least-load"
 
-    def choose(self, podset: PodSet, prompt: Prompt | None = None, session: str | None = None,
-               exclude: Collection[Pod] = (), healthy_only: bool = False) -> Choice | None:
+    def choose(
+        self,
+        podset: PodSet,
+        prompt: Prompt | None = None,
+        session: str | None = None,
+        exclude: Collection[Pod] = (),
+        healthy_only: bool = False,
+    ) -> Choice | None:
         if session is not None:
             pod = rendezvous(podset.healthy(exclude), session)
             if pod is not None:

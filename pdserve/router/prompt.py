@@ -56,7 +56,7 @@ class BlockHashes(Sequence[bytes]):
             block = len(hashes)
             parent = hashes[-1] if hashes else None
             extra = first_block_extra_keys(self._salt) if block == 0 else None
-            hashes.append(hash_block_tokens(parent, self._token_ids[block * size:(block + 1) * size], extra))
+            hashes.append(hash_block_tokens(parent, self._token_ids[block * size : (block + 1) * size], extra))
         return hashes[index]
 
     @property
@@ -127,15 +127,20 @@ class PromptReader:
     async def _chat_ids(self, parsed: ChatCompletionRequest) -> list[int]:
         messages = [{"role": message.role, "content": message.text()} for message in parsed.messages]
         size = sum(len(message["content"]) for message in messages)
-        return await self._run(size, self._render_chat, messages, parsed.add_generation_prompt is not False,
-                               parsed.chat_template_kwargs or {})
+        return await self._run(
+            size,
+            self._render_chat,
+            messages,
+            parsed.add_generation_prompt is not False,
+            parsed.chat_template_kwargs or {},
+        )
 
-    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                     template_kwargs: dict[str, Any]) -> list[int]:
+    def _render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any]
+    ) -> list[int]:
         return self._template(self.tokenizer, messages, add_generation_prompt, template_kwargs)
 
     async def _run(self, size: int, function: Any, *args: Any) -> Any:
         if size <= INLINE_CHARS:
             return function(*args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
-

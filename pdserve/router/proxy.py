@@ -92,8 +92,15 @@ class _NothingSent(Exception):
 
 
 class Proxy:
-    def __init__(self, config: RouterConfig, prefill: PodSet, decode: PodSet, metrics: RouterMetrics,
-                 chooser: Chooser, prompts: PromptReader | None = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        prefill: PodSet,
+        decode: PodSet,
+        metrics: RouterMetrics,
+        chooser: Chooser,
+        prompts: PromptReader | None = None,
+    ) -> None:
         self.config = config
         self.prefill = prefill
         self.decode = decode
@@ -130,8 +137,9 @@ class Proxy:
             except TimeoutError:
                 self.metrics.errors["timeout"].inc()
                 if exchange.response is None:
-                    raise ProtocolError(f"the request took longer than {self.config.request_timeout:g} s", 504,
-                                        error_type="timeout") from None
+                    raise ProtocolError(
+                        f"the request took longer than {self.config.request_timeout:g} s", 504, error_type="timeout"
+                    ) from None
                 _cut(exchange)
                 return exchange.response
         except asyncio.CancelledError:
@@ -151,8 +159,11 @@ class Proxy:
             raw = msgspec.json.encode(body)
         local = not self.prefill or _needs_local_prefill(parsed, chat)
         # The prompt is read for prefix routing, or for the decider when there is a prefill leg to skip.
-        if (self.prompts is not None and (self.chooser.prefix_aware or not local)
-                and (chat or not _several_prompts(parsed.prompt))):
+        if (
+            self.prompts is not None
+            and (self.chooser.prefix_aware or not local)
+            and (chat or not _several_prompts(parsed.prompt))
+        ):
             exchange.prompt = await self.prompts.read(parsed, chat)
         if self.config.session_affinity:
             exchange.session = exchange.request.headers.get(SESSION_ID) or parsed.user
@@ -218,14 +229,14 @@ class Proxy:
         leg["kv_transfer_params"] = _REMOTE_DECODE
         pod.in_flight += 1
         try:
-            async with self.session.post(pod.url + exchange.request.path, data=msgspec.json.encode(leg),
-                                         headers=exchange.headers) as answer:
+            async with self.session.post(
+                pod.url + exchange.request.path, data=msgspec.json.encode(leg), headers=exchange.headers
+            ) as answer:
                 payload = await answer.read()
                 status = answer.status
                 content_type = answer.headers.get("Content-Type", "application/json")
         except (aiohttp.ClientError, TimeoutError) as error:
-            logger.debug("request %s: prefill pod %s failed (%r); decode prefills", exchange.request_id, pod.url,
-                         error)
+            logger.debug("request %s: prefill pod %s failed (%r); decode prefills", exchange.request_id, pod.url, error)
             self.metrics.errors["prefill_unreachable"].inc()
             if isinstance(error, aiohttp.ClientConnectorError):  # nothing listens there: out at once
                 self.eject(self.prefill, pod, f"connection failed: {error}")
@@ -236,8 +247,11 @@ class Proxy:
             pod.in_flight -= 1
         if 400 <= status < 500:
             pod.failures = 0
-            return _PrefillResult(rejection=web.Response(
-                body=payload, status=status, headers={"Content-Type": content_type, REQUEST_ID: exchange.request_id}))
+            return _PrefillResult(
+                rejection=web.Response(
+                    body=payload, status=status, headers={"Content-Type": content_type, REQUEST_ID: exchange.request_id}
+                )
+            )
         if status != 200:
             self.metrics.errors["prefill_5xx"].inc()
             if status != 503:  # 503: busy or draining, which its health check tells
@@ -300,8 +314,9 @@ class Proxy:
             except aiohttp.ClientError as error:
                 self.metrics.errors["decode_broken"].inc()
                 self._failed(self.decode, pod, f"answer broken: {type(error).__name__}")
-                raise ProtocolError(f"the decode pod failed mid-answer: {type(error).__name__}", 502,
-                                    error_type="bad_gateway") from error
+                raise ProtocolError(
+                    f"the decode pod failed mid-answer: {type(error).__name__}", 502, error_type="bad_gateway"
+                ) from error
             self._answered(pod, answer.status)
             if answer.status == 200 and choice.block_size:
                 with contextlib.suppress(msgspec.MsgspecError):  # no usage to learn from: nothing to count
@@ -318,8 +333,10 @@ class Proxy:
             first = b""
         except aiohttp.ClientError as error:
             raise _NothingSent() from error
-        response = web.StreamResponse(status=answer.status, headers={
-            "Content-Type": content_type, "Cache-Control": "no-cache", REQUEST_ID: exchange.request_id})
+        response = web.StreamResponse(
+            status=answer.status,
+            headers={"Content-Type": content_type, "Cache-Control": "no-cache", REQUEST_ID: exchange.request_id},
+        )
         exchange.response = response
         await response.prepare(exchange.request)
         tail: deque[bytes] | None = deque((first,), _TAIL_CHUNKS) if exchange.stream_usage else None
@@ -362,7 +379,7 @@ def _stream_usage(tail: bytes) -> _Usage | None:
     if start < 0:
         return None
     try:
-        return msgspec.json.decode(tail[start + 6:end if end > start else len(tail)].strip(), type=_UsageAnswer).usage
+        return msgspec.json.decode(tail[start + 6 : end if end > start else len(tail)].strip(), type=_UsageAnswer).usage
     except msgspec.MsgspecError:
         return None
 

@@ -46,25 +46,33 @@ class Router:
         self.decode = PodSet("decode", config.decode_urls)
         self.chooser = Chooser(config, self.index)
         if config.routing in PREFIX_ROUTINGS and config.tokenizer is None:
-            logger.warning("--routing %s needs the model's tokenizer (--tokenizer PATH) to hash prompts; "
-                           "choosing pods by least load instead", config.routing)
+            logger.warning(
+                "--routing %s needs the model's tokenizer (--tokenizer PATH) to hash prompts; "
+                "choosing pods by least load instead",
+                config.routing,
+            )
         # Prompts are tokenized only for what uses them: prefix routing, or the P/D decider (prefill pods present).
         prompts = None
-        if config.tokenizer is not None and (self.chooser.prefix_aware or (
-                config.pd_min_prefill_tokens > 0 and (config.prefill_urls or config.discovery != "static"))):
+        if config.tokenizer is not None and (
+            self.chooser.prefix_aware
+            or (config.pd_min_prefill_tokens > 0 and (config.prefill_urls or config.discovery != "static"))
+        ):
             prompts = PromptReader(config.tokenizer)
         self.proxy = Proxy(config, self.prefill, self.decode, self.metrics, self.chooser, prompts)
         # The engines' KV-cache events matter only to prefix routing.
-        self.subscriber = KVSubscriber(self.index, self.metrics.malformed_events.inc) if self.chooser.prefix_aware \
-            else None
+        self.subscriber = (
+            KVSubscriber(self.index, self.metrics.malformed_events.inc) if self.chooser.prefix_aware else None
+        )
         self._health: HealthChecker | None = None
         self._probe: asyncio.Task[None] | None = None
         self._discovery: KubernetesDiscovery | None = None
         self._openapi: bytes | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[
-            error_middleware(extra_headers=_request_id_header), api_key_middleware(self.config.api_key)])
+        app = web.Application(
+            client_max_size=MAX_BODY_BYTES,
+            middlewares=[error_middleware(extra_headers=_request_id_header), api_key_middleware(self.config.api_key)],
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -81,15 +89,25 @@ class Router:
         # and no pool limit (each pod's own admission control is the limit, not ours).
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout))
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
+        )
         self.proxy.session = session
-        self._health = HealthChecker(session, [self.prefill, self.decode], self.config.health_interval,
-                                     self.metrics.ejections.inc, self._on_health if self.subscriber else None)
+        self._health = HealthChecker(
+            session,
+            [self.prefill, self.decode],
+            self.config.health_interval,
+            self.metrics.ejections.inc,
+            self._on_health if self.subscriber else None,
+        )
         await self._health.check_all()  # so /health and the first choices are right from the start
         self._health.start()
         if self.config.discovery == "kubernetes":
-            self._discovery = KubernetesDiscovery(self.config.namespace or _own_namespace(), self.config.selector,
-                                                  self._apply_snapshot, asyncio.get_running_loop())
+            self._discovery = KubernetesDiscovery(
+                self.config.namespace or _own_namespace(),
+                self.config.selector,
+                self._apply_snapshot,
+                asyncio.get_running_loop(),
+            )
             self._discovery.start()
 
     def _on_health(self, pod: Pod, kv_events_port: int | None) -> None:
@@ -135,8 +153,11 @@ class Router:
         for pod in ordered:
             try:
                 async with self.proxy.session.get(pod.url + "/v1/models", headers=headers) as answer:
-                    return web.Response(body=await answer.read(), status=answer.status, headers={
-                        "Content-Type": answer.headers.get("Content-Type", "application/json")})
+                    return web.Response(
+                        body=await answer.read(),
+                        status=answer.status,
+                        headers={"Content-Type": answer.headers.get("Content-Type", "application/json")},
+                    )
             except aiohttp.ClientError:
                 continue
         raise ProtocolError("no decode pod is reachable", 503, error_type="service_unavailable")
@@ -149,9 +170,14 @@ class Router:
     async def debug_index(self, request: web.Request) -> web.Response:
         """What the router believes each pod has cached (``?hashes=1``: the hashes too, hex), and its load."""
         with_hashes = request.query.get("hashes", "") not in ("", "0", "false")
-        return web.json_response({"routing": self.config.routing, "prefix_aware": self.chooser.prefix_aware,
-                                  "subscriptions": self.subscriber.endpoints() if self.subscriber else {},
-                                  "pods": self.index.summary(with_hashes)})
+        return web.json_response(
+            {
+                "routing": self.config.routing,
+                "prefix_aware": self.chooser.prefix_aware,
+                "subscriptions": self.subscriber.endpoints() if self.subscriber else {},
+                "pods": self.index.summary(with_hashes),
+            }
+        )
 
     async def render_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")

@@ -45,15 +45,27 @@ def _engine_errors(error: Exception) -> ProtocolError | None:
 
 
 class EngineServer:
-    def __init__(self, client: EngineCoreClient, tokenizer: Any, model_name: str, eos_token_ids: list[int],
-                 api_key: str | None = None, limits: ServerLimits | None = None) -> None:
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        tokenizer: Any,
+        model_name: str,
+        eos_token_ids: list[int],
+        api_key: str | None = None,
+        limits: ServerLimits | None = None,
+    ) -> None:
         self.client = client
         self.api_key = api_key
         self.model_name = model_name
         self.max_model_len = client.ready.max_model_len
-        self.metrics = EngineMetrics(lambda: client.stats, {
-            "block_size": str(client.ready.block_size), "num_gpu_blocks": str(client.ready.num_kv_blocks),
-            "enable_prefix_caching": "True"})
+        self.metrics = EngineMetrics(
+            lambda: client.stats,
+            {
+                "block_size": str(client.ready.block_size),
+                "num_gpu_blocks": str(client.ready.num_kv_blocks),
+                "enable_prefix_caching": "True",
+            },
+        )
         client.on_stats = self.metrics.observe_stats
         self.processor = InputProcessor(tokenizer, len(tokenizer), self.max_model_len, eos_token_ids)
         self.serving = OpenAIServing(client, self.processor, model_name, self.metrics, limits or ServerLimits())
@@ -65,8 +77,10 @@ class EngineServer:
         return self.serving.draining
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES,
-                              middlewares=[error_middleware(_engine_errors), api_key_middleware(self.api_key)])
+        app = web.Application(
+            client_max_size=MAX_BODY_BYTES,
+            middlewares=[error_middleware(_engine_errors), api_key_middleware(self.api_key)],
+        )
         app.router.add_post("/v1/completions", self.serving.completions)
         app.router.add_post("/v1/chat/completions", self.serving.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -99,8 +113,9 @@ class EngineServer:
     async def debug_cached_blocks(self, request: web.Request) -> web.Response:
         """Every hash in the prefix cache (hex), for checking what routers believe against the truth."""
         hashes = await self.client.cached_blocks()
-        return web.json_response({"block_size": self.client.ready.block_size,
-                                  "block_hashes": [block_hash.hex() for block_hash in hashes]})
+        return web.json_response(
+            {"block_size": self.client.ready.block_size, "block_hashes": [block_hash.hex() for block_hash in hashes]}
+        )
 
 
 @dataclass
@@ -130,21 +145,33 @@ class RunningServer:
         await self.server.client.shutdown()
 
 
-async def start_engine_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 0,
-                              served_model_name: str | None = None, api_key: str | None = None,
-                              limits: ServerLimits | None = None) -> RunningServer:
+async def start_engine_server(
+    args: EngineArgs,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
+) -> RunningServer:
     """Start the core process and the HTTP server; ``port`` 0 picks a free port."""
     folder = args.resolved_model()
     client = await EngineCoreClient.start(args)
     try:
         tokenizer = load_tokenizer(args.tokenizer or folder)
         eos_ids = ModelConfig.from_folder(folder).eos_token_ids or (
-            [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+            [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        )
         server = EngineServer(client, tokenizer, served_model_name or Path(folder).name, eos_ids, api_key, limits)
         runner, url = await start_app(server.app(), host, port)
     except BaseException:
         await client.shutdown()
         raise
-    logger.info("serving %s at %s/v1 (KV cache: %d blocks of %d tokens, context %d)", server.model_name, url,
-                client.ready.num_kv_blocks, client.ready.block_size, client.ready.max_model_len)
+    logger.info(
+        "serving %s at %s/v1 (KV cache: %d blocks of %d tokens, context %d)",
+        server.model_name,
+        url,
+        client.ready.num_kv_blocks,
+        client.ready.block_size,
+        client.ready.max_model_len,
+    )
     return RunningServer(url, server, runner)

@@ -51,8 +51,15 @@ class RequestRejectedError(ValueError):
 
 
 class EngineCoreClient:
-    def __init__(self, process: multiprocessing.process.BaseProcess, context: zmq.asyncio.Context,
-                 inputs: zmq.asyncio.Socket, outputs: zmq.asyncio.Socket, ready: CoreReady, socket_dir: str) -> None:
+    def __init__(
+        self,
+        process: multiprocessing.process.BaseProcess,
+        context: zmq.asyncio.Context,
+        inputs: zmq.asyncio.Socket,
+        outputs: zmq.asyncio.Socket,
+        ready: CoreReady,
+        socket_dir: str,
+    ) -> None:
         self.process = process
         self.ready = ready
         self.stats: SchedulerStats | None = None
@@ -81,8 +88,11 @@ class EngineCoreClient:
         outputs = context.socket(zmq.PULL)
         outputs.bind(output_address)
         process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(args, input_address, output_address, os.getpid()), name="pdserve-engine-core",
-            daemon=True)
+            target=run_engine_core,
+            args=(args, input_address, output_address, os.getpid()),
+            name="pdserve-engine-core",
+            daemon=True,
+        )
         process.start()
         decode = msgspec.msgpack.Decoder(CoreMessage).decode
         deadline = time.monotonic() + startup_timeout
@@ -113,9 +123,15 @@ class EngineCoreClient:
     def alive(self) -> bool:
         return self._dead is None
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                          eos_token_id: int | None, kv_transfer_params: dict[str, Any] | None = None,
-                          cache_salt: str | None = None) -> asyncio.Queue[EngineCoreOutput | Exception]:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
+    ) -> asyncio.Queue[EngineCoreOutput | Exception]:
         """Send a request; its outputs (then possibly an exception) arrive on the returned queue."""
         if self._dead is not None:
             raise self._dead
@@ -123,9 +139,19 @@ class EngineCoreClient:
             raise ValueError(f"request id {request_id!r} is already in flight")
         queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
-        await self._inputs.send(self._encode(AddRequest(
-            request_id, prompt_token_ids, sampling_params, eos_token_id, time.monotonic(), kv_transfer_params,
-            cache_salt)))
+        await self._inputs.send(
+            self._encode(
+                AddRequest(
+                    request_id,
+                    prompt_token_ids,
+                    sampling_params,
+                    eos_token_id,
+                    time.monotonic(),
+                    kv_transfer_params,
+                    cache_salt,
+                )
+            )
+        )
         return queue
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -18,8 +18,14 @@ _PROMPT_CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
         self._tokenizer = tokenizer
         context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
         if tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
@@ -68,12 +74,12 @@ class IncrementalDetokenizer:
             return False
         position, stop = min(found)
         self.stop_string = stop
-        self.text = self.text[:position + len(stop) if self._include_stop else position]
+        self.text = self.text[: position + len(stop) if self._include_stop else position]
         return True
 
     def _take(self, end: int) -> str:
         if end <= self._emitted:
             return ""
-        new_text = self.text[self._emitted:end]
+        new_text = self.text[self._emitted : end]
         self._emitted = end
         return new_text

@@ -38,8 +38,14 @@ class Prompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int],
-                 max_logprobs: int = MAX_LOGPROBS) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: Sequence[int],
+        max_logprobs: int = MAX_LOGPROBS,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -53,7 +59,8 @@ class InputProcessor:
     def prompts(self, prompts: PromptInput | Sequence[PromptInput], param: str = "prompt") -> list[Prompt]:
         """One prompt or a list of them, each checked; ``[1, 2]`` is one prompt, ``[[1, 2], [3]]`` two."""
         single = isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and bool(prompts) and all(_is_token_id(t) for t in prompts))
+            isinstance(prompts, list) and bool(prompts) and all(_is_token_id(t) for t in prompts)
+        )
         items = [prompts] if single else list(prompts)  # type: ignore[arg-type]
         if not items:
             raise InputError(param, "no prompts given")
@@ -62,8 +69,12 @@ class InputProcessor:
             self.check_prompt(prompt.token_ids, param)
         return result
 
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> Prompt:
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> Prompt:
         """A conversation rendered by the model's chat template, checked like any prompt."""
         if not messages:
             raise InputError("messages", "messages must not be empty")
@@ -85,8 +96,10 @@ class InputProcessor:
             return Prompt(encode_prompt(self.tokenizer, item["prompt"]), item["prompt"])
         elif isinstance(item, list) and all(_is_token_id(t) for t in item):
             return Prompt(list(item))
-        raise InputError(param, "a prompt is a string, a list of token ids or a dict with prompt_token_ids; "
-                                f"got {type(item).__name__}")
+        raise InputError(
+            param,
+            f"a prompt is a string, a list of token ids or a dict with prompt_token_ids; got {type(item).__name__}",
+        )
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         if not token_ids:
@@ -95,15 +108,21 @@ class InputProcessor:
         if bad:
             raise InputError(param, f"prompt token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if len(token_ids) >= self.max_model_len:
-            raise InputError(param, f"the prompt has {len(token_ids)} tokens, but the context length is "
-                                    f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens leave "
-                                    "room for output")
+            raise InputError(
+                param,
+                f"the prompt has {len(token_ids)} tokens, but the context length is "
+                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens leave "
+                "room for output",
+            )
 
     def check_max_tokens(self, prompt: list[int], max_tokens: int | None, param: str = "max_tokens") -> None:
         """The HTTP API refuses a max_tokens the context cannot hold (the offline API caps it instead)."""
         if max_tokens is not None and len(prompt) + max_tokens > self.max_model_len:
-            raise InputError(param, f"max_tokens ({max_tokens}) plus the prompt's {len(prompt)} tokens exceed "
-                                    f"the context length {self.max_model_len}")
+            raise InputError(
+                param,
+                f"max_tokens ({max_tokens}) plus the prompt's {len(prompt)} tokens exceed "
+                f"the context length {self.max_model_len}",
+            )
 
     # ----- sampling -----------------------------------------------------------------------------
 

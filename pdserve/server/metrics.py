@@ -17,8 +17,26 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 from pdserve.engine.scheduler import SchedulerStats
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                    40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class _SchedulerCollector:
@@ -33,10 +51,14 @@ class _SchedulerCollector:
         gauges = {
             "pdserve_num_requests_running": ("Requests being computed", stats.num_running),
             "pdserve_num_requests_waiting": ("Requests queued", stats.num_waiting),
-            "pdserve_num_requests_waiting_for_remote_kv": ("Requests waiting for remote KV blocks",
-                                                           stats.num_waiting_for_remote_kvs),
-            "pdserve_kv_cache_usage_ratio": ("Fraction of KV blocks owned (cached free blocks count as free)",
-                                             stats.kv_cache_usage),
+            "pdserve_num_requests_waiting_for_remote_kv": (
+                "Requests waiting for remote KV blocks",
+                stats.num_waiting_for_remote_kvs,
+            ),
+            "pdserve_kv_cache_usage_ratio": (
+                "Fraction of KV blocks owned (cached free blocks count as free)",
+                stats.kv_cache_usage,
+            ),
             "pdserve_kv_blocks_held_for_remote": ("KV blocks held for remote decode", stats.num_blocks_held_for_remote),
             "vllm:num_requests_running": ("Requests being computed (vLLM name)", stats.num_running),
             "vllm:num_requests_waiting": ("Requests queued (vLLM name)", stats.num_waiting),
@@ -49,10 +71,14 @@ class _SchedulerCollector:
             "pdserve_prefix_cache_hits": ("Prompt tokens served from the prefix cache", stats.prefix_cache_hits),
             "pdserve_preemptions": ("Requests preempted (recomputed later)", stats.num_preemptions),
             "pdserve_kv_transfer_bytes": ("KV bytes pulled from remote engines", stats.kv_transfer_bytes),
-            "pdserve_kv_transfer_failures": ("KV pulls that failed (handshake, transfer, stale or expired blocks)",
-                                             stats.kv_transfer_failures),
-            "pdserve_kv_lease_expirations": ("Held KV blocks freed because no decode engine took them in time",
-                                             stats.kv_lease_expirations),
+            "pdserve_kv_transfer_failures": (
+                "KV pulls that failed (handshake, transfer, stale or expired blocks)",
+                stats.kv_transfer_failures,
+            ),
+            "pdserve_kv_lease_expirations": (
+                "Held KV blocks freed because no decode engine took them in time",
+                stats.kv_lease_expirations,
+            ),
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(name, documentation, value=value)
@@ -63,14 +89,30 @@ class EngineMetrics:
     def __init__(self, stats: Callable[[], SchedulerStats | None], cache_config: dict[str, str]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("pdserve_requests", "Finished requests", ["finish_reason"], registry=self.registry)
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.kv_transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "Duration of one request's KV pull",
-                                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "pdserve_time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "End-to-end request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Duration of one request's KV pull",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_SchedulerCollector(stats, cache_config))
 
     def observe_stats(self, stats: SchedulerStats) -> None:
@@ -78,8 +120,9 @@ class EngineMetrics:
         for seconds in stats.kv_transfer_seconds:
             self.kv_transfer_seconds.observe(seconds)
 
-    def observe(self, finish_reason: str, arrival: float, first_token: float | None, end: float,
-                num_output_tokens: int) -> None:
+    def observe(
+        self, finish_reason: str, arrival: float, first_token: float | None, end: float, num_output_tokens: int
+    ) -> None:
         self.requests.labels(finish_reason).inc()
         self.e2e.observe(end - arrival)
         if first_token is not None:

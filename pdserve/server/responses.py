@@ -53,8 +53,12 @@ def usage(children: Children, results: list[ChoiceResult]) -> Usage:
     # Each prompt counts once however many choices it has (choices share the prompt's list).
     prompt_tokens = sum(len(prompt) for prompt in {id(prompt): prompt for prompt, _ in children}.values())
     completion_tokens = sum(len(r.token_ids) for r in results)
-    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
-                 PromptTokensDetails(cached_tokens=results[0].num_cached_tokens))
+    return Usage(
+        prompt_tokens,
+        completion_tokens,
+        prompt_tokens + completion_tokens,
+        PromptTokensDetails(cached_tokens=results[0].num_cached_tokens),
+    )
 
 
 class LogprobFormatter:
@@ -82,17 +86,26 @@ class LogprobFormatter:
                 top.append(None)
             else:
                 token_logprobs.append(entry.logprob)
-                top.append({self.token_text(t): lp for t, lp in zip(entry.top_token_ids, entry.top_logprobs,
-                                                                    strict=True)})
+                top.append(
+                    {self.token_text(t): lp for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=True)}
+                )
         return CompletionLogprobs(tokens, token_logprobs, top, offsets)
 
     def chat(self, entries: list[TokenLogprobs]) -> ChatLogprobs:
         content = []
         for entry in entries:
             text = self.token_text(entry.token_id)
-            content.append(ChatTokenLogprob(text, entry.logprob, [
-                TopLogprob(self.token_text(t), lp, list(self.token_text(t).encode()))
-                for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=True)], list(text.encode())))
+            content.append(
+                ChatTokenLogprob(
+                    text,
+                    entry.logprob,
+                    [
+                        TopLogprob(self.token_text(t), lp, list(self.token_text(t).encode()))
+                        for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=True)
+                    ],
+                    list(text.encode()),
+                )
+            )
         return ChatLogprobs(content)
 
 

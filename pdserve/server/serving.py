@@ -57,8 +57,21 @@ from pdserve.server.responses import (
 
 MAX_N = 16
 # Request fields that become SamplingParams fields of the same name.
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens")
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+)
 
 
 @dataclass
@@ -73,8 +86,14 @@ class ServerLimits:
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineCoreClient, processor: InputProcessor, model_name: str,
-                 metrics: EngineMetrics, limits: ServerLimits) -> None:
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        processor: InputProcessor,
+        model_name: str,
+        metrics: EngineMetrics,
+        limits: ServerLimits,
+    ) -> None:
         self.client = client
         self.processor = processor
         self.model_name = model_name
@@ -112,8 +131,12 @@ class OpenAIServing:
         prompts = [prompt.token_ids for prompt in self.processor.prompts(body.prompt)]
         echo = bool(body.echo)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        params = self._sampling_params(body, max_tokens, body.logprobs,
-                                       prompt_logprobs=body.logprobs if echo and body.logprobs is not None else None)
+        params = self._sampling_params(
+            body,
+            max_tokens,
+            body.logprobs,
+            prompt_logprobs=body.logprobs if echo and body.logprobs is not None else None,
+        )
         for prompt in prompts:
             self.processor.check_max_tokens(prompt, params.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -134,17 +157,25 @@ class OpenAIServing:
             if echo:
                 text = self.processor.tokenizer.decode(prompt) + text
             choices.append(CompletionChoice(index, text, logprobs, result.finish_reason, result.stop_reason))
-        return json_response(CompletionResponse(
-            id=request_id, created=int(time.time()), model=self.model_name, choices=choices,
-            usage=usage(children, results), kv_transfer_params=results[0].kv_transfer_params))
+        return json_response(
+            CompletionResponse(
+                id=request_id,
+                created=int(time.time()),
+                model=self.model_name,
+                choices=choices,
+                usage=usage(children, results),
+                kv_transfer_params=results[0].kv_transfer_params,
+            )
+        )
 
     async def _chat_completions(self, request: web.Request, body: ChatCompletionRequest) -> web.StreamResponse:
         self._check_model(body.model)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= self.processor.max_logprobs:
             raise InputError("top_logprobs", f"top_logprobs must be between 0 and {self.processor.max_logprobs}")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = self.processor.chat_prompt(messages, body.add_generation_prompt is not False,
-                                            body.chat_template_kwargs).token_ids
+        prompt = self.processor.chat_prompt(
+            messages, body.add_generation_prompt is not False, body.chat_template_kwargs
+        ).token_ids
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, max_tokens, logprobs)
@@ -155,33 +186,58 @@ class OpenAIServing:
         if body.stream:
             return await self._stream_chat(request, body, request_id, children, params)
         results = await self._gather(request_id, children, params, body.kv_transfer_params, body.cache_salt)
-        choices = [ChatChoice(index, ChatResponseMessage(content=result.text),
-                              self.logprobs.chat(result.logprobs) if body.logprobs else None,
-                              result.finish_reason, result.stop_reason)
-                   for (_, index), result in zip(children, results, strict=True)]
-        return json_response(ChatCompletionResponse(
-            id=request_id, created=int(time.time()), model=self.model_name, choices=choices,
-            usage=usage(children, results), kv_transfer_params=results[0].kv_transfer_params))
+        choices = [
+            ChatChoice(
+                index,
+                ChatResponseMessage(content=result.text),
+                self.logprobs.chat(result.logprobs) if body.logprobs else None,
+                result.finish_reason,
+                result.stop_reason,
+            )
+            for (_, index), result in zip(children, results, strict=True)
+        ]
+        return json_response(
+            ChatCompletionResponse(
+                id=request_id,
+                created=int(time.time()),
+                model=self.model_name,
+                choices=choices,
+                usage=usage(children, results),
+                kv_transfer_params=results[0].kv_transfer_params,
+            )
+        )
 
     # ----- admission and validation -------------------------------------------------------------
 
     def _admit(self, num_choices: int) -> None:
         """Refuse new work while draining or when the engine already has too much in flight."""
         if self.draining:
-            raise ProtocolError("the server is shutting down; retry on another replica", 503,
-                                error_type="service_unavailable", retry_after=self.limits.retry_after)
+            raise ProtocolError(
+                "the server is shutting down; retry on another replica",
+                503,
+                error_type="service_unavailable",
+                retry_after=self.limits.retry_after,
+            )
         if self.client.num_in_flight + num_choices > self.limits.max_in_flight:
-            raise ProtocolError(f"the server is overloaded ({self.client.num_in_flight} requests in flight); "
-                                "retry later", 503, error_type="service_unavailable",
-                                retry_after=self.limits.retry_after)
+            raise ProtocolError(
+                f"the server is overloaded ({self.client.num_in_flight} requests in flight); retry later",
+                503,
+                error_type="service_unavailable",
+                retry_after=self.limits.retry_after,
+            )
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise ProtocolError(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                                status=404, param="model", error_type="not_found_error")
+            raise ProtocolError(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                status=404,
+                param="model",
+                error_type="not_found_error",
+            )
 
-    def _sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+    def _sampling_params(
+        self, body: Any, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         fields = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
         fields.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
@@ -204,23 +260,36 @@ class OpenAIServing:
 
     # ----- running choices ----------------------------------------------------------------------
 
-    async def _run_choice(self, child_id: str, prompt: list[int], params: SamplingParams,
-                          kv_transfer_params: dict[str, Any] | None, cache_salt: str | None,
-                          result: ChoiceResult) -> AsyncIterator[ChoiceDelta]:
+    async def _run_choice(
+        self,
+        child_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None,
+        cache_salt: str | None,
+        result: ChoiceResult,
+    ) -> AsyncIterator[ChoiceDelta]:
         """Run one choice, updating ``result`` and yielding what it produced at each output."""
         arrival = time.monotonic()
-        queue = await self.client.add_request(child_id, prompt, params, self.processor.eos_token_id,
-                                              kv_transfer_params, cache_salt)
-        detokenizer = IncrementalDetokenizer(self.processor.tokenizer.backend_tokenizer, prompt, params.stop,
-                                             params.skip_special_tokens, params.include_stop_str_in_output)
+        queue = await self.client.add_request(
+            child_id, prompt, params, self.processor.eos_token_id, kv_transfer_params, cache_salt
+        )
+        detokenizer = IncrementalDetokenizer(
+            self.processor.tokenizer.backend_tokenizer,
+            prompt,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+        )
         timeout = self.limits.request_timeout
         deadline = None if timeout is None else arrival + timeout
         while result.finish_reason is None:
             try:
                 output = await asyncio.wait_for(queue.get(), None if deadline is None else deadline - time.monotonic())
             except TimeoutError:
-                raise ProtocolError(f"the request did not finish within {timeout:g} s", 504,
-                                    error_type="timeout") from None
+                raise ProtocolError(
+                    f"the request did not finish within {timeout:g} s", 504, error_type="timeout"
+                ) from None
             if isinstance(output, RequestRejectedError):
                 raise ProtocolError(str(output)) from output
             if isinstance(output, Exception):
@@ -240,8 +309,9 @@ class OpenAIServing:
             elif output.finish_reason == "error":
                 result.finish_reason = "error"
                 self.metrics.observe("error", arrival, result.first_token_time, time.monotonic(), len(result.token_ids))
-                raise ProtocolError(f"the request failed: {output.stop_reason}", status=503,
-                                    error_type="service_unavailable")
+                raise ProtocolError(
+                    f"the request failed: {output.stop_reason}", status=503, error_type="service_unavailable"
+                )
             elif output.finish_reason is not None:
                 text += detokenizer.finish()
                 result.finish_reason, result.stop_reason = output.finish_reason, output.stop_reason
@@ -249,13 +319,20 @@ class OpenAIServing:
                 result.kv_transfer_params = output.kv_transfer_params
             result.text += text
             if result.finish_reason is not None:
-                self.metrics.observe(result.finish_reason, arrival, result.first_token_time, time.monotonic(),
-                                     len(result.token_ids))
+                self.metrics.observe(
+                    result.finish_reason, arrival, result.first_token_time, time.monotonic(), len(result.token_ids)
+                )
             yield ChoiceDelta(0, text, output.new_token_ids, new_logprobs, result.finish_reason)
 
-    async def _choices(self, request_id: str, children: Children, params: SamplingParams,
-                       kv_transfer_params: dict[str, Any] | None, cache_salt: str | None,
-                       results: list[ChoiceResult]) -> AsyncIterator[ChoiceDelta]:
+    async def _choices(
+        self,
+        request_id: str,
+        children: Children,
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None,
+        cache_salt: str | None,
+        results: list[ChoiceResult],
+    ) -> AsyncIterator[ChoiceDelta]:
         """Run every choice concurrently, yielding their deltas as they come; aborts what is still
         running if the consumer stops early (client gone) or anything fails."""
         merged: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
@@ -265,8 +342,14 @@ class OpenAIServing:
         async def run(position: int) -> None:
             prompt, index = children[position]
             try:
-                async for delta in self._run_choice(child_ids[position], prompt, per_choice[index % params.n],
-                                                    kv_transfer_params, cache_salt, results[position]):
+                async for delta in self._run_choice(
+                    child_ids[position],
+                    prompt,
+                    per_choice[index % params.n],
+                    kv_transfer_params,
+                    cache_salt,
+                    results[position],
+                ):
                     delta.index = index
                     merged.put_nowait(delta)
                 merged.put_nowait(None)
@@ -294,59 +377,101 @@ class OpenAIServing:
                 if self.client.alive:
                     await self.client.abort(unfinished)
 
-    async def _gather(self, request_id: str, children: Children, params: SamplingParams,
-                      kv_transfer_params: dict[str, Any] | None, cache_salt: str | None) -> list[ChoiceResult]:
+    async def _gather(
+        self,
+        request_id: str,
+        children: Children,
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None,
+        cache_salt: str | None,
+    ) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in children]
-        async with aclosing(self._choices(request_id, children, params, kv_transfer_params, cache_salt,
-                                          results)) as deltas:
+        async with aclosing(
+            self._choices(request_id, children, params, kv_transfer_params, cache_salt, results)
+        ) as deltas:
             async for _ in deltas:
                 pass
         return results
 
     # ----- streaming ----------------------------------------------------------------------------
 
-    async def _stream_completion(self, request: web.Request, body: CompletionRequest, request_id: str,
-                                 children: Children, params: SamplingParams) -> web.StreamResponse:
+    async def _stream_completion(
+        self, request: web.Request, body: CompletionRequest, request_id: str, children: Children, params: SamplingParams
+    ) -> web.StreamResponse:
         response = await start_sse(request)
         results = [ChoiceResult() for _ in children]
         created = int(time.time())
         # aclosing: if the client goes away mid-stream, the choices' cleanup (abort) runs right here.
-        async with aclosing(self._choices(request_id, children, params, body.kv_transfer_params, body.cache_salt,
-                                          results)) as deltas:
+        async with aclosing(
+            self._choices(request_id, children, params, body.kv_transfer_params, body.cache_salt, results)
+        ) as deltas:
             try:
                 async for delta in deltas:
-                    logprobs = (self.logprobs.completion(list(delta.logprobs), delta.token_ids)
-                                if body.logprobs is not None else None)
-                    chunk = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[
-                        CompletionChoice(delta.index, delta.text, logprobs, delta.finish_reason)])
+                    logprobs = (
+                        self.logprobs.completion(list(delta.logprobs), delta.token_ids)
+                        if body.logprobs is not None
+                        else None
+                    )
+                    chunk = CompletionResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[CompletionChoice(delta.index, delta.text, logprobs, delta.finish_reason)],
+                    )
                     await response.write(sse_event(chunk))
             except ProtocolError as error:
                 return await end_stream_with_error(response, error)
         if body.stream_options and body.stream_options.include_usage:
-            await response.write(sse_event(CompletionResponse(id=request_id, created=created, model=self.model_name,
-                                                              choices=[], usage=usage(children, results))))
+            await response.write(
+                sse_event(
+                    CompletionResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[],
+                        usage=usage(children, results),
+                    )
+                )
+            )
         await response.write(SSE_DONE)
         return response
 
-    async def _stream_chat(self, request: web.Request, body: ChatCompletionRequest, request_id: str,
-                           children: Children, params: SamplingParams) -> web.StreamResponse:
+    async def _stream_chat(
+        self,
+        request: web.Request,
+        body: ChatCompletionRequest,
+        request_id: str,
+        children: Children,
+        params: SamplingParams,
+    ) -> web.StreamResponse:
         response = await start_sse(request)
         results = [ChoiceResult() for _ in children]
         created = int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], chunk_usage: Usage | None = None) -> bytes:
-            return sse_event(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
-                                                 choices=choices, usage=chunk_usage))
+            return sse_event(
+                ChatCompletionChunk(
+                    id=request_id, created=created, model=self.model_name, choices=choices, usage=chunk_usage
+                )
+            )
 
         for _, index in children:
             await response.write(chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))]))
-        async with aclosing(self._choices(request_id, children, params, body.kv_transfer_params, body.cache_salt,
-                                          results)) as deltas:
+        async with aclosing(
+            self._choices(request_id, children, params, body.kv_transfer_params, body.cache_salt, results)
+        ) as deltas:
             try:
                 async for delta in deltas:
                     logprobs = self.logprobs.chat(delta.logprobs) if body.logprobs else None
-                    await response.write(chunk([ChatChunkChoice(delta.index, ChatDelta(content=delta.text or None),
-                                                                logprobs, delta.finish_reason)]))
+                    await response.write(
+                        chunk(
+                            [
+                                ChatChunkChoice(
+                                    delta.index, ChatDelta(content=delta.text or None), logprobs, delta.finish_reason
+                                )
+                            ]
+                        )
+                    )
             except ProtocolError as error:
                 return await end_stream_with_error(response, error)
         if body.stream_options and body.stream_options.include_usage:

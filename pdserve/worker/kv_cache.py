@@ -62,11 +62,9 @@ def gpu_kv_budget(model: CausalLM, model_config: ModelConfig, config: RunnerConf
     scratch = allocate_kv_cache(model_config, num_blocks, config.block_size, config.dtype, config.device)
     caches = layer_views(scratch)
     positions = torch.arange(tokens, device=config.device) % config.max_model_len
-    metadata = build_attention_metadata([tokens], [tokens], [list(range(num_blocks))], config.block_size,
-                                        config.device)
+    metadata = build_attention_metadata([tokens], [tokens], [list(range(num_blocks))], config.block_size, config.device)
     with torch.inference_mode():
-        hidden = model(torch.zeros(tokens, dtype=torch.int64, device=config.device), positions, caches,
-                            metadata)
+        hidden = model(torch.zeros(tokens, dtype=torch.int64, device=config.device), positions, caches, metadata)
         model.compute_logits(hidden[-256:])
     torch.cuda.synchronize(config.device)
     peak = torch.cuda.max_memory_allocated(config.device)
@@ -80,15 +78,17 @@ def gpu_kv_budget(model: CausalLM, model_config: ModelConfig, config: RunnerConf
     return int(total * config.gpu_memory_utilization - (peak - scratch_bytes) - max(used_elsewhere, 0))
 
 
-def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor:
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """The whole KV cache, ``[blocks, layers, 2 (K, V), kv_heads, block_size, head_dim]``, zeroed.
 
     Block-major: one block of every layer is a single contiguous region (one transfer descriptor).
     Head-major inside a block: a head's slab is contiguous, which the CPU decode path gathers.
     """
-    return allocate_kv_memory((num_blocks, config.num_layers, 2, config.num_kv_heads, block_size, config.head_dim),
-                              dtype, device)
+    return allocate_kv_memory(
+        (num_blocks, config.num_layers, 2, config.num_kv_heads, block_size, config.head_dim), dtype, device
+    )
 
 
 def allocate_kv_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -106,5 +106,7 @@ def allocate_kv_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch
 
 def layer_views(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (K, V) as the kernels address them: ``[blocks, block_size, kv_heads, head_dim]``."""
-    return [(kv_cache[:, layer, 0].transpose(1, 2), kv_cache[:, layer, 1].transpose(1, 2))
-            for layer in range(kv_cache.shape[1])]
+    return [
+        (kv_cache[:, layer, 0].transpose(1, 2), kv_cache[:, layer, 1].transpose(1, 2))
+        for layer in range(kv_cache.shape[1])
+    ]

@@ -22,6 +22,7 @@ from pdserve.worker.sampler import Sampler, logprob_entries
 
 logger = logging.getLogger(__name__)
 
+
 def retain_freed_memory() -> None:
     """Keep freed memory in the process heap (glibc malloc) instead of returning it to the OS.
 
@@ -41,24 +42,28 @@ def retain_freed_memory() -> None:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, config: RunnerConfig,
-                 make_kv_connector: Callable[[torch.Tensor], KVConnectorWorker] | None = None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: RunnerConfig,
+        make_kv_connector: Callable[[torch.Tensor], KVConnectorWorker] | None = None,
+    ) -> None:
         """Load the weights, size and allocate the KV cache, then (P/D) build the KV connector's
         worker side over that cache with ``make_kv_connector``."""
         self.model_config = model_config
         self.config = config
         self.device = config.device
         self.block_size = config.block_size
-        self.model = load_model(Path(config.model), model_config, config.dtype, config.device,
-                                max_positions=config.max_model_len)
+        self.model = load_model(
+            Path(config.model), model_config, config.dtype, config.device, max_positions=config.max_model_len
+        )
         self.sampler = Sampler(model_config.vocab_size, config.device)
         if self.device.type == "cpu":
             retain_freed_memory()
             if config.dtype == torch.float32:
                 cpu_ops()  # build (or load) the fused CPU kernels now, not inside the first request
         self.num_blocks = num_blocks_for(self.model, model_config, config)
-        self.kv_cache = allocate_kv_cache(model_config, self.num_blocks, self.block_size, config.dtype,
-                                          config.device)
+        self.kv_cache = allocate_kv_cache(model_config, self.num_blocks, self.block_size, config.dtype, config.device)
         self.layer_caches = layer_views(self.kv_cache)
         self.kv_connector = make_kv_connector(self.kv_cache) if make_kv_connector is not None else None
 
@@ -84,8 +89,9 @@ class ModelRunner:
         sample_requests = []
         prompt_rows: list[tuple[int, int, int, int]] = []  # (request index, first row, first position, count)
         row = 0
-        for index, (request, num_new, start) in enumerate(zip(
-                requests, scheduler_output.num_scheduled_tokens, scheduler_output.start_positions, strict=True)):
+        for index, (request, num_new, start) in enumerate(
+            zip(requests, scheduler_output.num_scheduled_tokens, scheduler_output.start_positions, strict=True)
+        ):
             end = start + num_new
             if num_new == 1:
                 input_ids.append(request.all_token_ids[start])
@@ -103,11 +109,15 @@ class ModelRunner:
             row += num_new
 
         device = self.device
-        metadata = build_attention_metadata(scheduler_output.num_scheduled_tokens, context_lens,
-                                            scheduler_output.block_ids, self.block_size, device)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=device),
-                            torch.tensor(positions, dtype=torch.int64, device=device),
-                            self.layer_caches, metadata)
+        metadata = build_attention_metadata(
+            scheduler_output.num_scheduled_tokens, context_lens, scheduler_output.block_ids, self.block_size, device
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            self.layer_caches,
+            metadata,
+        )
 
         sampled = [NO_TOKEN] * len(requests)
         logprobs: list[TokenLogprobs | None] | None = None
@@ -121,28 +131,36 @@ class ModelRunner:
                 for index, entry in zip(sample_requests, row_logprobs, strict=True):
                     logprobs[index] = entry
         prompt_logprobs = self._prompt_logprobs(hidden, requests, prompt_rows) if prompt_rows else None
-        return ModelRunnerOutput(sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                 kv_connector_output=agent.collect() if agent is not None else None)
+        return ModelRunnerOutput(
+            sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            kv_connector_output=agent.collect() if agent is not None else None,
+        )
 
     def close(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.close()
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, requests: Sequence[ScheduledRequest],
-                         prompt_rows: list[tuple[int, int, int, int]]) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, requests: Sequence[ScheduledRequest], prompt_rows: list[tuple[int, int, int, int]]
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         result = {}
         for index, first_row, first_position, count in prompt_rows:
             request = requests[index]
-            logits = self.model.compute_logits(hidden[first_row:first_row + count]).float()
-            targets = request.prompt_token_ids[first_position + 1:first_position + 1 + count]
-            entries = logprob_entries(torch.log_softmax(logits, dim=-1), targets,
-                                      [request.sampling_params.prompt_logprobs] * count)
+            logits = self.model.compute_logits(hidden[first_row : first_row + count]).float()
+            targets = request.prompt_token_ids[first_position + 1 : first_position + 1 + count]
+            entries = logprob_entries(
+                torch.log_softmax(logits, dim=-1), targets, [request.sampling_params.prompt_logprobs] * count
+            )
             result[request.request_id] = (first_position, entries)
         return result
 
     def describe(self) -> str:
         tokens = self.num_blocks * self.block_size
-        return (f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({tokens} tokens, "
-                f"{self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB {str(self.config.dtype)[6:]}); "
-                f"max concurrency at {self.config.max_model_len} tokens per request: "
-                f"{tokens / self.config.max_model_len:.1f}x")
+        return (
+            f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({tokens} tokens, "
+            f"{self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB {str(self.config.dtype)[6:]}); "
+            f"max concurrency at {self.config.max_model_len} tokens per request: "
+            f"{tokens / self.config.max_model_len:.1f}x"
+        )

@@ -28,15 +28,17 @@ class Sampler:
         for request_id in request_ids:
             self.generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
-               ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+    def sample(
+        self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Next token of each row of ``logits [rows, vocab]`` (float32), and logprobs where asked."""
         params = [request.sampling_params for request in requests]
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-        penalised = [i for i, p in enumerate(params)
-                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
+        penalised = [
+            i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        ]
         if penalised:
             logits = logits.clone()
             for i in penalised:
@@ -53,8 +55,11 @@ class Sampler:
 
         if not want_logprobs:
             return token_ids, None
-        entries = logprob_entries(raw_logprobs[want_logprobs], [token_ids[i] for i in want_logprobs],
-                                  [params[i].logprobs for i in want_logprobs])
+        entries = logprob_entries(
+            raw_logprobs[want_logprobs],
+            [token_ids[i] for i in want_logprobs],
+            [params[i].logprobs for i in want_logprobs],
+        )
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         for i, entry in zip(want_logprobs, entries, strict=True):
             logprobs[i] = entry
@@ -106,8 +111,10 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingOptions]) -> to
     min_p = [p.min_p for p in params]
     if any(min_p):
         probs = torch.softmax(logits, dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=logits.dtype,
-                                                                           device=logits.device)[:, None]
+        threshold = (
+            probs.max(dim=-1, keepdim=True).values
+            * torch.tensor(min_p, dtype=logits.dtype, device=logits.device)[:, None]
+        )
         logits = logits.masked_fill(probs < threshold, neg_inf)
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
@@ -139,8 +146,13 @@ def logprob_entries(logprobs: torch.Tensor, token_ids: list[int], num_top: list[
     chosen_list = chosen.tolist()
     entries = []
     for row, (token_id, n) in enumerate(zip(token_ids, num_top, strict=True)):
-        entries.append(TokenLogprobs(
-            token_id, chosen_list[row], ranks[row],
-            top_ids[row, :n].tolist() if n else [], top_values[row, :n].tolist() if n else [],
-        ))
+        entries.append(
+            TokenLogprobs(
+                token_id,
+                chosen_list[row],
+                ranks[row],
+                top_ids[row, :n].tolist() if n else [],
+                top_values[row, :n].tolist() if n else [],
+            )
+        )
     return entries

@@ -44,10 +44,15 @@ async def _exchange() -> dict[str, tuple[int, dict, dict]]:
     try:
         async with aiohttp.ClientSession() as session:
             for name, method, path, headers in (
-                    ("405", "GET", "/v1/completions", auth), ("401", "POST", "/v1/completions", {}),
-                    ("401-wrong", "POST", "/v1/completions", {"Authorization": "Bearer kk"}),
-                    ("200", "POST", "/v1/completions", auth), ("open", "GET", "/health", {}),
-                    ("404", "GET", "/nowhere", {}), ("500", "GET", "/v1/boom", auth), ("418", "GET", "/v1/mine", auth)):
+                ("405", "GET", "/v1/completions", auth),
+                ("401", "POST", "/v1/completions", {}),
+                ("401-wrong", "POST", "/v1/completions", {"Authorization": "Bearer kk"}),
+                ("200", "POST", "/v1/completions", auth),
+                ("open", "GET", "/health", {}),
+                ("404", "GET", "/nowhere", {}),
+                ("500", "GET", "/v1/boom", auth),
+                ("418", "GET", "/v1/mine", auth),
+            ):
                 async with session.request(method, url + path, headers=headers) as answer:
                     answers[name] = (answer.status, dict(answer.headers), await answer.json())
     finally:

@@ -32,19 +32,32 @@ def test_completion_prompt_forms(prompt):
 
 
 def test_nulls_mean_defaults_and_kv_transfer_params_pass_through():
-    body = {"prompt": "x", "temperature": None, "max_tokens": None, "stop": None, "stream_options": None,
-            "kv_transfer_params": {"do_remote_decode": True, "custom": [1, {"a": 2}]}}
+    body = {
+        "prompt": "x",
+        "temperature": None,
+        "max_tokens": None,
+        "stop": None,
+        "stream_options": None,
+        "kv_transfer_params": {"do_remote_decode": True, "custom": [1, {"a": 2}]},
+    }
     request = decode_request(json.dumps(body).encode(), CompletionRequest)
     assert request.temperature is None and request.max_tokens is None
     assert request.kv_transfer_params == body["kv_transfer_params"]
 
 
 def test_chat_messages_with_text_parts():
-    body = {"messages": [{"role": "system", "content": "Be brief."},
-                         {"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]},
-                         {"role": "assistant", "content": None}],
-            "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]},
+            {"role": "assistant", "content": None},
+        ],
+        "max_completion_tokens": 5,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     request = decode_request(json.dumps(body).encode(), ChatCompletionRequest)
     assert [m.text() for m in request.messages] == ["Be brief.", "Hello", ""]
     assert request.stream_options.include_usage is True
@@ -64,8 +77,11 @@ def test_chat_messages_with_text_parts():
         (b'{"prompt": "x", "stop": 5}', CompletionRequest, "stop"),
         (b'{"messages": "hi"}', ChatCompletionRequest, "messages"),
         (b'{"messages": [{"content": "hi"}]}', ChatCompletionRequest, "messages[0]"),
-        (b'{"messages": [{"role": "user", "content": [{"type": "image", "text": "x"}]}]}',
-         ChatCompletionRequest, "messages[0].content[0].type"),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "image", "text": "x"}]}]}',
+            ChatCompletionRequest,
+            "messages[0].content[0].type",
+        ),
         (b'{"messages": [], "logprobs": 3}', ChatCompletionRequest, "logprobs"),
     ],
 )
@@ -81,13 +97,16 @@ def test_bad_requests_name_the_field(body, request_type, param):
 
 def test_response_shapes():
     response = CompletionResponse(
-        id="cmpl-1", created=1, model="m", choices=[CompletionChoice(0, "hi", finish_reason="length")],
-        usage=Usage(2, 1, 3, PromptTokensDetails(cached_tokens=2)))
+        id="cmpl-1",
+        created=1,
+        model="m",
+        choices=[CompletionChoice(0, "hi", finish_reason="length")],
+        usage=Usage(2, 1, 3, PromptTokensDetails(cached_tokens=2)),
+    )
     payload = json.loads(msgspec.json.encode(response))
     assert payload["object"] == "text_completion"
     assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
-    chunk = ChatCompletionChunk(id="c", created=1, model="m",
-                                choices=[ChatChunkChoice(0, ChatDelta(content="x"))])
+    chunk = ChatCompletionChunk(id="c", created=1, model="m", choices=[ChatChunkChoice(0, ChatDelta(content="x"))])
     event = sse_event(chunk)
     assert event.startswith(b"data: {") and event.endswith(b"\n\n")
     assert json.loads(event[6:])["choices"][0]["delta"] == {"content": "x"}  # no null role in a delta

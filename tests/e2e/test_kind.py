@@ -61,10 +61,12 @@ class Cluster:
     def diagnostics(self) -> str:
         """What the cluster looked like, for a failure message."""
         parts = []
-        for args in (("get", "pdservices,pdpools,deployments,pods,services,jobs,pvc", "-A", "-o", "wide"),
-                     ("get", "events", "-A", "--sort-by=.lastTimestamp"),
-                     ("logs", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/component=operator", "--tail=200"),
-                     ("logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/instance=demo", "--tail=50", "--prefix")):
+        for args in (
+            ("get", "pdservices,pdpools,deployments,pods,services,jobs,pvc", "-A", "-o", "wide"),
+            ("get", "events", "-A", "--sort-by=.lastTimestamp"),
+            ("logs", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/component=operator", "--tail=200"),
+            ("logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/instance=demo", "--tail=50", "--prefix"),
+        ):
             result = subprocess.run(("kubectl", *args), capture_output=True, text=True, timeout=60, env=self.env)
             parts.append(f"$ kubectl {' '.join(args)}\n{result.stdout}{result.stderr}")
         return "\n".join(parts)[-20000:]
@@ -90,16 +92,29 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     image = os.environ.get("PDSERVE_E2E_IMAGE", "")
     if not image:
         image = "pdserve:e2e-cpu"
-        subprocess.run(("docker", "build", "-t", image, "--build-arg", "BASE_IMAGE=python:3.11-slim",
-                        "--build-arg", "TORCH_INDEX=https://download.pytorch.org/whl/cpu", str(REPO)),
-                       check=True, timeout=2400)
+        subprocess.run(
+            (
+                "docker",
+                "build",
+                "-t",
+                image,
+                "--build-arg",
+                "BASE_IMAGE=python:3.11-slim",
+                "--build-arg",
+                "TORCH_INDEX=https://download.pytorch.org/whl/cpu",
+                str(REPO),
+            ),
+            check=True,
+            timeout=2400,
+        )
     existing = subprocess.run(("kind", "get", "clusters"), capture_output=True, text=True, check=True).stdout.split()
     created = name not in existing
     if created:
         subprocess.run(("kind", "create", "cluster", "--name", name, "--wait", "180s"), check=True, timeout=600)
     kubeconfig = tmp_path_factory.mktemp("kind") / "kubeconfig"
-    kubeconfig.write_text(subprocess.run(("kind", "get", "kubeconfig", "--name", name), capture_output=True,
-                                         text=True, check=True).stdout)
+    kubeconfig.write_text(
+        subprocess.run(("kind", "get", "kubeconfig", "--name", name), capture_output=True, text=True, check=True).stdout
+    )
     if subprocess.run(("docker", "image", "inspect", TEST_IMAGE), capture_output=True).returncode != 0:
         subprocess.run(("docker", "pull", TEST_IMAGE), check=True, timeout=600)
     for loaded in (image, TEST_IMAGE):
@@ -107,13 +122,29 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     repository, tag = image.rsplit(":", 1)
     cluster = Cluster(name, kubeconfig, image)
     try:
-        cluster.run("helm", "install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
-                    "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-                    "--set", "image.pullPolicy=Never", "--wait", "--timeout", "5m")
+        cluster.run(
+            "helm",
+            "install",
+            RELEASE,
+            str(CHART),
+            "--namespace",
+            OPERATOR_NAMESPACE,
+            "--create-namespace",
+            "--set",
+            f"image.repository={repository}",
+            "--set",
+            f"image.tag={tag}",
+            "--set",
+            "image.pullPolicy=Never",
+            "--wait",
+            "--timeout",
+            "5m",
+        )
         yield cluster
     finally:
-        cluster.run("kubectl", "delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait", "--timeout=3m",
-                    check=False)
+        cluster.run(
+            "kubectl", "delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait", "--timeout=3m", check=False
+        )
         cluster.run("helm", "uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait", check=False)
         if created and os.environ.get("PDSERVE_E2E_KEEP") != "1":
             subprocess.run(("kind", "delete", "cluster", "--name", name), check=False, timeout=300)
@@ -188,8 +219,9 @@ def _lifecycle(cluster: Cluster) -> None:
 
     # Scale the decode pool alone; its Deployment follows, the prefill pool stays.
     cluster.kubectl("scale", *ns, f"pdpool/{name}-decode", "--replicas=2")
-    cluster.kubectl("wait", *ns, "--for=jsonpath={.status.readyReplicas}=2", f"pdpool/{name}-decode",
-                    "--timeout=5m", timeout=330)
+    cluster.kubectl(
+        "wait", *ns, "--for=jsonpath={.status.readyReplicas}=2", f"pdpool/{name}-decode", "--timeout=5m", timeout=330
+    )
     selector = f"app.kubernetes.io/instance={name},pdserve.io/role=decode"
     (deployment,) = cluster.get_json("deployments", *ns, "-l", selector)["items"]
     assert deployment["spec"]["replicas"] == 2 and deployment["status"].get("readyReplicas") == 2
@@ -199,19 +231,31 @@ def _lifecycle(cluster: Cluster) -> None:
     router = cluster.get_json(f"service/{name}-router", *ns)
     (remote,) = [port["port"] for port in router["spec"]["ports"] if port["name"] == "http"]
     local = free_port()
-    forward = subprocess.Popen(("kubectl", "port-forward", *ns, f"service/{name}-router", f"{local}:{remote}"),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cluster.env)
+    forward = subprocess.Popen(
+        ("kubectl", "port-forward", *ns, f"service/{name}-router", f"{local}:{remote}"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cluster.env,
+    )
     try:
         base = f"http://127.0.0.1:{local}"
         models = _wait(lambda: _http(f"{base}/v1/models")["data"], 60, "the router's /v1/models")
         model = models[0]["id"]
         for index in range(4):  # a few, so both decode pods are likely to serve one
-            completion = _wait(lambda i=index: _http(f"{base}/v1/completions", {
-                "model": model, "prompt": f"Hello number {i}", "max_tokens": 8, "temperature": 0}),
-                120, "a completion through the router")
+            completion = _wait(
+                lambda i=index: _http(
+                    f"{base}/v1/completions",
+                    {"model": model, "prompt": f"Hello number {i}", "max_tokens": 8, "temperature": 0},
+                ),
+                120,
+                "a completion through the router",
+            )
             assert completion["choices"][0]["text"] and completion["usage"]["completion_tokens"] >= 1
-        chat = _http(f"{base}/v1/chat/completions", {
-            "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
+        chat = _http(
+            f"{base}/v1/chat/completions",
+            {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+        )
         assert chat["choices"][0]["message"]["role"] == "assistant"
     finally:
         forward.terminate()

@@ -76,8 +76,7 @@ def check_invariants(scheduler: Scheduler) -> None:
     for request in scheduler.running:
         assert request.status == RequestStatus.RUNNING
     for request in scheduler.waiting:
-        assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED,
-                                  RequestStatus.WAITING_FOR_REMOTE_KVS)
+        assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_REMOTE_KVS)
     for request in scheduler.requests.values():
         assert 0 <= request.num_computed_tokens <= request.num_tokens, request
         owned_tokens = kv.num_owned_blocks(request.request_id) * block_size
@@ -91,8 +90,9 @@ def check_invariants(scheduler: Scheduler) -> None:
             loaded = request.kv_transfer_params is not None and "do_remote_prefill" in request.kv_transfer_params
             assert owned_tokens == 0 or (loaded and owned_tokens >= request.num_computed_tokens), request
         elif request.is_finished:
-            assert request.request_id in scheduler.held_for_remote or \
-                request.request_id in scheduler.aborted_while_loading, request
+            assert (
+                request.request_id in scheduler.held_for_remote or request.request_id in scheduler.aborted_while_loading
+            ), request
 
 
 def assert_nothing_leaks(scheduler: Scheduler) -> None:
@@ -169,10 +169,17 @@ class FakeRemoteConnector(KVConnectorScheduler):
         if num_external_tokens:
             start = request.num_tokens - num_external_tokens
             self.num_loads += 1
-            self._pending.append(_Transfer(
-                "load", request.request_id, params.get("delay", 0), list(block_ids), start,
-                list(request.prompt_token_ids[start:]), bool(params.get("fail")),
-            ))
+            self._pending.append(
+                _Transfer(
+                    "load",
+                    request.request_id,
+                    params.get("delay", 0),
+                    list(block_ids),
+                    start,
+                    list(request.prompt_token_ids[start:]),
+                    bool(params.get("fail")),
+                )
+            )
 
     def build_connector_meta(self) -> Any:
         pending, self._pending = self._pending, []
@@ -188,12 +195,23 @@ class FakeRemoteConnector(KVConnectorScheduler):
         return False, None
 
 
-def make_request(request_id: str, prompt: list[int], kv_transfer_params: dict | None = None,
-                 cache_salt: str | None = None, **sampling: Any) -> Request:
+def make_request(
+    request_id: str,
+    prompt: list[int],
+    kv_transfer_params: dict | None = None,
+    cache_salt: str | None = None,
+    **sampling: Any,
+) -> Request:
     from pdserve.engine.sampling_params import SamplingParams
 
-    return Request(request_id, prompt, SamplingParams(**sampling), EOS, kv_transfer_params=kv_transfer_params,
-                   cache_salt=cache_salt)
+    return Request(
+        request_id,
+        prompt,
+        SamplingParams(**sampling),
+        EOS,
+        kv_transfer_params=kv_transfer_params,
+        cache_salt=cache_salt,
+    )
 
 
 def prompt_of(length: int, seed: int) -> list[int]:

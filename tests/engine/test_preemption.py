@@ -13,10 +13,17 @@ from tests.engine.helpers import (
 
 
 def _run(num_blocks: int, enable_prefix_caching: bool):
-    engine = make_engine(num_blocks=num_blocks, block_size=4, max_model_len=48, max_num_seqs=8,
-                         max_num_batched_tokens=32, enable_prefix_caching=enable_prefix_caching)
-    requests = [make_request(f"r{i}", prompt_of(6 + 3 * i, seed=i), max_tokens=20, ignore_eos=i % 2 == 0)
-                for i in range(8)]
+    engine = make_engine(
+        num_blocks=num_blocks,
+        block_size=4,
+        max_model_len=48,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    requests = [
+        make_request(f"r{i}", prompt_of(6 + 3 * i, seed=i), max_tokens=20, ignore_eos=i % 2 == 0) for i in range(8)
+    ]
     for request in requests:
         engine.add_request(request)
     reasons = run_to_completion(engine)

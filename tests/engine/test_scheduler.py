@@ -106,8 +106,7 @@ def test_stop_token_ids_stop_with_stop_reason():
 
 
 def test_abort_in_every_local_state():
-    engine = make_engine(num_blocks=6, block_size=4, max_model_len=24, max_num_seqs=2,
-                         max_num_batched_tokens=64)
+    engine = make_engine(num_blocks=6, block_size=4, max_model_len=24, max_num_seqs=2, max_num_batched_tokens=64)
     running = make_request("running", prompt_of(8, seed=1), max_tokens=15, ignore_eos=True)
     doomed = make_request("doomed", prompt_of(8, seed=2), max_tokens=15, ignore_eos=True)
     waiting = make_request("waiting", prompt_of(4, seed=3), max_tokens=3)
@@ -130,8 +129,9 @@ def test_abort_in_every_local_state():
 def test_remote_load_parks_the_request_until_the_blocks_land():
     connector = FakeRemoteConnector()
     engine = make_engine(connector, num_blocks=16, block_size=4, max_model_len=64)
-    request = make_request("r", prompt_of(10, seed=1), {"do_remote_prefill": True, "delay": 2},
-                           max_tokens=3, ignore_eos=True)
+    request = make_request(
+        "r", prompt_of(10, seed=1), {"do_remote_prefill": True, "delay": 2}, max_tokens=3, ignore_eos=True
+    )
     engine.add_request(request)
     for _ in range(3):
         assert _step(engine)[0] == []
@@ -164,8 +164,7 @@ def test_only_blocks_missing_from_the_local_cache_are_loaded():
 def test_abort_during_a_remote_load_keeps_the_blocks_until_the_load_drains():
     connector = FakeRemoteConnector()
     engine = make_engine(connector, num_blocks=8, block_size=4, max_model_len=32)
-    loading = make_request("loading", prompt_of(12, seed=1), {"do_remote_prefill": True, "delay": 3},
-                           max_tokens=2)
+    loading = make_request("loading", prompt_of(12, seed=1), {"do_remote_prefill": True, "delay": 3}, max_tokens=2)
     engine.add_request(loading)
     _step(engine)
     engine.abort_requests(["loading"])
@@ -204,8 +203,7 @@ def test_finished_prefill_holds_its_blocks_until_the_send_finishes():
 def test_aborting_a_finished_held_request_frees_its_blocks_at_once():
     # The API aborts it only when its caller left before seeing the transfer params: nobody can pull.
     engine = make_engine(FakeRemoteConnector(), num_blocks=8, block_size=4, max_model_len=32)
-    engine.add_request(make_request("p", prompt_of(9, seed=1), {"do_remote_decode": True, "delay": 50},
-                                    max_tokens=1))
+    engine.add_request(make_request("p", prompt_of(9, seed=1), {"do_remote_decode": True, "delay": 50}, max_tokens=1))
     _step(engine)
     assert engine.scheduler.make_stats().num_blocks_held_for_remote == 3
     generations = engine.scheduler.kv_cache_manager.block_pool.generations.copy()
@@ -217,8 +215,9 @@ def test_aborting_a_finished_held_request_frees_its_blocks_at_once():
 
 def test_a_failed_remote_load_is_recomputed_from_scratch():
     engine = make_engine(FakeRemoteConnector(), num_blocks=16, block_size=4, max_model_len=64)
-    request = make_request("r", prompt_of(10, seed=3), {"do_remote_prefill": True, "delay": 1, "fail": True},
-                           max_tokens=3, ignore_eos=True)
+    request = make_request(
+        "r", prompt_of(10, seed=3), {"do_remote_prefill": True, "delay": 1, "fail": True}, max_tokens=3, ignore_eos=True
+    )
     engine.add_request(request)
     run_to_completion(engine)
     # The failed load wrote wrong KV; none of it is used (the blocks were never cached).
@@ -228,10 +227,12 @@ def test_a_failed_remote_load_is_recomputed_from_scratch():
 
 
 def test_a_failed_remote_load_under_the_fail_policy_ends_with_an_error():
-    engine = make_engine(FakeRemoteConnector(recompute_failed_loads=False), num_blocks=16, block_size=4,
-                         max_model_len=64)
-    request = make_request("r", prompt_of(10, seed=3), {"do_remote_prefill": True, "delay": 1, "fail": True},
-                           max_tokens=3, ignore_eos=True)
+    engine = make_engine(
+        FakeRemoteConnector(recompute_failed_loads=False), num_blocks=16, block_size=4, max_model_len=64
+    )
+    request = make_request(
+        "r", prompt_of(10, seed=3), {"do_remote_prefill": True, "delay": 1, "fail": True}, max_tokens=3, ignore_eos=True
+    )
     engine.add_request(request)
     assert run_to_completion(engine) == {"r": "error"}
     assert request.output_token_ids == []
@@ -257,8 +258,10 @@ def test_requests_that_can_never_run_are_rejected():
         ({"num_blocks": 4, "block_size": 4, "max_model_len": 17}, "less than max_model_len"),
         ({"num_blocks": 0}, "num_blocks"),
         ({"num_blocks": 4, "max_num_seqs": 0}, "max_num_seqs"),
-        ({"num_blocks": 4, "block_size": 4, "max_model_len": 16, "max_num_batched_tokens": 0},
-         "max_num_batched_tokens"),
+        (
+            {"num_blocks": 4, "block_size": 4, "max_model_len": 16, "max_num_batched_tokens": 0},
+            "max_num_batched_tokens",
+        ),
     ],
 )
 def test_bad_scheduler_configs_are_rejected(config, message):

@@ -64,7 +64,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         suffix = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=max_prompt - len(prefix)))
         prompt = prefix + suffix
         params = SamplingParams(
-            max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), ignore_eos=ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=min(min_tokens, max_tokens),
+            ignore_eos=ignore_eos,
             stop_token_ids=stop_token_ids,
         )
         request_id = f"r{self.next_id}"
@@ -144,22 +146,27 @@ def workloads(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     num_blocks = draw(st.integers(4, 64))
     max_model_len = num_blocks * block_size
-    prefixes = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=block_size, max_size=3 * block_size),
-                             min_size=1, max_size=4))
+    prefixes = draw(
+        st.lists(
+            st.lists(st.integers(0, VOCAB - 1), min_size=block_size, max_size=3 * block_size), min_size=1, max_size=4
+        )
+    )
     requests = []
     for _ in range(draw(st.integers(1, 30))):
         prefix = draw(st.sampled_from(prefixes))[: max_model_len - 1]
         suffix = draw(st.lists(st.integers(0, VOCAB - 1), max_size=min(40, max_model_len - 1 - len(prefix))))
-        requests.append({
-            "prompt": prefix + suffix,
-            "max_tokens": draw(st.integers(1, 16)),
-            "ignore_eos": draw(st.booleans()),
-            "arrival": draw(st.integers(0, 30)),
-            "abort": draw(st.one_of(st.none(), st.integers(0, 40))),
-            "remote": draw(st.sampled_from([None, None, "do_remote_prefill", "do_remote_decode"])),
-            "delay": draw(st.integers(0, 4)),
-            "fail": draw(st.booleans()),
-        })
+        requests.append(
+            {
+                "prompt": prefix + suffix,
+                "max_tokens": draw(st.integers(1, 16)),
+                "ignore_eos": draw(st.booleans()),
+                "arrival": draw(st.integers(0, 30)),
+                "abort": draw(st.one_of(st.none(), st.integers(0, 40))),
+                "remote": draw(st.sampled_from([None, None, "do_remote_prefill", "do_remote_decode"])),
+                "delay": draw(st.integers(0, 4)),
+                "fail": draw(st.booleans()),
+            }
+        )
     config = {
         "num_blocks": num_blocks,
         "block_size": block_size,
@@ -185,8 +192,9 @@ def test_random_workload_keeps_invariants_and_outputs(workload):
             request_id = f"r{index}"
             if spec["arrival"] == step:
                 params = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
-                kv_params = ({spec["remote"]: True, "delay": spec["delay"], "fail": spec["fail"]}
-                             if spec["remote"] else None)
+                kv_params = (
+                    {spec["remote"]: True, "delay": spec["delay"], "fail": spec["fail"]} if spec["remote"] else None
+                )
                 requests[request_id] = Request(request_id, spec["prompt"], params, EOS, kv_transfer_params=kv_params)
                 engine.add_request(requests[request_id])
             if spec["abort"] == step and request_id in requests:

@@ -27,10 +27,16 @@ from schemathesis.checks import (
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 # What each server gets: (path, method, document, mode, examples). "plain" is the served document; "within_limits"
 # and "streaming" are the ones load_schema_within_limits narrows. GET operations take no input: no negative cases.
-RUNS = [(path, "POST", document, mode, examples)
-        for path in ("/v1/completions", "/v1/chat/completions")
-        for document, mode, examples in (("plain", POSITIVE, 60), ("plain", NEGATIVE, 50),
-                                         ("within_limits", POSITIVE, 40), ("streaming", POSITIVE, 25))]
+RUNS = [
+    (path, "POST", document, mode, examples)
+    for path in ("/v1/completions", "/v1/chat/completions")
+    for document, mode, examples in (
+        ("plain", POSITIVE, 60),
+        ("plain", NEGATIVE, 50),
+        ("within_limits", POSITIVE, 40),
+        ("streaming", POSITIVE, 25),
+    )
+]
 RUNS += [("/v1/models", "GET", "plain", POSITIVE, 3), ("/health", "GET", "plain", POSITIVE, 3)]
 # Schemathesis reads 20 events of a stream by default; a whole stream is needed to check how it ends. The largest
 # the engines accept (16 choices of up to 63 tokens, plus role and usage events) stays well below this.
@@ -55,8 +61,9 @@ def _number(low: float, high: float) -> dict[str, Any]:
     return {"type": "number", "minimum": low, "maximum": high}
 
 
-def load_schema_within_limits(url: str, model: str, vocab_size: int,
-                              streaming: bool = False) -> schemathesis.BaseSchema:
+def load_schema_within_limits(
+    url: str, model: str, vocab_size: int, streaming: bool = False
+) -> schemathesis.BaseSchema:
     """The server's document with request fields narrowed to what a 64-token demo engine accepts (the document
     itself states no ranges: SamplingParams checks them). Schema-valid requests are then mostly served, so
     streams, logprobs, echo, several choices and stop conditions are exercised, not only 400s. Response schemas
@@ -69,18 +76,26 @@ def load_schema_within_limits(url: str, model: str, vocab_size: int,
     # within a 64-token context even after a chat template.
     text = {"type": "string", "minLength": 1, "maxLength": 8}
     shared = {
-        "model": _nullable({"const": model}), "n": _nullable(_integer(1, 3)), "temperature": _nullable(_number(0, 2)),
+        "model": _nullable({"const": model}),
+        "n": _nullable(_integer(1, 3)),
+        "temperature": _nullable(_number(0, 2)),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0.01, "maximum": 1}),
-        "top_k": _nullable(_integer(-1, 50)), "min_p": _nullable(_number(0, 1)),
-        "presence_penalty": _nullable(_number(-2, 2)), "frequency_penalty": _nullable(_number(-2, 2)),
-        "repetition_penalty": _nullable(_number(0.5, 2)), "seed": _nullable(_integer(0, 1 << 32)),
+        "top_k": _nullable(_integer(-1, 50)),
+        "min_p": _nullable(_number(0, 1)),
+        "presence_penalty": _nullable(_number(-2, 2)),
+        "frequency_penalty": _nullable(_number(-2, 2)),
+        "repetition_penalty": _nullable(_number(0.5, 2)),
+        "seed": _nullable(_integer(0, 1 << 32)),
         "stop": _nullable({"anyOf": [text, {"type": "array", "maxItems": 2, "items": text}]}),
         "stop_token_ids": _nullable({"type": "array", "maxItems": 3, "items": token}),
-        "min_tokens": _nullable(_integer(0, 2)), "max_tokens": _nullable(_integer(1, 8)),
-        "max_completion_tokens": _nullable(_integer(1, 8)), "top_logprobs": _nullable(_integer(0, 5)),
+        "min_tokens": _nullable(_integer(0, 2)),
+        "max_tokens": _nullable(_integer(1, 8)),
+        "max_completion_tokens": _nullable(_integer(1, 8)),
+        "top_logprobs": _nullable(_integer(0, 5)),
         "cache_salt": _nullable(text),
         # P/D parameters and template arguments are fuzzed in the plain runs; here they would only be refused.
-        "kv_transfer_params": {"type": "null"}, "chat_template_kwargs": {"type": "null"},
+        "kv_transfer_params": {"type": "null"},
+        "chat_template_kwargs": {"type": "null"},
     }
     if streaming:
         shared["stream"] = {"const": True}
@@ -92,14 +107,21 @@ def load_schema_within_limits(url: str, model: str, vocab_size: int,
     completion = schemas["CompletionRequest"]["properties"]
     completion["logprobs"] = _nullable(_integer(0, 5))
     token_list = {"type": "array", "minItems": 1, "maxItems": 24, "items": token}
-    completion["prompt"] = {"anyOf": [text, {"type": "array", "minItems": 1, "maxItems": 3, "items": text}, token_list,
-                                      {"type": "array", "minItems": 1, "maxItems": 3, "items": token_list}]}
+    completion["prompt"] = {
+        "anyOf": [
+            text,
+            {"type": "array", "minItems": 1, "maxItems": 3, "items": text},
+            token_list,
+            {"type": "array", "minItems": 1, "maxItems": 3, "items": token_list},
+        ]
+    }
     schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] = 1
     schemas["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] = 2
     message = schemas["ChatMessage"]["properties"]
     message["role"] = {"enum": ["system", "user", "assistant"]}
-    message["content"] = _nullable({"anyOf": [text, {"type": "array", "maxItems": 2,
-                                                      "items": {"$ref": "#/components/schemas/TextContentPart"}}]})
+    message["content"] = _nullable(
+        {"anyOf": [text, {"type": "array", "maxItems": 2, "items": {"$ref": "#/components/schemas/TextContentPart"}}]}
+    )
     schemas["TextContentPart"]["properties"]["text"] = text
     schema = schemathesis.openapi.from_dict(document)
     schema.config.update(base_url=url)
@@ -171,8 +193,10 @@ class SseEventsConform:
             root = {"$ref": f"#/components/schemas/{name}", "components": document["components"]}
             return jsonschema.Draft202012Validator(root)
 
-        self.chunks = {"/v1/completions": validator("CompletionResponse"),
-                       "/v1/chat/completions": validator("ChatCompletionChunk")}
+        self.chunks = {
+            "/v1/completions": validator("CompletionResponse"),
+            "/v1/chat/completions": validator("ChatCompletionChunk"),
+        }
         self.error = validator("ErrorResponse")
 
     def __call__(self, ctx, response, case) -> None:
@@ -184,7 +208,7 @@ class SseEventsConform:
         assert events and events[-1] == "data: [DONE]", f"stream does not end with [DONE]: {events[-3:]!r}"
         for event in events[:-1]:
             assert event.startswith("data: "), f"not a data event: {event[:200]!r}"
-            payload = json.loads(event[len("data: "):])
+            payload = json.loads(event[len("data: ") :])
             if "error" in payload:
                 _check_error_object(payload, None)
                 self.error.validate(payload)
@@ -213,14 +237,27 @@ def _send_integers_as_integers(case):
     return case
 
 
-def fuzz(schema: schemathesis.BaseSchema, path: str, method: str, mode: GenerationMode, max_examples: int,
-         whole_floats_as_ints: bool = False) -> Counter:
+def fuzz(
+    schema: schemathesis.BaseSchema,
+    path: str,
+    method: str,
+    mode: GenerationMode,
+    max_examples: int,
+    whole_floats_as_ints: bool = False,
+) -> Counter:
     """Send ``max_examples`` generated requests to one operation, each checked; returns the status counts (plus
     "streams": event-stream answers, "overloaded": 503 + Retry-After answers). Deterministic unless the
     environment's PDSERVE_FUZZ_SEED picks another run."""
     operation = schema[path][method.upper()]
-    checks = [no_server_error, status_code_conformance, content_type_conformance, json_response_schema_conformance,
-              negative_data_rejection, openai_error_shape, SseEventsConform(schema.raw_schema)]
+    checks = [
+        no_server_error,
+        status_code_conformance,
+        content_type_conformance,
+        json_response_schema_conformance,
+        negative_data_rejection,
+        openai_error_shape,
+        SseEventsConform(schema.raw_schema),
+    ]
     statuses: Counter = Counter()
     chosen_seed = os.environ.get("PDSERVE_FUZZ_SEED")
     strategy = operation.as_strategy(generation_mode=mode)
@@ -229,9 +266,14 @@ def fuzz(schema: schemathesis.BaseSchema, path: str, method: str, mode: Generati
 
     # No shrinking: a failure is reported with its curl command, and shrinking against a live server (maybe one
     # the failure just broke) could take minutes. The example database would make runs depend on history.
-    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=chosen_seed is None,
-              phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        derandomize=chosen_seed is None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    )
     @given(case=strategy)
     def run(case) -> None:
         response = case.call_and_validate(checks=checks, timeout=60)

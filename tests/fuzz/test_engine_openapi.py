@@ -22,8 +22,7 @@ MAX_MODEL_LEN = 64
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     model = str(ensure_demo_model(tmp_path_factory.mktemp("cache")))
-    thread = ServerThread(EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 << 20,
-                                     device="cpu"))
+    thread = ServerThread(EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 << 20, device="cpu"))
     yield thread
     thread.close()
 
@@ -32,12 +31,16 @@ def engine(tmp_path_factory):
 def schemas(engine):
     url = engine.running.url
     vocab_size = len(engine.running.server.tokenizer)
-    return {"plain": load_schema(url), "within_limits": load_schema_within_limits(url, "demo", vocab_size),
-            "streaming": load_schema_within_limits(url, "demo", vocab_size, streaming=True)}
+    return {
+        "plain": load_schema(url),
+        "within_limits": load_schema_within_limits(url, "demo", vocab_size),
+        "streaming": load_schema_within_limits(url, "demo", vocab_size, streaming=True),
+    }
 
 
-@pytest.mark.parametrize(("path", "method", "document", "mode", "examples"), RUNS,
-                         ids=[f"{m} {p} {d} {g.value}" for p, m, d, g, _ in RUNS])
+@pytest.mark.parametrize(
+    ("path", "method", "document", "mode", "examples"), RUNS, ids=[f"{m} {p} {d} {g.value}" for p, m, d, g, _ in RUNS]
+)
 def test_operation(schemas, path, method, document, mode, examples):
     statuses = fuzz(schemas[document], path, method, mode, examples, whole_floats_as_ints=document != "plain")
     print(f"{method} {path} {document} {mode.value}: {dict(statuses)}")  # shown with -s: what the run exercised
@@ -55,5 +58,8 @@ def test_engine_healthy_and_idle_after_fuzzing(engine):
     assert get_json(f"{url}/health")[0] == 200
     # Every request ended (finished, rejected or aborted), so nothing may run, wait or own KV blocks.
     idle = {"pdserve_num_requests_running": 0, "pdserve_num_requests_waiting": 0, "pdserve_kv_cache_usage_ratio": 0}
-    wait_for(lambda: all(metrics(url).get(name) == value for name, value in idle.items()), 10,
-             f"the engine is not idle: {metrics(url)}")
+    wait_for(
+        lambda: all(metrics(url).get(name) == value for name, value in idle.items()),
+        10,
+        f"the engine is not idle: {metrics(url)}",
+    )

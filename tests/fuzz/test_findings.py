@@ -28,8 +28,10 @@ def _completion(engine, **fields) -> tuple[int, dict]:
 
 
 def _chat(engine, **fields) -> tuple[int, dict]:
-    return post(f"{engine.running.url}/v1/chat/completions", {
-        "model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields})
+    return post(
+        f"{engine.running.url}/v1/chat/completions",
+        {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields},
+    )
 
 
 # They used to reach core_client.add_request, whose msgpack encoding raised OverflowError: 500.
@@ -86,8 +88,7 @@ def test_tiny_repetition_penalty_samples_seen_tokens(engine):
     # A penalty below 1 boosts the tokens already seen (at 1e-30, short of the overflow, only the prompt's tokens
     # come out); the smaller the penalty, the stronger the boost.
     prompt = [100, 200, 300, 400]
-    status, answer = _completion(engine, prompt=prompt, repetition_penalty=1e-300, temperature=1.0, seed=3,
-                                 logprobs=0)
+    status, answer = _completion(engine, prompt=prompt, repetition_penalty=1e-300, temperature=1.0, seed=3, logprobs=0)
     assert status == 200, answer
     tokenizer = engine.running.server.tokenizer
     assert set(answer["choices"][0]["logprobs"]["tokens"]) <= {tokenizer.decode([token]) for token in prompt}, answer

@@ -25,8 +25,15 @@ LEASE_SECONDS = 5
 FLAGS = ("--max-model-len", "64", "--kv-lease-seconds", str(LEASE_SECONDS))
 # Router error kinds that mean a leg failed. The router hides them from the client (a prefill 5xx falls back to
 # decode-only), so the per-answer checks cannot see them.
-LEG_FAILURES = ("prefill_unreachable", "prefill_5xx", "prefill_bad_answer", "no_prefill", "decode_unreachable",
-                "no_decode", "decode_broken")
+LEG_FAILURES = (
+    "prefill_unreachable",
+    "prefill_5xx",
+    "prefill_bad_answer",
+    "no_prefill",
+    "decode_unreachable",
+    "no_decode",
+    "decode_broken",
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +47,16 @@ def cluster(tmp_path_factory):
 def schemas(cluster):
     url = cluster.router.url
     vocab_size = len(load_tokenizer(str(ensure_demo_model())))
-    return {"plain": load_schema(url), "within_limits": load_schema_within_limits(url, "demo", vocab_size),
-            "streaming": load_schema_within_limits(url, "demo", vocab_size, streaming=True)}
+    return {
+        "plain": load_schema(url),
+        "within_limits": load_schema_within_limits(url, "demo", vocab_size),
+        "streaming": load_schema_within_limits(url, "demo", vocab_size, streaming=True),
+    }
 
 
-@pytest.mark.parametrize(("path", "method", "document", "mode", "examples"), RUNS,
-                         ids=[f"{m} {p} {d} {g.value}" for p, m, d, g, _ in RUNS])
+@pytest.mark.parametrize(
+    ("path", "method", "document", "mode", "examples"), RUNS, ids=[f"{m} {p} {d} {g.value}" for p, m, d, g, _ in RUNS]
+)
 def test_operation(schemas, path, method, document, mode, examples):
     statuses = fuzz(schemas[document], path, method, mode, examples, whole_floats_as_ints=document != "plain")
     print(f"{method} {path} {document} {mode.value}: {dict(statuses)}")  # shown with -s: what the run exercised
@@ -59,17 +70,29 @@ def test_operation(schemas, path, method, document, mode, examples):
 
 def _engine_idle(url: str) -> bool:
     values = metrics(url)
-    return all(values.get(name, 0) == 0 for name in (
-        "pdserve_num_requests_running", "pdserve_num_requests_waiting", "pdserve_num_requests_waiting_for_remote_kv",
-        "pdserve_kv_blocks_held_for_remote", "pdserve_kv_cache_usage_ratio"))
+    return all(
+        values.get(name, 0) == 0
+        for name in (
+            "pdserve_num_requests_running",
+            "pdserve_num_requests_waiting",
+            "pdserve_num_requests_waiting_for_remote_kv",
+            "pdserve_kv_blocks_held_for_remote",
+            "pdserve_kv_cache_usage_ratio",
+        )
+    )
 
 
 def test_cluster_healthy_and_idle_after_fuzzing(cluster):
     for process in [cluster.router, *cluster.prefills, *cluster.decodes]:
         assert get_json(f"{process.url}/health")[0] == 200, f"{process.name} unhealthy:\n{process.log()}"
     router = metrics(cluster.router.url)
-    print({name: value for name, value in router.items()
-           if name.startswith(("pdserve_router_requests_total", "pdserve_router_errors_total")) and value})
+    print(
+        {
+            name: value
+            for name, value in router.items()
+            if name.startswith(("pdserve_router_requests_total", "pdserve_router_errors_total")) and value
+        }
+    )
     failures = {kind: router.get(f'pdserve_router_errors_total{{kind="{kind}"}}') for kind in LEG_FAILURES}
     assert not any(failures.values()), failures
     assert router['pdserve_router_requests_total{path="disagg"}'] > 0, "no request went through both legs"
@@ -105,8 +128,10 @@ def test_refused_decode_leg_releases_prefill_blocks(cluster):
 
     def refuse() -> None:
         for extra in refused:
-            status, answer = post(f"{cluster.router.url}/v1/completions",
-                                  {"model": "demo", "prompt": f"a refused request {extra}", **extra})
+            status, answer = post(
+                f"{cluster.router.url}/v1/completions",
+                {"model": "demo", "prompt": f"a refused request {extra}", **extra},
+            )
             assert status == 400, answer
 
     # Not zero: a release can still lose the open race of the xfail below (a loaded machine shows it), but without
@@ -125,10 +150,15 @@ async def _leave_after(url: str, body: dict, seconds: float) -> None:
             await asyncio.wait_for(read(), seconds)
 
 
-@pytest.mark.xfail(strict=False, raises=AssertionError, reason=(
-    "open, now and then: a client leaving just after the prefill leg can still leave its blocks to the lease: the "
-    "router, cancelled between its legs, never sends the decode leg, and only the decode engine could tell the "
-    "prefill engine to free (an early release that beat its hold is no longer dropped)"))
+@pytest.mark.xfail(
+    strict=False,
+    raises=AssertionError,
+    reason=(
+        "open, now and then: a client leaving just after the prefill leg can still leave its blocks to the lease: the "
+        "router, cancelled between its legs, never sends the decode leg, and only the decode engine could tell the "
+        "prefill engine to free (an early release that beat its hold is no longer dropped)"
+    ),
+)
 def test_client_leaving_during_the_prefill_leg_frees_prefill_blocks(cluster):
     # An abort reaching the prefill engine's core just after the leg finished (blocks held for the remote decode)
     # used to be ignored (scheduler.finish_requests skipped finished requests): held until the lease expired.
@@ -146,9 +176,17 @@ def test_client_kv_transfer_params_cannot_pin_decode_blocks(cluster):
     # kv_transfer_params: any client could make the decode engine act as a prefill and hold KV blocks for a
     # remote decode that never comes, until the lease expired.
     def pin() -> None:
-        status, answer = post(f"{cluster.router.url}/v1/completions", {
-            "model": "demo", "prompt": "pin my blocks " * 3, "echo": True, "logprobs": 0, "max_tokens": 2,
-            "kv_transfer_params": {"do_remote_decode": True}})
+        status, answer = post(
+            f"{cluster.router.url}/v1/completions",
+            {
+                "model": "demo",
+                "prompt": "pin my blocks " * 3,
+                "echo": True,
+                "logprobs": 0,
+                "max_tokens": 2,
+                "kv_transfer_params": {"do_remote_decode": True},
+            },
+        )
         assert status in (200, 400), answer
 
     assert _lease_expiries(cluster.decodes[0].url, pin) == 0

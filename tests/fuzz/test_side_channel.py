@@ -21,15 +21,33 @@ from tests.pd.cluster import Cluster, metrics, post, wait_for
 SEED = 20240601
 NUM_FRAMES = 400
 TAGS = ("handshake", "handshake_reply", "renew", "release", "read", "blocks", "", "HANDSHAKE", "nope")
-FIELDS = ("engine_id", "request_id", "request_ids", "block_ids", "generations", "release", "error", "type",
-          "compat_hash", "transport", "block_bytes", "num_blocks", "transport_info")
+FIELDS = (
+    "engine_id",
+    "request_id",
+    "request_ids",
+    "block_ids",
+    "generations",
+    "release",
+    "error",
+    "type",
+    "compat_hash",
+    "transport",
+    "block_bytes",
+    "num_blocks",
+    "transport_info",
+)
 
 
 @pytest.fixture(scope="module")
 def prefill(tmp_path_factory):
     # TCP: its agent serves block bytes over the side channel itself, the larger attack surface.
-    cluster = Cluster.start(tmp_path_factory.mktemp("fuzz-side-channel"), "tcp", num_decode=0, with_router=False,
-                            prefill_flags=("--max-model-len", "64"))
+    cluster = Cluster.start(
+        tmp_path_factory.mktemp("fuzz-side-channel"),
+        "tcp",
+        num_decode=0,
+        with_router=False,
+        prefill_flags=("--max-model-len", "64"),
+    )
     yield cluster.prefills[0]
     cluster.stop()
 
@@ -49,8 +67,10 @@ def _value(rng: random.Random, depth: int = 0) -> Any:
     if kind == "float":
         return rng.choice([rng.uniform(-1e300, 1e300), float("nan"), float("inf"), -0.0])
     if kind == "str":
-        return "".join(chr(rng.randint(0xE000, 0x10FFFF) if rng.random() < 0.2 else rng.randint(0, 126))
-                       for _ in range(rng.randint(0, 40)))
+        return "".join(
+            chr(rng.randint(0xE000, 0x10FFFF) if rng.random() < 0.2 else rng.randint(0, 126))
+            for _ in range(rng.randint(0, 40))
+        )
     if kind == "bytes":
         return rng.randbytes(rng.randint(0, 64))
     if kind == "none":
@@ -59,15 +79,20 @@ def _value(rng: random.Random, depth: int = 0) -> Any:
         return rng.random() < 0.5
     if kind == "list":
         return [_value(rng, depth + 1) for _ in range(rng.randint(0, 6))]
-    return {_value(rng, 3) if rng.random() < 0.2 else rng.choice(FIELDS): _value(rng, depth + 1)
-            for _ in range(rng.randint(0, 6))}
+    return {
+        _value(rng, 3) if rng.random() < 0.2 else rng.choice(FIELDS): _value(rng, depth + 1)
+        for _ in range(rng.randint(0, 6))
+    }
 
 
 def _junk_frames(rng: random.Random, held: dict[str, Any]) -> list[list[bytes]]:
     """Multipart messages to send from one DEALER (none oversized: those make ZMQ drop the connection)."""
     encode = msgspec.msgpack.encode
-    held_id, held_blocks, held_generations = (held["remote_request_id"], held["remote_block_ids"],
-                                              held["remote_block_generations"])
+    held_id, held_blocks, held_generations = (
+        held["remote_request_id"],
+        held["remote_block_ids"],
+        held["remote_block_generations"],
+    )
     frames: list[list[bytes]] = []
     for _ in range(NUM_FRAMES):
         kind = rng.randrange(9)
@@ -94,9 +119,19 @@ def _junk_frames(rng: random.Random, held: dict[str, Any]) -> list[list[bytes]]:
             generations = [g + 1 for g in held_generations] if blocks == held_blocks else [0] * len(blocks)
             frames.append([messages.encode(messages.ReadBlocks(held_id, blocks, generations, rng.random() < 0.5))])
         else:  # messages only a prefill sends, and handshakes with odd ids
-            frames.append([messages.encode(rng.choice([
-                messages.HandshakeReply(str(_value(rng)), "x", "tcp", -1, -1, {"a": _value(rng)}),
-                messages.BlocksReply(held_id, None), messages.Handshake("\x00" * rng.randint(0, 1000))]))])
+            frames.append(
+                [
+                    messages.encode(
+                        rng.choice(
+                            [
+                                messages.HandshakeReply(str(_value(rng)), "x", "tcp", -1, -1, {"a": _value(rng)}),
+                                messages.BlocksReply(held_id, None),
+                                messages.Handshake("\x00" * rng.randint(0, 1000)),
+                            ]
+                        )
+                    )
+                ]
+            )
     return frames
 
 
@@ -118,8 +153,11 @@ def _await_hold(socket: zmq.Socket, held: dict[str, Any]) -> None:
     request_id, blocks = held["remote_request_id"], held["remote_block_ids"]
     wrong = [generation + 1 for generation in held["remote_block_generations"]]
     for _ in range(100):
-        parts = _request(socket, messages.ReadBlocks(request_id, blocks, wrong, False),
-                         lambda answer, _: isinstance(answer, messages.BlocksReply) and answer.request_id == request_id)
+        parts = _request(
+            socket,
+            messages.ReadBlocks(request_id, blocks, wrong, False),
+            lambda answer, _: isinstance(answer, messages.BlocksReply) and answer.request_id == request_id,
+        )
         if "not held" not in (messages.decode(parts[0]).error or ""):
             return
         time.sleep(0.05)
@@ -128,9 +166,15 @@ def _await_hold(socket: zmq.Socket, held: dict[str, Any]) -> None:
 
 def test_side_channel_survives_junk(prefill):
     rng = random.Random(SEED)
-    status, leg = post(f"{prefill.url}/v1/completions", {
-        "model": "demo", "prompt": "hold these blocks " * 4, "max_tokens": 1,
-        "kv_transfer_params": {"do_remote_decode": True}})
+    status, leg = post(
+        f"{prefill.url}/v1/completions",
+        {
+            "model": "demo",
+            "prompt": "hold these blocks " * 4,
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+    )
     assert status == 200, leg
     held = leg["kv_transfer_params"]
     context = zmq.Context()
@@ -143,8 +187,11 @@ def test_side_channel_survives_junk(prefill):
             junk.send_multipart(parts)
         # Replies come in order on one connection: the answer to this read proves every frame before was handled.
         barrier = f"barrier-{uuid.uuid4().hex}"
-        _request(junk, messages.ReadBlocks(barrier, [0], [0], False),
-                 lambda reply, _: isinstance(reply, messages.BlocksReply) and reply.request_id == barrier)
+        _request(
+            junk,
+            messages.ReadBlocks(barrier, [0], [0], False),
+            lambda reply, _: isinstance(reply, messages.BlocksReply) and reply.request_id == barrier,
+        )
         # Frames beyond the agent's bound: ZMQ drops the peer's connection (MAXMSGSIZE), the agent never sees them.
         for size in (messages.MAX_MESSAGE_BYTES + 1, 8 * messages.MAX_MESSAGE_BYTES):
             oversized = context.socket(zmq.DEALER)
@@ -160,9 +207,13 @@ def test_side_channel_survives_junk(prefill):
         assert isinstance(reply, messages.HandshakeReply), reply
         assert reply.error is None and reply.transport == "tcp" and reply.engine_id and reply.block_bytes > 0, reply
         # The junk neither released nor corrupted the hold: a proper read gets every block's bytes.
-        parts = _request(peer, messages.ReadBlocks(held["remote_request_id"], held["remote_block_ids"],
-                                                   held["remote_block_generations"], True),
-                         lambda answer, _: isinstance(answer, messages.BlocksReply))
+        parts = _request(
+            peer,
+            messages.ReadBlocks(
+                held["remote_request_id"], held["remote_block_ids"], held["remote_block_generations"], True
+            ),
+            lambda answer, _: isinstance(answer, messages.BlocksReply),
+        )
         answer = messages.decode(parts[0])
         assert answer.error is None, answer
         assert len(parts) == 2 and len(parts[1]) == reply.block_bytes * len(held["remote_block_ids"])
@@ -180,8 +231,10 @@ def test_side_channel_survives_junk(prefill):
 def test_side_channel_read_is_bounded_by_the_held_blocks(prefill):
     # The agent used to check only set(block_ids) <= held blocks, so repeated ids passed: ~6 bytes of frame per id
     # made it copy and send a whole block (64 KiB here) per id, ~10 GiB for one 1 MiB frame.
-    status, leg = post(f"{prefill.url}/v1/completions", {
-        "model": "demo", "prompt": "amplify me", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    status, leg = post(
+        f"{prefill.url}/v1/completions",
+        {"model": "demo", "prompt": "amplify me", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
     assert status == 200, leg
     held = leg["kv_transfer_params"]
     context = zmq.Context()
@@ -192,18 +245,30 @@ def test_side_channel_read_is_bounded_by_the_held_blocks(prefill):
         block_bytes = messages.decode(_request(peer, messages.Handshake("x"), lambda *_: True)[0]).block_bytes
         _await_hold(peer, held)
         repeat = 4  # small on purpose: the reply holds repeat x the held bytes
-        parts = _request(peer, messages.ReadBlocks(held["remote_request_id"], held["remote_block_ids"] * repeat,
-                                                   held["remote_block_generations"] * repeat, False),
-                         lambda answer, _: isinstance(answer, messages.BlocksReply))
+        parts = _request(
+            peer,
+            messages.ReadBlocks(
+                held["remote_request_id"],
+                held["remote_block_ids"] * repeat,
+                held["remote_block_generations"] * repeat,
+                False,
+            ),
+            lambda answer, _: isinstance(answer, messages.BlocksReply),
+        )
         # A proper read still gets the blocks, and frees them (awaited: a release sent as the socket closes
         # could be lost, leaving the hold for the lease and a prefill that drains for as long on shutdown).
-        proper = _request(peer, messages.ReadBlocks(held["remote_request_id"], held["remote_block_ids"],
-                                                    held["remote_block_generations"], True),
-                          lambda answer, _: isinstance(answer, messages.BlocksReply))
+        proper = _request(
+            peer,
+            messages.ReadBlocks(
+                held["remote_request_id"], held["remote_block_ids"], held["remote_block_generations"], True
+            ),
+            lambda answer, _: isinstance(answer, messages.BlocksReply),
+        )
     finally:
         context.destroy(linger=0)
     served = sum(len(part) for part in parts[1:])
     assert served <= block_bytes * len(held["remote_block_ids"]), (
-        f"{served} bytes served for a hold of {len(held['remote_block_ids'])} blocks of {block_bytes}")
+        f"{served} bytes served for a hold of {len(held['remote_block_ids'])} blocks of {block_bytes}"
+    )
     assert messages.decode(proper[0]).error is None and len(proper[1]) == block_bytes * len(held["remote_block_ids"])
     wait_for(lambda: metrics(prefill.url).get("pdserve_kv_blocks_held_for_remote") == 0, 10, "blocks still held")

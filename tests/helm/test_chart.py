@@ -72,26 +72,46 @@ SERVICE_MONITOR_SCHEMA = {
                     "additionalProperties": False,
                     "properties": {
                         "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
-                        "matchExpressions": {"type": "array", "items": {
-                            "type": "object", "required": ["key", "operator"], "additionalProperties": False,
-                            "properties": {"key": {"type": "string"},
-                                           "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
-                                           "values": {"type": "array", "items": {"type": "string"}}}}},
+                        "matchExpressions": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["key", "operator"],
+                                "additionalProperties": False,
+                                "properties": {
+                                    "key": {"type": "string"},
+                                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                                    "values": {"type": "array", "items": {"type": "string"}},
+                                },
+                            },
+                        },
                     },
                 },
                 "namespaceSelector": {
                     "type": "object",
                     "additionalProperties": False,
-                    "properties": {"any": {"type": "boolean"},
-                                   "matchNames": {"type": "array", "items": {"type": "string"}}},
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
                 },
                 "targetLabels": {"type": "array", "items": {"type": "string"}},
-                "endpoints": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "additionalProperties": False, "required": ["port", "path"],
-                    "properties": {"port": {"type": "string"}, "path": {"type": "string"},
-                                   "scheme": {"enum": ["http", "https"]},
-                                   "interval": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
-                                   "scrapeTimeout": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"}}}},
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["port", "path"],
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "scheme": {"enum": ["http", "https"]},
+                            "interval": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
+                            "scrapeTimeout": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
+                        },
+                    },
+                },
             },
         },
     },
@@ -181,6 +201,7 @@ def unknown_fields(obj: Any, schema: dict, path: str = "") -> list[str]:
 
 # --- chart metadata and lint -------------------------------------------------------------------
 
+
 def test_chart_metadata(chart: helm_python.Chart) -> None:
     meta = chart.metadata
     assert meta["apiVersion"] == "v2"
@@ -193,14 +214,16 @@ def test_chart_metadata(chart: helm_python.Chart) -> None:
 
 @pytest.mark.parametrize("values", [{}, CUSTOM], ids=["default", "custom"])
 def test_lint_strict(values: dict) -> None:
-    report = helm_python.lint(CHART, values=copy.deepcopy(values), strict=True, namespace=NAMESPACE,
-                              kube_version=f"v{KUBE_VERSION}")
+    report = helm_python.lint(
+        CHART, values=copy.deepcopy(values), strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}"
+    )
     assert report["errors"] == []
     problems = [m for m in report["messages"] if m["severity"] >= 2]
     assert problems == []
 
 
 # --- rendering -----------------------------------------------------------------------------------
+
 
 def test_default_render(chart: helm_python.Chart) -> None:
     docs = render(chart)
@@ -235,11 +258,17 @@ def test_watch_namespace_render(chart: helm_python.Chart) -> None:
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
     role, binding = one(docs, "Role"), one(docs, "RoleBinding")
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "llm"
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
     (subject,) = binding["subjects"]
-    assert subject == {"kind": "ServiceAccount", "name": one(docs, "ServiceAccount")["metadata"]["name"],
-                       "namespace": NAMESPACE}
+    assert subject == {
+        "kind": "ServiceAccount",
+        "name": one(docs, "ServiceAccount")["metadata"]["name"],
+        "namespace": NAMESPACE,
+    }
     assert operator_container(docs)["args"] == ["--namespace", "llm"]
     assert not by_kind(docs, "ServiceMonitor")
 
@@ -259,8 +288,10 @@ def test_custom_render(chart: helm_python.Chart) -> None:
 
 
 def test_service_monitor(chart: helm_python.Chart) -> None:
-    for values, namespace_selector in ((CUSTOM, {"matchNames": ["llm"]}),
-                                       ({"serviceMonitor": {"enabled": True}}, {"any": True})):
+    for values, namespace_selector in (
+        (CUSTOM, {"matchNames": ["llm"]}),
+        ({"serviceMonitor": {"enabled": True}}, {"any": True}),
+    ):
         monitor = one(render(chart, values), "ServiceMonitor")
         jsonschema.validate(monitor, SERVICE_MONITOR_SCHEMA)
         spec = monitor["spec"]
@@ -282,12 +313,14 @@ def test_service_monitor_selects_serving_services_only(chart: helm_python.Chart)
     selector = one(docs, "ServiceMonitor")["spec"]["selector"]
 
     def selected(labels: dict[str, str]) -> bool:
-        return (selector["matchLabels"].items() <= labels.items()
-                and all(labels.get(e["key"]) in e["values"] for e in selector["matchExpressions"]))
+        return selector["matchLabels"].items() <= labels.items() and all(
+            labels.get(e["key"]) in e["values"] for e in selector["matchExpressions"]
+        )
 
     for role in ("router", "prefill", "decode"):
-        assert selected({"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "demo",
-                         "pdserve.io/role": role})
+        assert selected(
+            {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "demo", "pdserve.io/role": role}
+        )
     assert not selected(one(docs, "Service")["metadata"]["labels"])
 
 
@@ -307,8 +340,11 @@ def test_health_service_and_test_hook(chart: helm_python.Chart) -> None:
 def test_operator_selector_ignores_serving_pods(chart: helm_python.Chart) -> None:
     """A PDService named like the release must not have its pods counted by the operator's Deployment."""
     selector = one(render(chart), "Deployment")["spec"]["selector"]["matchLabels"]
-    serving_pod = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": RELEASE,
-                   "pdserve.io/role": "decode"}
+    serving_pod = {
+        "app.kubernetes.io/name": "pdserve",
+        "app.kubernetes.io/instance": RELEASE,
+        "pdserve.io/role": "decode",
+    }
     assert not selector.items() <= serving_pod.items()
 
 
@@ -326,6 +362,7 @@ def test_notes(chart: helm_python.Chart) -> None:
 
 
 # --- Kubernetes schemas --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("values", [{}, CUSTOM, {"watchNamespace": "llm"}], ids=["default", "custom", "namespaced"])
 def test_rendered_objects_valid_for_kubernetes(chart: helm_python.Chart, values: dict) -> None:
@@ -394,20 +431,25 @@ def test_hpa_example_targets_pdpools() -> None:
 
 # --- values.schema.json --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("values", [
-    {"replicaCount": "1"},
-    {"replicaCount": 2},
-    {"image": {"repository": "pdserve", "pullPolicy": "Sometimes"}},
-    {"image": {"repository": "pdserve", "tag": 1}},
-    {"serviceMonitor": {"enabled": "yes"}},
-    {"serviceMonitor": {"interval": "soon"}},
-    {"watchNamespace": "Not_A_Namespace"},
-    {"resources": {"limits": {"memory": "lots"}}},
-    {"resources": {"limit": {"memory": "1Gi"}}},
-    {"rbac": {"create": "true"}},
-    {"extraArgs": "--log-level debug"},
-    {"replicas": 1},
-], ids=json.dumps)
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"replicaCount": "1"},
+        {"replicaCount": 2},
+        {"image": {"repository": "pdserve", "pullPolicy": "Sometimes"}},
+        {"image": {"repository": "pdserve", "tag": 1}},
+        {"serviceMonitor": {"enabled": "yes"}},
+        {"serviceMonitor": {"interval": "soon"}},
+        {"watchNamespace": "Not_A_Namespace"},
+        {"resources": {"limits": {"memory": "lots"}}},
+        {"resources": {"limit": {"memory": "1Gi"}}},
+        {"rbac": {"create": "true"}},
+        {"extraArgs": "--log-level debug"},
+        {"replicas": 1},
+    ],
+    ids=json.dumps,
+)
 def test_schema_rejects_bad_values(chart: helm_python.Chart, values: dict) -> None:
     key = next(iter(values))
     with pytest.raises(helm_python.HelmValuesError, match=f"{key}"):
@@ -422,6 +464,7 @@ def test_schema_accepts_good_values(chart: helm_python.Chart) -> None:
 
 
 # --- security ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("values", [{}, {"watchNamespace": "llm"}], ids=["cluster", "namespaced"])
 def test_rbac_least_privilege(chart: helm_python.Chart, values: dict) -> None:

@@ -13,8 +13,11 @@ REPO = Path(__file__).resolve().parents[2]
 def instructions() -> list[tuple[str, str]]:
     text = (REPO / "Dockerfile").read_text()
     logical = re.sub(r"\\\n", " ", text)  # join continued lines
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in logical.splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1])
+        for line in logical.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def test_dockerfile_runs_pdserve_as_uid_1000() -> None:
@@ -35,8 +38,11 @@ def test_dockerfile_runs_pdserve_as_uid_1000() -> None:
 
 
 def test_dockerignore_sends_only_the_package() -> None:
-    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert patterns[0] == "*"  # everything out (.git, .venv, tests, caches) ...
     assert {p for p in patterns if p.startswith("!")} == {"!pyproject.toml", "!README.md", "!pdserve/"}
     assert {"**/__pycache__", "**/*.egg-info", "**/.pytest_cache"} <= set(patterns)

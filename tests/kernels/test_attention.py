@@ -36,8 +36,7 @@ def _batch(seed: int, num_kv_heads: int, group: int, head_dim: int, block_size: 
         full_k.append(k)
         full_v.append(v)
         queries.append(torch.randn(query_len, num_heads, head_dim, generator=gen))
-    metadata = reference.build_attention_metadata(
-        [q for _, q in specs], [c + q for c, q in specs], tables, block_size)
+    metadata = reference.build_attention_metadata([q for _, q in specs], [c + q for c, q in specs], tables, block_size)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, specs, strict=True)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, specs, strict=True)])
     return k_cache, v_cache, metadata, torch.cat(queries), new_k, new_v, full_k, full_v
@@ -51,9 +50,10 @@ SPECS = [(37, 1), (0, 9), (5, 1), (13, 6), (0, 1), (20, 1)]
 @pytest.mark.parametrize(("head_dim", "block_size"), [(16, 4), (24, 16), (64, 16)])
 def test_reference_paged_attention_equals_dense_attention(group, head_dim, block_size):
     k_cache, v_cache, metadata, query, new_k, new_v, full_k, full_v = _batch(
-        group + head_dim, 2, group, head_dim, block_size, SPECS)
+        group + head_dim, 2, group, head_dim, block_size, SPECS
+    )
     reference.write_kv(new_k, new_v, k_cache, v_cache, metadata)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = reference.paged_attention(query, k_cache, v_cache, metadata, scale)
     for seq, (num_cached, query_len) in enumerate(SPECS):
         start = metadata.query_start_loc[seq]
@@ -61,9 +61,9 @@ def test_reference_paged_attention_equals_dense_attention(group, head_dim, block
         # Dense attention over the whole sequence; its last query_len rows are this chunk's.
         gen = torch.Generator().manual_seed(seq)
         earlier_queries = torch.randn(num_cached, query.shape[1], head_dim, generator=gen)
-        full_q = torch.cat([earlier_queries, query[start:start + query_len]])
+        full_q = torch.cat([earlier_queries, query[start : start + query_len]])
         dense = reference.dense_causal_attention(full_q, full_k[seq][:total], full_v[seq][:total], scale)
-        torch.testing.assert_close(out[start:start + query_len], dense[num_cached:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[start : start + query_len], dense[num_cached:], atol=1e-5, rtol=1e-5)
 
 
 def _engine_layout_views(k_cache, v_cache):
@@ -97,7 +97,7 @@ def test_triton_kernels_match_the_reference(group, head_dim, block_size):
     tri.write_kv(new_k, new_v, k_cache, v_cache, metadata)
     torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     expected = reference.paged_attention(query, ref_k, ref_v, metadata, scale)
     actual = tri.paged_attention(query, k_cache, v_cache, metadata, scale)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
@@ -143,11 +143,18 @@ def test_cpu_fused_rope_and_kv_write_match_torch():
     num_tokens = metadata.query_start_loc[-1]
     gen = torch.Generator().manual_seed(9)
     qkv = torch.randn(num_tokens, (4 + 2 + 2) * 16, generator=gen)
-    qk = qkv[:, :6 * 16].view(num_tokens, 6, 16)  # 4 query heads and 2 kv heads, strided like the model's
-    value = qkv[:, 6 * 16:].view(num_tokens, 2, 16)
-    positions = torch.cat([torch.arange(c - q, c) for q, c in zip(
-        [b - a for a, b in zip(metadata.query_start_loc, metadata.query_start_loc[1:], strict=False)],
-        metadata.context_lens, strict=True)])
+    qk = qkv[:, : 6 * 16].view(num_tokens, 6, 16)  # 4 query heads and 2 kv heads, strided like the model's
+    value = qkv[:, 6 * 16 :].view(num_tokens, 2, 16)
+    positions = torch.cat(
+        [
+            torch.arange(c - q, c)
+            for q, c in zip(
+                [b - a for a, b in zip(metadata.query_start_loc, metadata.query_start_loc[1:], strict=False)],
+                metadata.context_lens,
+                strict=True,
+            )
+        ]
+    )
     cos, sin = RotaryEmbedding(16, 128, 10000.0, {}).for_positions(positions)
     expected_qk = apply_rotary(qk, cos, sin)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -178,8 +185,15 @@ def test_model_with_triton_kernels_matches_the_cpu_path(tmp_path):
             if backend is not None:
                 layer.self_attn.backend = backend
         # Earlier context of the two sequences with cached prefixes: random but identical KV for both runs.
-        cache = torch.randn(7, config.num_layers, 2, config.num_kv_heads, block_size, config.head_dim,
-                            generator=torch.Generator().manual_seed(2))
+        cache = torch.randn(
+            7,
+            config.num_layers,
+            2,
+            config.num_kv_heads,
+            block_size,
+            config.head_dim,
+            generator=torch.Generator().manual_seed(2),
+        )
         views = [(cache[:, i, 0].transpose(1, 2), cache[:, i, 1].transpose(1, 2)) for i in range(config.num_layers)]
         with torch.no_grad():
             return model.compute_logits(model(tokens, positions, views, metadata))

@@ -24,16 +24,21 @@ from pdserve.kvtransfer.work import LoadSpec, TransferWork
 def _agent(compat_hash: str) -> TransferAgent:
     import torch  # after pdserve, which sets the OpenMP wait policy torch reads once
 
-    return TransferAgent(KVTransferConfig(transport="tcp", transfer_timeout=5), torch.zeros((8, 64)),
-                         np.zeros(8, dtype=np.int64), compat_hash)
+    return TransferAgent(
+        KVTransferConfig(transport="tcp", transfer_timeout=5),
+        torch.zeros((8, 64)),
+        np.zeros(8, dtype=np.int64),
+        compat_hash,
+    )
 
 
 def test_a_peer_with_another_kv_layout_is_refused_at_the_handshake():
     prefill, decode = _agent("layout-a"), _agent("layout-b")
     try:
         prefill.submit(TransferWork(holds=[("r", [1, 2])]))
-        remote = RemotePrefill(prefill.config.engine_id, "r", "127.0.0.1", prefill.port, [1, 2], [0, 0], 32, "", "",
-                               30.0)
+        remote = RemotePrefill(
+            prefill.config.engine_id, "r", "127.0.0.1", prefill.port, [1, 2], [0, 0], 32, "", "", 30.0
+        )
         decode.submit(TransferWork(loads=[LoadSpec("d", remote, [3, 4], [1, 2], [0, 0])]))
         deadline = time.monotonic() + 10
         while True:
@@ -56,13 +61,24 @@ def test_a_peer_with_another_kv_layout_is_refused_at_the_handshake():
 def test_params_for_another_prompt_or_engine_are_never_pulled():
     connector = PDConnectorScheduler(KVTransferConfig(transport="tcp"), "ours", 16, 5000, np.zeros(8, dtype=np.int64))
     prompt = list(range(40))
-    base = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "p", "remote_host": "127.0.0.1",
-            "remote_port": 5000, "remote_block_ids": [0, 1, 2], "remote_block_generations": [0, 0, 0],
-            "remote_num_tokens": 40, "remote_prompt_hash": prompt_hash(prompt), "kv_compat_hash": "ours",
-            "remote_lease_seconds": 30}
-    for name, params in (("other text", base | {"remote_prompt_hash": prompt_hash(prompt[::-1])}),
-                         ("other length", base | {"remote_num_tokens": 39}),
-                         ("other layout", base | {"kv_compat_hash": "theirs"})):
+    base = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_request_id": "p",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5000,
+        "remote_block_ids": [0, 1, 2],
+        "remote_block_generations": [0, 0, 0],
+        "remote_num_tokens": 40,
+        "remote_prompt_hash": prompt_hash(prompt),
+        "kv_compat_hash": "ours",
+        "remote_lease_seconds": 30,
+    }
+    for name, params in (
+        ("other text", base | {"remote_prompt_hash": prompt_hash(prompt[::-1])}),
+        ("other length", base | {"remote_num_tokens": 39}),
+        ("other layout", base | {"kv_compat_hash": "theirs"}),
+    ):
         request = Request(name, prompt, SamplingParams(), None, kv_transfer_params=params)
         connector.request_added(request)
         assert connector.get_num_new_matched_tokens(request, 0) == (0, False), name

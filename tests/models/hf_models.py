@@ -15,15 +15,30 @@ VOCAB = 1024  # the demo tokenizer's size, so every model can share it
 # fp32 summation-order differences cannot flip a near-tie.
 SHAPES = {
     "llama-mha-untied": ("Llama", {"num_attention_heads": 4, "num_key_value_heads": 4}),
-    "llama-gqa4-tied-llama3rope": ("Llama", {
-        "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": True,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64}}),
+    "llama-gqa4-tied-llama3rope": (
+        "Llama",
+        {
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": True,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     "qwen2-gqa2-bias": ("Qwen2", {"num_attention_heads": 4, "num_key_value_heads": 2}),
-    "qwen3-gqa2-headdim": ("Qwen3", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
-                                     "tie_word_embeddings": True}),
-    "qwen3-linear-rope": ("Qwen3", {"num_attention_heads": 4, "num_key_value_heads": 1,
-                                    "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "qwen3-gqa2-headdim": (
+        "Qwen3",
+        {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "tie_word_embeddings": True},
+    ),
+    "qwen3-linear-rope": (
+        "Qwen3",
+        {"num_attention_heads": 4, "num_key_value_heads": 1, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    ),
 }
 
 
@@ -32,9 +47,19 @@ def build_hf_model(family: str, overrides: dict, path) -> torch.nn.Module:
 
     config_class = getattr(transformers, f"{family}Config")
     model_class = getattr(transformers, f"{family}ForCausalLM")
-    config = config_class(hidden_size=64, intermediate_size=160, num_hidden_layers=2, vocab_size=VOCAB,
-                          max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-6,
-                          eos_token_id=None, bos_token_id=None, pad_token_id=None, **overrides)
+    config = config_class(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        rms_norm_eps=1e-6,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        **overrides,
+    )
     torch.manual_seed(zlib.crc32(family.encode()))  # not hash(): it changes per process
     model = model_class(config).eval()
     if family == "Qwen2":  # its q/k/v biases start at zero: make them matter
@@ -52,10 +77,16 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new: int) -> tuple[
     with torch.no_grad():
         ids = torch.tensor([prompt], device=device)
         # An explicit mask: without one, generate treats every pad-id token in the prompt as padding.
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                             min_new_tokens=max_new, do_sample=False, pad_token_id=0)
-        logits = model(out[:, :-1]).logits[0, len(prompt) - 1:].float()
-    return out[0, len(prompt):].tolist(), torch.log_softmax(logits, dim=-1).cpu()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        logits = model(out[:, :-1]).logits[0, len(prompt) - 1 :].float()
+    return out[0, len(prompt) :].tolist(), torch.log_softmax(logits, dim=-1).cpu()
 
 
 def first_divergence(ours: list[int], expected: list[int], hf_logprobs: torch.Tensor) -> tuple[int, float] | None:

@@ -19,17 +19,22 @@ def _digest(folder) -> dict[str, str]:
 
 def test_cli_writes_a_deterministic_model(tmp_path):
     for name in ("a", "b"):
-        subprocess.run([sys.executable, "-m", "pdserve.cli", "demo-model", str(tmp_path / name)], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "demo-model", str(tmp_path / name)], check=True, capture_output=True
+        )
     assert (tmp_path / "a" / "config.json").is_file()
     assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
 
 
 def test_processes_racing_to_build_the_cache_all_succeed(tmp_path):
-    code = "import sys; from pathlib import Path; from pdserve.models.demo import ensure_demo_model; " \
-           "print(ensure_demo_model(Path(sys.argv[1])))"
-    racers = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-              for _ in range(3)]
+    code = (
+        "import sys; from pathlib import Path; from pdserve.models.demo import ensure_demo_model; "
+        "print(ensure_demo_model(Path(sys.argv[1])))"
+    )
+    racers = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
     paths = {racer.communicate(timeout=120)[0].strip() for racer in racers}
     assert all(racer.returncode == 0 for racer in racers)
     assert paths == {str(tmp_path / DEMO_MODEL_NAME)}
@@ -46,7 +51,13 @@ def test_demo_model_matches_transformers(demo_model_path):
     for prompt, output in zip(prompts, outputs, strict=True):
         ids = torch.tensor([llm.tokenizer.encode(prompt)])
         with torch.no_grad():
-            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10,
-                                   do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+            expected = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=10,
+                min_new_tokens=10,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, ids.shape[1] :].tolist()
         assert output.outputs[0].token_ids == expected
     assert llm.processor.eos_token_id == llm.tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -42,12 +42,15 @@ def _compare(name, outputs, reference, check_logprobs=False):
         if divergence is not None:
             position, margin = divergence
             if margin >= TIE_MARGIN:
-                raise AssertionError(f"{name}: prompt {prompt_index} diverges at token {position} "
-                                     f"(ours {got[position]}, HF {expected[position]}, HF top-2 margin {margin:.4g})")
+                raise AssertionError(
+                    f"{name}: prompt {prompt_index} diverges at token {position} "
+                    f"(ours {got[position]}, HF {expected[position]}, HF top-2 margin {margin:.4g})"
+                )
             ties.append((prompt_index, position, margin))  # after a near-tie continuations may differ
         elif check_logprobs:
-            ours = torch.tensor([step[token].logprob for step, token in zip(output.outputs[0].logprobs, got,
-                                                                             strict=True)])
+            ours = torch.tensor(
+                [step[token].logprob for step, token in zip(output.outputs[0].logprobs, got, strict=True)]
+            )
             theirs = hf_logprobs[torch.arange(len(got)), torch.tensor(got)]
             torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     if ties:
@@ -69,8 +72,9 @@ def test_batched_and_single_greedy_equal_hf(name, hf_models, hf_reference, demo_
 @pytest.mark.parametrize("name", ["llama-gqa4-tied-llama3rope", "qwen3-gqa2-headdim"])
 def test_small_chunks_preemption_and_prefix_hits_equal_hf(name, hf_models, hf_reference, demo_model_path):
     folder, _ = hf_models[name]
-    chunked = LLM(str(folder), tokenizer=str(demo_model_path), block_size=4, max_num_batched_tokens=16,
-                  kv_cache_memory=32 << 20)
+    chunked = LLM(
+        str(folder), tokenizer=str(demo_model_path), block_size=4, max_num_batched_tokens=16, kv_cache_memory=32 << 20
+    )
     _compare(name, chunked.generate(PROMPTS, GREEDY), hf_reference[name], check_logprobs=True)
 
     # 40 blocks of 4 tokens: the 11 prompts cannot all stay resident, so some are preempted.

@@ -15,8 +15,9 @@ from tests.models.hf_models import build_hf_model
 
 def _params(folder):
     config = ModelConfig.from_folder(folder)
-    return config, {n: p.clone() for n, p in load_model(folder, config, torch.float32, torch.device("cpu"),
-                                                        64).named_parameters()}
+    return config, {
+        n: p.clone() for n, p in load_model(folder, config, torch.float32, torch.device("cpu"), 64).named_parameters()
+    }
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
@@ -30,14 +31,27 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
 
 
 def test_both_config_dialects_give_the_same_rope(tmp_path):
-    build_hf_model("Llama", {"num_attention_heads": 4, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}}, tmp_path)
+    build_hf_model(
+        "Llama",
+        {
+            "num_attention_heads": 4,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+        tmp_path,
+    )
     raw = json.loads((tmp_path / "config.json").read_text())
     rope = dict(raw.pop("rope_parameters"))
     old_style = {**raw, "rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}  # transformers 4.x
-    new, old = ModelConfig.from_dict(json.loads((tmp_path / "config.json").read_text())), ModelConfig.from_dict(
-        old_style)
+    new, old = (
+        ModelConfig.from_dict(json.loads((tmp_path / "config.json").read_text())),
+        ModelConfig.from_dict(old_style),
+    )
     assert (new.rope_theta, new.rope_scaling) == (old.rope_theta, old.rope_scaling)
     assert new.rope_scaling["rope_type"] == "llama3"
 
@@ -54,8 +68,7 @@ def test_unsupported_things_fail_clearly(tmp_path):
     _edit_config(tmp_path, architectures=["GPT2LMHeadModel"])
     with pytest.raises(UnsupportedModelError, match="supported: LlamaForCausalLM, MistralForCausalLM"):
         ModelConfig.from_folder(tmp_path)
-    _edit_config(tmp_path, architectures=["LlamaForCausalLM"], rope_parameters={"rope_type": "yarn",
-                                                                                  "rope_theta": 1e4})
+    _edit_config(tmp_path, architectures=["LlamaForCausalLM"], rope_parameters={"rope_type": "yarn", "rope_theta": 1e4})
     with pytest.raises(UnsupportedModelError, match="rope_type 'yarn'"):
         ModelConfig.from_folder(tmp_path)
     with pytest.raises(FileNotFoundError, match="no config"):

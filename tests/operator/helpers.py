@@ -29,5 +29,9 @@ def spec(**fields: Any) -> dict[str, Any]:
 
 
 def pdservice(name: str = "llm", **fields: Any) -> dict[str, Any]:
-    return {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDService", "metadata": {"name": name},
-            "spec": spec(**fields)}
+    return {
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "PDService",
+        "metadata": {"name": name},
+        "spec": spec(**fields),
+    }

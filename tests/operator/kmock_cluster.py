@@ -160,8 +160,9 @@ class KubeCluster:
 
     # -- JSON helpers ----------------------------------------------------------------------------
 
-    def path(self, resource: str, namespace: str | None = None, name: str | None = None,
-             subresource: str | None = None) -> str:
+    def path(
+        self, resource: str, namespace: str | None = None, name: str | None = None, subresource: str | None = None
+    ) -> str:
         """The URL path of a resource, e.g. ("apps/v1/deployments", "ns", "web") -> /apis/apps/v1/..."""
         parsed = kmock.resource(resource)
         parts = ["api", parsed.version] if parsed.group == "" else ["apis", parsed.group, parsed.version]
@@ -171,8 +172,7 @@ class KubeCluster:
         parts += [part for part in (name, subresource) if part]
         return "/" + "/".join(parts)
 
-    def request(self, method: str, path: str, body: Any = None,
-                content_type: str = "application/json") -> Any:
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": content_type, "Accept": "application/json"}
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
@@ -196,13 +196,15 @@ class KubeCluster:
                 return None
             raise
 
-    def list(self, resource: str, namespace: str | None = None,
-             label_selector: str | None = None) -> builtins.list[dict[str, Any]]:
+    def list(
+        self, resource: str, namespace: str | None = None, label_selector: str | None = None
+    ) -> builtins.list[dict[str, Any]]:
         query = "?" + urllib.parse.urlencode({"labelSelector": label_selector}) if label_selector else ""
         return self.request("GET", self.path(resource, namespace) + query)["items"]
 
-    def patch(self, resource: str, name: str, patch: Any, namespace: str | None = None,
-              subresource: str | None = None) -> dict[str, Any]:
+    def patch(
+        self, resource: str, name: str, patch: Any, namespace: str | None = None, subresource: str | None = None
+    ) -> dict[str, Any]:
         """JSON merge patch (a dict) or JSON patch (a list)."""
         kind = "application/json-patch+json" if isinstance(patch, list) else "application/merge-patch+json"
         return self.request("PATCH", self.path(resource, namespace, name, subresource), patch, kind)

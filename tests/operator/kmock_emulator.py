@@ -280,8 +280,10 @@ class Emulator(kmock.KubernetesEmulator):
         try:
             async with self._lock:
                 snapshot = [
-                    obj.raw for (resource, namespace, _), obj in self.objects.items()
-                    if resource == request.resource and not obj.deleted
+                    obj.raw
+                    for (resource, namespace, _), obj in self.objects.items()
+                    if resource == request.resource
+                    and not obj.deleted
                     and (request.namespace is None or namespace == request.namespace)
                 ]
             seen = {}

@@ -24,9 +24,13 @@ def _healthy(port: int) -> bool:
 def test_the_operator_command_serves_a_namespace(kube_cluster, kube_namespace):
     port = free_port()
     # The fixture pointed KUBECONFIG at the emulator; the child inherits it.
-    process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "operator", "--namespace", kube_namespace,
-                                "--liveness-port", str(port)], env=dict(os.environ),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "operator", "--namespace", kube_namespace, "--liveness-port", str(port)],
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not _healthy(port):
@@ -34,8 +38,14 @@ def test_the_operator_command_serves_a_namespace(kube_cluster, kube_namespace):
             assert time.monotonic() < deadline, "no /healthz"
             time.sleep(0.2)
         kube_cluster.create(PDSERVICES, pdservice("cli"), kube_namespace)
-        names = wait_for(lambda: sorted(d["metadata"]["name"] for d in kube_cluster.list(DEPLOYMENTS, kube_namespace))
-                         if len(kube_cluster.list(DEPLOYMENTS, kube_namespace)) == 3 else None, timeout=30)
+        names = wait_for(
+            lambda: (
+                sorted(d["metadata"]["name"] for d in kube_cluster.list(DEPLOYMENTS, kube_namespace))
+                if len(kube_cluster.list(DEPLOYMENTS, kube_namespace)) == 3
+                else None
+            ),
+            timeout=30,
+        )
         assert names == ["cli-decode", "cli-prefill", "cli-router"]
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0

@@ -10,19 +10,26 @@ from tests.operator.kmock_emulator import matches, parse_selector
 
 
 def pod(name, **labels):
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
-            "spec": {"containers": [{"name": "c", "image": "i"}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"containers": [{"name": "c", "image": "i"}]},
+    }
 
 
-@pytest.mark.parametrize(("selector", "labels", "expected"), [
-    ("a=1,b!=2", {"a": "1", "b": "3"}, True),
-    ("a=1,b!=2", {"a": "1", "b": "2"}, False),
-    ("a==1", {"a": "1"}, True),
-    ("a in (1, 2),!c", {"a": "2"}, True),
-    ("a notin (1,2)", {"a": "1"}, False),
-    ("a", {}, False),
-    ("!a", {}, True),
-])
+@pytest.mark.parametrize(
+    ("selector", "labels", "expected"),
+    [
+        ("a=1,b!=2", {"a": "1", "b": "3"}, True),
+        ("a=1,b!=2", {"a": "1", "b": "2"}, False),
+        ("a==1", {"a": "1"}, True),
+        ("a in (1, 2),!c", {"a": "2"}, True),
+        ("a notin (1,2)", {"a": "1"}, False),
+        ("a", {}, False),
+        ("!a", {}, True),
+    ],
+)
 def test_selectors(selector, labels, expected):
     assert matches(parse_selector(selector), labels) is expected
 
@@ -40,8 +47,9 @@ def test_create_stamps_metadata_and_generate_name(kube_cluster, kube_namespace):
 def test_status_is_written_through_the_subresource_only(kube_cluster, kube_namespace):
     kube_cluster.create("v1/pods", {**pod("p1"), "status": {"phase": "Running"}}, kube_namespace)
     assert "status" not in kube_cluster.get("v1/pods", "p1", kube_namespace)
-    kube_cluster.patch("v1/pods", "p1", {"status": {"phase": "Running"}, "spec": {"x": 1}}, kube_namespace,
-                       subresource="status")
+    kube_cluster.patch(
+        "v1/pods", "p1", {"status": {"phase": "Running"}, "spec": {"x": 1}}, kube_namespace, subresource="status"
+    )
     stored = kube_cluster.get("v1/pods", "p1", kube_namespace)
     assert stored["status"] == {"phase": "Running"} and "x" not in stored["spec"]
 
@@ -57,11 +65,16 @@ def test_noop_patches_keep_the_resource_version(kube_cluster, kube_namespace):
 def test_failed_json_patch_test_is_422_and_custom_resources_are_validated(kube_cluster, kube_namespace):
     kube_cluster.create("v1/pods", pod("p1"), kube_namespace)
     with pytest.raises(ApiError) as failed:
-        kube_cluster.patch("v1/pods", "p1", [{"op": "test", "path": "/metadata/resourceVersion", "value": "0"}],
-                           kube_namespace)
+        kube_cluster.patch(
+            "v1/pods", "p1", [{"op": "test", "path": "/metadata/resourceVersion", "value": "0"}], kube_namespace
+        )
     assert failed.value.status == 422
-    pool = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDPool", "metadata": {"name": "x"},
-            "spec": {"service": "s", "role": "router", "replicas": 1}}
+    pool = {
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "PDPool",
+        "metadata": {"name": "x"},
+        "spec": {"service": "s", "role": "router", "replicas": 1},
+    }
     with pytest.raises(ApiError) as invalid:
         kube_cluster.create("pdserve.io/v1alpha1/pdpools", pool, kube_namespace)
     assert invalid.value.status == 422 and "router" in invalid.value.body
@@ -77,8 +90,12 @@ def test_kubernetes_client_lists_and_watches_by_label_from_a_resource_version(ku
 
     def watch():
         stream = kubernetes.watch.Watch().stream(
-            core.list_namespaced_pod, kube_namespace, label_selector="app=llm",
-            resource_version=listed.metadata.resource_version, timeout_seconds=1)
+            core.list_namespaced_pod,
+            kube_namespace,
+            label_selector="app=llm",
+            resource_version=listed.metadata.resource_version,
+            timeout_seconds=1,
+        )
         seen.extend((event["type"], event["object"].metadata.name) for event in stream)
 
     watcher = threading.Thread(target=watch)

@@ -15,9 +15,12 @@ from tests.operator.helpers import spec
 
 HELM = pathlib.Path(__file__).resolve().parents[2] / "helm/pdserve"
 LABELS = {
-    "app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "llm",
-    "app.kubernetes.io/component": "prefill", "app.kubernetes.io/managed-by": "pdserve-operator",
-    "pdserve.io/role": "prefill", "pdserve.io/service": "llm",
+    "app.kubernetes.io/name": "pdserve",
+    "app.kubernetes.io/instance": "llm",
+    "app.kubernetes.io/component": "prefill",
+    "app.kubernetes.io/managed-by": "pdserve-operator",
+    "pdserve.io/role": "prefill",
+    "pdserve.io/service": "llm",
 }
 
 
@@ -39,14 +42,34 @@ def by_kind_name(objs):
 
 
 def test_engine_command_has_the_cli_flags_then_the_users():
-    fields = {"model": {"source": "pvc", "claimName": "m", "path": "qwen/", "servedModelName": "Qwen/Qwen3"},
-              "kvTransfer": {"leaseSeconds": 2.5, "transferTimeoutSeconds": 10, "loadFailure": "fail"},
-              "prefill": {"engineArgs": ["--max-model-len", "8192"]}}
+    fields = {
+        "model": {"source": "pvc", "claimName": "m", "path": "qwen/", "servedModelName": "Qwen/Qwen3"},
+        "kvTransfer": {"leaseSeconds": 2.5, "transferTimeoutSeconds": 10, "loadFailure": "fail"},
+        "prefill": {"engineArgs": ["--max-model-len", "8192"]},
+    }
     assert container(engine_pod("llm", "prefill", full(**fields)))["command"] == [
-        "pdserve", "prefill", "--host", "0.0.0.0", "--port", "8100", "--model", "/models/model/qwen",
-        "--served-model-name", "Qwen/Qwen3", "--kv-transfer", "nixl", "--kv-side-channel-port", "5600",
-        "--kv-lease-seconds", "2.5", "--kv-transfer-timeout", "10", "--kv-load-failure", "fail",
-        "--max-model-len", "8192",
+        "pdserve",
+        "prefill",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8100",
+        "--model",
+        "/models/model/qwen",
+        "--served-model-name",
+        "Qwen/Qwen3",
+        "--kv-transfer",
+        "nixl",
+        "--kv-side-channel-port",
+        "5600",
+        "--kv-lease-seconds",
+        "2.5",
+        "--kv-transfer-timeout",
+        "10",
+        "--kv-load-failure",
+        "fail",
+        "--max-model-len",
+        "8192",
     ]
     decode = container(engine_pod("llm", "decode", full()))["command"]
     assert decode[:8] == ["pdserve", "decode", "--host", "0.0.0.0", "--port", "8200", "--model", "/models/model"]
@@ -56,9 +79,22 @@ def test_engine_command_has_the_cli_flags_then_the_users():
 def test_router_command_discovers_its_own_pods():
     pod = router_pod("llm", "ns", full(router={"args": ["--routing", "prefix-load"]}))
     assert container(pod)["command"] == [
-        "pdserve", "router", "--host", "0.0.0.0", "--port", "8000", "--discovery", "kubernetes",
-        "--namespace", "ns", "--selector", "app.kubernetes.io/instance=llm", "--tokenizer", "/models/model",
-        "--routing", "prefix-load",
+        "pdserve",
+        "router",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--discovery",
+        "kubernetes",
+        "--namespace",
+        "ns",
+        "--selector",
+        "app.kubernetes.io/instance=llm",
+        "--tokenizer",
+        "/models/model",
+        "--routing",
+        "prefix-load",
     ]
     assert pod["spec"]["serviceAccountName"] == "llm-router"
     # The tokenizer (prefix-aware routing) comes from the model volume, mounted read-only.
@@ -83,8 +119,10 @@ def test_engine_environment_ports_and_probes():
 
 
 def test_gpus_and_rdma_merge_into_the_users_resources():
-    fields = {"decode": {"gpus": 2, "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "32Gi"}}},
-              "kvTransfer": {"rdmaResource": "rdma/hca_shared_devices_a"}}
+    fields = {
+        "decode": {"gpus": 2, "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "32Gi"}}},
+        "kvTransfer": {"rdmaResource": "rdma/hca_shared_devices_a"},
+    }
     assert container(engine_pod("llm", "decode", full(**fields)))["resources"] == {
         "requests": {"cpu": "4"},
         "limits": {"memory": "32Gi", "nvidia.com/gpu": "2", "rdma/hca_shared_devices_a": "1"},
@@ -98,11 +136,14 @@ def test_grace_period_covers_the_kv_lease():
     assert pod["spec"]["terminationGracePeriodSeconds"] == 33
 
 
-@pytest.mark.parametrize(("model", "volume"), [
-    ({"source": "pvc", "claimName": "m"}, {"persistentVolumeClaim": {"claimName": "m", "readOnly": True}}),
-    ({"source": "hostPath", "hostPath": "/data"}, {"hostPath": {"path": "/data", "type": "Directory"}}),
-    ({"source": "huggingface", "repo": "Qwen/Qwen3-0.6B"}, {"emptyDir": {}}),
-])
+@pytest.mark.parametrize(
+    ("model", "volume"),
+    [
+        ({"source": "pvc", "claimName": "m"}, {"persistentVolumeClaim": {"claimName": "m", "readOnly": True}}),
+        ({"source": "hostPath", "hostPath": "/data"}, {"hostPath": {"path": "/data", "type": "Directory"}}),
+        ({"source": "huggingface", "repo": "Qwen/Qwen3-0.6B"}, {"emptyDir": {}}),
+    ],
+)
 def test_model_volume_is_mounted_read_only_at_models_model(model, volume):
     pod = engine_pod("llm", "decode", full(model=model))
     assert pod["spec"]["volumes"][0] == {"name": "model", **volume}
@@ -212,7 +253,11 @@ def test_pod_commands_parse_with_the_real_cli():
     for role in ("prefill", "decode"):
         args = parser.parse_args(container(engine_pod("llm", role, full(**fields)))["command"][1:])
         assert (args.host, args.port, args.model, args.kv_side_channel_port) == (
-            "0.0.0.0", 8100 if role == "prefill" else 8200, "/models/model", 5600)
+            "0.0.0.0",
+            8100 if role == "prefill" else 8200,
+            "/models/model",
+            5600,
+        )
         assert args.kv_lease_seconds == 2.5
     args = parser.parse_args(container(router_pod("llm", "ns", full()))["command"][1:])
     assert (args.discovery, args.namespace, args.selector) == ("kubernetes", "ns", "app.kubernetes.io/instance=llm")

@@ -11,10 +11,17 @@ from tests.operator.helpers import DEPLOYMENTS, PDPOOLS, PDSERVICES, SERVICES, p
 from tests.operator.kmock_cluster import CRD_DIR, KubeCluster, wait_for
 
 ROLES = ("router", "prefill", "decode")
-OWNED = [(DEPLOYMENTS, f"llm-{role}") for role in ROLES] + [(SERVICES, f"llm-{role}") for role in ROLES] + [
-    (PDPOOLS, "llm-prefill"), (PDPOOLS, "llm-decode"), ("v1/serviceaccounts", "llm-router"),
-    ("rbac.authorization.k8s.io/v1/roles", "llm-router"), ("rbac.authorization.k8s.io/v1/rolebindings", "llm-router"),
-]
+OWNED = (
+    [(DEPLOYMENTS, f"llm-{role}") for role in ROLES]
+    + [(SERVICES, f"llm-{role}") for role in ROLES]
+    + [
+        (PDPOOLS, "llm-prefill"),
+        (PDPOOLS, "llm-decode"),
+        ("v1/serviceaccounts", "llm-router"),
+        ("rbac.authorization.k8s.io/v1/roles", "llm-router"),
+        ("rbac.authorization.k8s.io/v1/rolebindings", "llm-router"),
+    ]
+)
 
 
 def deploy(cluster, namespace, **fields):
@@ -37,15 +44,24 @@ def test_create_makes_every_object_owned_by_the_pdservice(kube_cluster, kube_nam
     service = deploy(kube_cluster, kube_namespace, prefill={"replicas": 2, "gpus": 1}, decode={"gpus": 0})
     for resource, name in OWNED:
         obj = kube_cluster.get(resource, name, kube_namespace)
-        assert obj["metadata"]["ownerReferences"] == [{
-            "apiVersion": "pdserve.io/v1alpha1", "kind": "PDService", "name": "llm",
-            "uid": service["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True,
-        }], name
+        assert obj["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "pdserve.io/v1alpha1",
+                "kind": "PDService",
+                "name": "llm",
+                "uid": service["metadata"]["uid"],
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ], name
         role = name.removeprefix("llm-")
         assert obj["metadata"]["labels"]["pdserve.io/role"] == role
         assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pdserve-operator"
     assert kube_cluster.get(PDPOOLS, "llm-prefill", kube_namespace)["spec"] == {
-        "service": "llm", "role": "prefill", "replicas": 2}
+        "service": "llm",
+        "role": "prefill",
+        "replicas": 2,
+    }
     assert [replicas(kube_cluster, kube_namespace, role) for role in ROLES] == [1, 2, 1]
     prefill = kube_cluster.get(DEPLOYMENTS, "llm-prefill", kube_namespace)["spec"]["template"]["spec"]
     assert prefill["containers"][0]["command"][:2] == ["pdserve", "prefill"]
@@ -81,8 +97,11 @@ def test_spec_change_updates_deployments_but_never_pool_sizes(kube_cluster, kube
     deploy(kube_cluster, kube_namespace)
     kube_cluster.patch(PDPOOLS, "llm-decode", {"spec": {"replicas": 2}}, kube_namespace)
     wait_for(lambda: replicas(kube_cluster, kube_namespace, "decode") == 2)
-    change = {"image": "pdserve:2", "router": {"replicas": 3},
-              "decode": {"replicas": 5, "engineArgs": ["--max-model-len", "8192"]}}
+    change = {
+        "image": "pdserve:2",
+        "router": {"replicas": 3},
+        "decode": {"replicas": 5, "engineArgs": ["--max-model-len", "8192"]},
+    }
     kube_cluster.patch(PDSERVICES, "llm", {"spec": change}, kube_namespace)
 
     def decode_container():
@@ -114,8 +133,9 @@ def test_invalid_spec_creates_nothing_and_says_why(kube_cluster, kube_namespace,
     kube_cluster.wait_idle()
     assert len([e for e in kube_cluster.events(kube_namespace, "llm") if e["reason"] == "InvalidSpec"]) == 1
     # Fixed, it is served.
-    kube_cluster.patch(PDSERVICES, "llm", {"spec": {"model": {"claimName": "models"}, "prefill": {"engineArgs": []}}},
-                       kube_namespace)
+    kube_cluster.patch(
+        PDSERVICES, "llm", {"spec": {"model": {"claimName": "models"}, "prefill": {"engineArgs": []}}}, kube_namespace
+    )
     wait_for(lambda: all(kube_cluster.get(resource, name, kube_namespace) for resource, name in OWNED))
     wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["reason"] == "PoolsNotReady")
 
@@ -151,8 +171,12 @@ def test_status_follows_deployment_readiness(kube_cluster, kube_namespace, opera
     set_ready("decode", 1, 2)
     wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["message"] == "waiting for ready pods: decode 1/2")
     set_ready("decode", 2, 2)
-    condition = wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["status"] == "True"
-                         and ready_condition(kube_cluster, kube_namespace))
+    condition = wait_for(
+        lambda: (
+            ready_condition(kube_cluster, kube_namespace)["status"] == "True"
+            and ready_condition(kube_cluster, kube_namespace)
+        )
+    )
     assert condition["reason"] == "AllPoolsReady"
     pools = kube_cluster.get(PDSERVICES, "llm", kube_namespace)["status"]["pools"]
     assert {role: pools[role]["summary"] for role in ROLES} == {"router": "1/1", "prefill": "1/1", "decode": "2/2"}
@@ -168,8 +192,10 @@ def test_all_namespaces_with_liveness_endpoint():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with KubeCluster(crds=[CRD_DIR]) as cluster, \
-            running_operator(None, "--liveness", f"http://127.0.0.1:{port}/healthz"):
+    with (
+        KubeCluster(crds=[CRD_DIR]) as cluster,
+        running_operator(None, "--liveness", f"http://127.0.0.1:{port}/healthz"),
+    ):
         for namespace in ("team-a", "team-b"):
             cluster.create(PDSERVICES, pdservice(), namespace)
         wait_for(lambda: all(cluster.get(DEPLOYMENTS, "llm-decode", ns) for ns in ("team-a", "team-b")))
@@ -180,8 +206,9 @@ def test_all_namespaces_with_liveness_endpoint():
 def test_an_invalid_change_leaves_what_runs(kube_cluster, kube_namespace, operator):
     deploy(kube_cluster, kube_namespace)
     before = kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace)
-    kube_cluster.patch(PDSERVICES, "llm", {"spec": {"image": "pdserve:2", "decode": {"engineArgs": ["--host=x"]}}},
-                       kube_namespace)
+    kube_cluster.patch(
+        PDSERVICES, "llm", {"spec": {"image": "pdserve:2", "decode": {"engineArgs": ["--host=x"]}}}, kube_namespace
+    )
     wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["reason"] == "InvalidSpec")
     kube_cluster.wait_idle()
     assert kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace) == before

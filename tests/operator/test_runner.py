@@ -15,10 +15,13 @@ def test_run_is_kopf_standalone_with_liveness(monkeypatch):
     run("ml", liveness_port=9090)
     run()
     assert calls == [
-        {"standalone": True, "clusterwide": False, "namespaces": ["ml"],
-         "liveness_endpoint": "http://0.0.0.0:9090/healthz"},
-        {"standalone": True, "clusterwide": True, "namespaces": [],
-         "liveness_endpoint": "http://0.0.0.0:8080/healthz"},
+        {
+            "standalone": True,
+            "clusterwide": False,
+            "namespaces": ["ml"],
+            "liveness_endpoint": "http://0.0.0.0:9090/healthz",
+        },
+        {"standalone": True, "clusterwide": True, "namespaces": [], "liveness_endpoint": "http://0.0.0.0:8080/healthz"},
     ]
 
 
@@ -27,8 +30,13 @@ def test_operator_imports_nothing_else_of_pdserve():
     package = pathlib.Path(__file__).resolve().parents[2] / "pdserve/operator"
     for path in package.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 if name.startswith("pdserve"):
                     assert name.startswith(("pdserve.operator", "pdserve.api")), f"{path.name} imports {name}"

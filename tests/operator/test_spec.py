@@ -37,29 +37,32 @@ def test_a_valid_spec_has_no_problems():
     assert problems("llm", spec(prefill={"engineArgs": ["--max-model-len", "8192", "--kv-events-port=0"]})) == []
 
 
-@pytest.mark.parametrize(("fields", "fragment"), [
-    ({"model": {"source": "pvc"}}, "spec.model.claimName is required"),
-    ({"model": {"source": "hostPath"}}, "spec.model.hostPath is required"),
-    ({"model": {"source": "hostPath", "hostPath": "data"}}, "absolute path"),
-    ({"model": {"source": "huggingface"}}, "spec.model.repo is required"),
-    ({"model": {"source": "pvc", "claimName": "m", "path": "../etc"}}, "spec.model.path"),
-    ({"model": {"source": "s3"}}, "spec.model.source must be one of"),
-    ({"image": ""}, "spec.image is required"),
-    ({"prefill": {"engineArgs": ["--port", "9000"]}}, "spec.prefill.engineArgs must not set --port"),
-    ({"decode": {"engineArgs": ["--model=/x"]}}, "must not set --model"),
-    ({"decode": {"engineArgs": ["--mod", "/x"]}}, "must not set --model"),  # argparse prefix
-    ({"decode": {"engineArgs": ["--kv-lease-seconds", "5"]}}, "must not set --kv-lease-seconds"),
-    ({"decode": {"engineArgs": "--port 1"}}, "must be a list of strings"),
-    ({"router": {"args": ["--selector", "x=y"]}}, "spec.router.args must not set --selector"),
-    ({"router": {"replicas": -1}}, "spec.router.replicas must be an integer >= 0"),
-    ({"prefill": {"gpus": True}}, "spec.prefill.gpus must be an integer >= 0"),
-    ({"prefill": {"resources": {"limits": {"nvidia.com/gpu": "2"}}}}, "set the pool's gpus"),
-    ({"prefill": {"resources": {"cpu": "1"}}}, "ResourceRequirements"),
-    ({"prefill": {"nodeSelector": {"a": 1}}}, "nodeSelector"),
-    ({"kvTransfer": {"leaseSeconds": 0}}, "spec.kvTransfer.leaseSeconds must be a number >= 1"),
-    ({"kvTransfer": {"backend": "rdma"}}, "spec.kvTransfer.backend"),
-    ({"decode": "big"}, "spec.decode must be an object"),
-])
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"model": {"source": "pvc"}}, "spec.model.claimName is required"),
+        ({"model": {"source": "hostPath"}}, "spec.model.hostPath is required"),
+        ({"model": {"source": "hostPath", "hostPath": "data"}}, "absolute path"),
+        ({"model": {"source": "huggingface"}}, "spec.model.repo is required"),
+        ({"model": {"source": "pvc", "claimName": "m", "path": "../etc"}}, "spec.model.path"),
+        ({"model": {"source": "s3"}}, "spec.model.source must be one of"),
+        ({"image": ""}, "spec.image is required"),
+        ({"prefill": {"engineArgs": ["--port", "9000"]}}, "spec.prefill.engineArgs must not set --port"),
+        ({"decode": {"engineArgs": ["--model=/x"]}}, "must not set --model"),
+        ({"decode": {"engineArgs": ["--mod", "/x"]}}, "must not set --model"),  # argparse prefix
+        ({"decode": {"engineArgs": ["--kv-lease-seconds", "5"]}}, "must not set --kv-lease-seconds"),
+        ({"decode": {"engineArgs": "--port 1"}}, "must be a list of strings"),
+        ({"router": {"args": ["--selector", "x=y"]}}, "spec.router.args must not set --selector"),
+        ({"router": {"replicas": -1}}, "spec.router.replicas must be an integer >= 0"),
+        ({"prefill": {"gpus": True}}, "spec.prefill.gpus must be an integer >= 0"),
+        ({"prefill": {"resources": {"limits": {"nvidia.com/gpu": "2"}}}}, "set the pool's gpus"),
+        ({"prefill": {"resources": {"cpu": "1"}}}, "ResourceRequirements"),
+        ({"prefill": {"nodeSelector": {"a": 1}}}, "nodeSelector"),
+        ({"kvTransfer": {"leaseSeconds": 0}}, "spec.kvTransfer.leaseSeconds must be a number >= 1"),
+        ({"kvTransfer": {"backend": "rdma"}}, "spec.kvTransfer.backend"),
+        ({"decode": "big"}, "spec.decode must be an object"),
+    ],
+)
 def test_problems_name_the_field(fields, fragment):
     found = problems("llm", spec(**fields))
     assert any(fragment in problem for problem in found), found

@@ -39,6 +39,8 @@ def test_transition_time_moves_only_when_the_status_flips():
 def test_pool_status_is_what_the_scale_subresource_reads():
     deployment = {"status": {"replicas": 3, "readyReplicas": 2}}
     assert status.pool_status("llm", "decode", deployment) == {
-        "replicas": 3, "readyReplicas": 2, "selector": "app.kubernetes.io/instance=llm,pdserve.io/role=decode",
+        "replicas": 3,
+        "readyReplicas": 2,
+        "selector": "app.kubernetes.io/instance=llm,pdserve.io/role=decode",
     }
     assert status.pool_status("llm", "decode", None)["replicas"] == 0

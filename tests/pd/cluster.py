@@ -17,8 +17,18 @@ from dataclasses import dataclass, field
 from pdserve.launcher import free_port
 from pdserve.models.demo import ensure_demo_model
 
-ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", "8MiB", "--served-model-name",
-                "demo", "--log-level", "warning"]
+ENGINE_FLAGS = [
+    "--device",
+    "cpu",
+    "--max-model-len",
+    "512",
+    "--kv-cache-memory",
+    "8MiB",
+    "--served-model-name",
+    "demo",
+    "--log-level",
+    "warning",
+]
 
 
 @dataclass
@@ -36,8 +46,9 @@ class Process:
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
-        self.process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *self.argv], env=self.env,
-                                        stdout=log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *self.argv], env=self.env, stdout=log, stderr=subprocess.STDOUT
+        )
         log.close()
 
     def wait_healthy(self, timeout: float = 180) -> None:
@@ -79,9 +90,17 @@ class Cluster:
     router: Process | None = None
 
     @classmethod
-    def start(cls, tmp_path, transport: str = "nixl", num_prefill: int = 1, num_decode: int = 1,
-              prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
-              decode_faults: str = "", with_router: bool = True) -> Cluster:
+    def start(
+        cls,
+        tmp_path,
+        transport: str = "nixl",
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        prefill_flags: tuple[str, ...] = (),
+        decode_flags: tuple[str, ...] = (),
+        decode_faults: str = "",
+        with_router: bool = True,
+    ) -> Cluster:
         model = str(ensure_demo_model())
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
         env.pop("PDSERVE_KV_FAULTS", None)
@@ -90,8 +109,19 @@ class Cluster:
             role_env = dict(env, PDSERVE_KV_FAULTS=decode_faults) if role == "decode" and decode_faults else env
             for index in range(count):
                 port = free_port()
-                argv = [role, "--port", str(port), "--model", model, "--kv-transfer", transport,
-                        "--kv-side-channel-port", str(free_port()), *ENGINE_FLAGS, *flags]
+                argv = [
+                    role,
+                    "--port",
+                    str(port),
+                    "--model",
+                    model,
+                    "--kv-transfer",
+                    transport,
+                    "--kv-side-channel-port",
+                    str(free_port()),
+                    *ENGINE_FLAGS,
+                    *flags,
+                ]
                 process = Process(f"{role}-{index}", argv, role_env, port, str(tmp_path / f"{role}-{index}.log"))
                 (cluster.prefills if role == "prefill" else cluster.decodes).append(process)
         try:
@@ -101,10 +131,23 @@ class Cluster:
                 process.wait_healthy()
             if with_router:
                 port = free_port()
-                cluster.router = Process("router", ["router", "--port", str(port), "--log-level", "warning",
-                                                    "--prefill", *[p.url for p in cluster.prefills],
-                                                    "--decode", *[d.url for d in cluster.decodes]],
-                                         env, port, str(tmp_path / "router.log"))
+                cluster.router = Process(
+                    "router",
+                    [
+                        "router",
+                        "--port",
+                        str(port),
+                        "--log-level",
+                        "warning",
+                        "--prefill",
+                        *[p.url for p in cluster.prefills],
+                        "--decode",
+                        *[d.url for d in cluster.decodes],
+                    ],
+                    env,
+                    port,
+                    str(tmp_path / "router.log"),
+                )
                 cluster.router.start()
                 cluster.router.wait_healthy()
         except BaseException:

@@ -19,16 +19,20 @@ LEASE_S = 5
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cluster = Cluster.start(tmp_path_factory.mktemp("disconnects"),
-                            prefill_flags=("--kv-lease-seconds", str(LEASE_S)))
+    cluster = Cluster.start(tmp_path_factory.mktemp("disconnects"), prefill_flags=("--kv-lease-seconds", str(LEASE_S)))
     yield cluster
     cluster.stop()
 
 
 async def _client(session: aiohttp.ClientSession, url: str, rng: random.Random, outcomes: list[str]) -> None:
     stream = rng.random() < 0.5
-    body = {"model": "demo", "prompt": "word " * rng.randrange(3, 100), "max_tokens": rng.randrange(1, 150),
-            "stream": stream, "ignore_eos": True}
+    body = {
+        "model": "demo",
+        "prompt": "word " * rng.randrange(3, 100),
+        "max_tokens": rng.randrange(1, 150),
+        "stream": stream,
+        "ignore_eos": True,
+    }
     leave_after = rng.uniform(0.0, 0.4) if rng.random() < 0.8 else None
 
     async def call() -> str:
@@ -64,9 +68,13 @@ def test_clients_leaving_at_any_stage_leak_nothing(cluster):
 
     def drained() -> bool:
         prefill, decode = metrics(cluster.prefills[0].url), metrics(cluster.decodes[0].url)
-        return (prefill["pdserve_kv_blocks_held_for_remote"] == 0 and prefill["pdserve_kv_cache_usage_ratio"] == 0
-                and decode["pdserve_kv_cache_usage_ratio"] == 0 and decode["pdserve_num_requests_running"] == 0
-                and decode["pdserve_num_requests_waiting"] == 0)
+        return (
+            prefill["pdserve_kv_blocks_held_for_remote"] == 0
+            and prefill["pdserve_kv_cache_usage_ratio"] == 0
+            and decode["pdserve_kv_cache_usage_ratio"] == 0
+            and decode["pdserve_num_requests_running"] == 0
+            and decode["pdserve_num_requests_waiting"] == 0
+        )
 
     wait_for(drained, LEASE_S + 10, "blocks or requests left behind after the clients went away")
     router = metrics(cluster.router.url)

@@ -25,9 +25,13 @@ DELAY_S = 5
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cluster = Cluster.start(tmp_path_factory.mktemp("pd-faults"), with_router=False,
-                            prefill_flags=("--kv-lease-seconds", str(LEASE_S)),
-                            decode_flags=("--kv-transfer-timeout", "3"), decode_faults=f"delay_load={DELAY_S}")
+    cluster = Cluster.start(
+        tmp_path_factory.mktemp("pd-faults"),
+        with_router=False,
+        prefill_flags=("--kv-lease-seconds", str(LEASE_S)),
+        decode_flags=("--kv-transfer-timeout", "3"),
+        decode_faults=f"delay_load={DELAY_S}",
+    )
     yield cluster
     cluster.stop()
 
@@ -37,8 +41,9 @@ def _body(prompt: str, **extra) -> dict:
 
 
 def _prefill_leg(cluster: Cluster, prompt: str) -> dict:
-    status, answer = post(cluster.prefills[0].url + "/v1/completions",
-                          _body(prompt, kv_transfer_params={"do_remote_decode": True}))
+    status, answer = post(
+        cluster.prefills[0].url + "/v1/completions", _body(prompt, kv_transfer_params={"do_remote_decode": True})
+    )
     assert status == 200, answer
     params = answer["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_block_ids"]
@@ -78,17 +83,26 @@ def test_decode_abort_before_the_pull_frees_prefill_by_notification(cluster):
     wait_for(lambda: _held(cluster) > 0, 10, "prefill does not report its held blocks")
     url = urlparse(cluster.decodes[0].url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    connection.request("POST", "/v1/completions", json.dumps(_body(_prompt("abort"), stream=True,
-                                                                   kv_transfer_params=params)),
-                       {"Content-Type": "application/json"})
+    connection.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(_body(_prompt("abort"), stream=True, kv_transfer_params=params)),
+        {"Content-Type": "application/json"},
+    )
     assert connection.getresponse().status == 200
-    wait_for(lambda: metrics(cluster.decodes[0].url)["pdserve_num_requests_waiting_for_remote_kv"] == 1, 10,
-             "the decode request never waited for its pull")
+    wait_for(
+        lambda: metrics(cluster.decodes[0].url)["pdserve_num_requests_waiting_for_remote_kv"] == 1,
+        10,
+        "the decode request never waited for its pull",
+    )
     connection.close()  # the client leaves while the pull has not started
     wait_for(lambda: _held(cluster) == 0, DELAY_S, "prefill kept the blocks: no release reached it")
     assert metrics(cluster.prefills[0].url)["pdserve_kv_lease_expirations_total"] == 0, "freed by lease, not release"
-    wait_for(lambda: metrics(cluster.decodes[0].url)["pdserve_kv_cache_usage_ratio"] == 0, 10,
-             "decode kept the aborted request's blocks")
+    wait_for(
+        lambda: metrics(cluster.decodes[0].url)["pdserve_kv_cache_usage_ratio"] == 0,
+        10,
+        "decode kept the aborted request's blocks",
+    )
 
 
 def test_prefill_killed_while_requests_wait_then_restarted(cluster):
@@ -98,14 +112,20 @@ def test_prefill_killed_while_requests_wait_then_restarted(cluster):
     answers: list = [None] * len(prompts)
 
     def decode_leg(index: int) -> None:
-        answers[index] = post(cluster.decodes[0].url + "/v1/completions",
-                              _body(prompts[index], kv_transfer_params=legs[index]), timeout=60)
+        answers[index] = post(
+            cluster.decodes[0].url + "/v1/completions",
+            _body(prompts[index], kv_transfer_params=legs[index]),
+            timeout=60,
+        )
 
     threads = [threading.Thread(target=decode_leg, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
-    wait_for(lambda: metrics(cluster.decodes[0].url)["pdserve_num_requests_waiting_for_remote_kv"] == len(prompts),
-             10, "requests did not reach WAITING_FOR_REMOTE_KVS")
+    wait_for(
+        lambda: metrics(cluster.decodes[0].url)["pdserve_num_requests_waiting_for_remote_kv"] == len(prompts),
+        10,
+        "requests did not reach WAITING_FOR_REMOTE_KVS",
+    )
     failures_before = metrics(cluster.decodes[0].url)["pdserve_kv_transfer_failures_total"]
     cluster.prefills[0].kill()
     for thread in threads:
@@ -116,7 +136,8 @@ def test_prefill_killed_while_requests_wait_then_restarted(cluster):
     decode = metrics(cluster.decodes[0].url)
     assert decode["pdserve_kv_transfer_failures_total"] == failures_before + len(prompts)
     assert decode["pdserve_kv_cache_usage_ratio"] == 0 or wait_for(
-        lambda: metrics(cluster.decodes[0].url)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode leaked blocks")
+        lambda: metrics(cluster.decodes[0].url)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode leaked blocks"
+    )
 
     # A restarted prefill (same ports, a new engine) is used again after a fresh handshake.
     cluster.prefills[0].start()
@@ -124,8 +145,9 @@ def test_prefill_killed_while_requests_wait_then_restarted(cluster):
     prompt = _prompt("after restart")
     expected_after = _reference(cluster, prompt)
     bytes_before = metrics(cluster.decodes[0].url)["pdserve_kv_transfer_bytes_total"]
-    status, answer = post(cluster.decodes[0].url + "/v1/completions",
-                          _body(prompt, kv_transfer_params=_prefill_leg(cluster, prompt)))
+    status, answer = post(
+        cluster.decodes[0].url + "/v1/completions", _body(prompt, kv_transfer_params=_prefill_leg(cluster, prompt))
+    )
     assert status == 200 and answer["choices"][0]["text"] == expected_after
     decode = metrics(cluster.decodes[0].url)
     assert decode["pdserve_kv_transfer_bytes_total"] > bytes_before
@@ -144,23 +166,33 @@ def test_sigterm_drains_prefill_after_its_held_blocks_are_pulled_and_decode_afte
     failures = metrics(decode.url)["pdserve_kv_transfer_failures_total"]
     url = urlparse(decode.url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    connection.request("POST", "/v1/completions", json.dumps(_body(prompt, stream=True, max_tokens=150,
-                                                                   kv_transfer_params=params)),
-                       {"Content-Type": "application/json"})
+    connection.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(_body(prompt, stream=True, max_tokens=150, kv_transfer_params=params)),
+        {"Content-Type": "application/json"},
+    )
     response = connection.getresponse()
     assert response.status == 200
     wait_for(lambda: metrics(decode.url)["pdserve_num_requests_waiting_for_remote_kv"] == 1, 10, "no pending pull")
     prefill.process.send_signal(signal.SIGTERM)
-    wait_for(lambda: post(prefill.url + "/v1/completions", _body("new work"))[0] == 503, 10,
-             "a draining prefill still takes new requests")
+    wait_for(
+        lambda: post(prefill.url + "/v1/completions", _body("new work"))[0] == 503,
+        10,
+        "a draining prefill still takes new requests",
+    )
     assert prefill.process.poll() is None, "prefill exited while holding blocks for a pending pull"
-    wait_for(lambda: metrics(decode.url)["pdserve_num_requests_waiting_for_remote_kv"] == 0, DELAY_S + 10,
-             "the pull never happened")
+    wait_for(
+        lambda: metrics(decode.url)["pdserve_num_requests_waiting_for_remote_kv"] == 0,
+        DELAY_S + 10,
+        "the pull never happened",
+    )
     assert metrics(decode.url)["pdserve_kv_transfer_failures_total"] == failures, "pull from a draining prefill failed"
     decode.process.send_signal(signal.SIGTERM)  # mid-stream: the stream must still run to its end
     stream = response.read().decode()
     assert stream.rstrip().endswith("data: [DONE]")
-    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.splitlines()
-                   if line.startswith("data: {"))
+    text = "".join(
+        json.loads(line[6:])["choices"][0]["text"] for line in stream.splitlines() if line.startswith("data: {")
+    )
     assert text == reference["choices"][0]["text"]
     assert prefill.process.wait(30) == 0 and decode.process.wait(30) == 0

@@ -18,15 +18,21 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module", params=["nixl", "tcp"])
 def cluster(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"lease-{request.param}")
-    cluster = Cluster.start(folder, request.param, with_router=False, prefill_flags=("--kv-lease-seconds", "1"),
-                            decode_faults="delay_load=4,no_renew")
+    cluster = Cluster.start(
+        folder,
+        request.param,
+        with_router=False,
+        prefill_flags=("--kv-lease-seconds", "1"),
+        decode_faults="delay_load=4,no_renew",
+    )
     # A second decode engine with the other failure policy, same faults.
     template = cluster.decodes[0]
     argv = list(template.argv)
     argv[argv.index("--port") + 1] = str(port := free_port())
     argv[argv.index("--kv-side-channel-port") + 1] = str(free_port())
-    failing = Process("decode-fail", [*argv, "--kv-load-failure", "fail"], template.env, port,
-                      str(folder / "decode-fail.log"))
+    failing = Process(
+        "decode-fail", [*argv, "--kv-load-failure", "fail"], template.env, port, str(folder / "decode-fail.log")
+    )
     failing.start()
     cluster.decodes.append(failing)
     try:
@@ -47,8 +53,13 @@ def _late_pull(cluster: Cluster, decode_url: str, prompt: str) -> tuple[int, dic
     status, leg = post(prefill + "/v1/completions", _body(prompt, kv_transfer_params={"do_remote_decode": True}))
     assert status == 200, leg
     answer: list = []
-    thread = threading.Thread(target=lambda: answer.append(post(
-        decode_url + "/v1/completions", _body(prompt, kv_transfer_params=leg["kv_transfer_params"]), timeout=60)))
+    thread = threading.Thread(
+        target=lambda: answer.append(
+            post(
+                decode_url + "/v1/completions", _body(prompt, kv_transfer_params=leg["kv_transfer_params"]), timeout=60
+            )
+        )
+    )
     thread.start()
     wait_for(lambda: metrics(prefill)["pdserve_kv_blocks_held_for_remote"] == 0, 5, "the lease did not expire")
     for index in range(10):  # other requests take the freed blocks (the cache holds 128 of 16 tokens)

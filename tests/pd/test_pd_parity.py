@@ -36,19 +36,23 @@ def expected() -> list[str]:
     return [output.outputs[0].text for output in outputs]
 
 
-@pytest.fixture(scope="module", params=[("nixl", 1, 1), ("tcp", 1, 1), ("nixl", 2, 2)],
-                ids=["nixl-1p1d", "tcp-1p1d", "nixl-2p2d"])
+@pytest.fixture(
+    scope="module", params=[("nixl", 1, 1), ("tcp", 1, 1), ("nixl", 2, 2)], ids=["nixl-1p1d", "tcp-1p1d", "nixl-2p2d"]
+)
 def cluster(request, tmp_path_factory):
     transport, num_prefill, num_decode = request.param
-    cluster = Cluster.start(tmp_path_factory.mktemp(f"{transport}-{num_prefill}p{num_decode}d"), transport,
-                            num_prefill, num_decode)
+    cluster = Cluster.start(
+        tmp_path_factory.mktemp(f"{transport}-{num_prefill}p{num_decode}d"), transport, num_prefill, num_decode
+    )
     yield cluster
     cluster.stop()
 
 
 def _complete(cluster: Cluster, prompt: list[int], **extra) -> dict:
-    status, answer = post(cluster.router.url + "/v1/completions",
-                          {"model": "demo", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra})
+    status, answer = post(
+        cluster.router.url + "/v1/completions",
+        {"model": "demo", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra},
+    )
     assert status == 200, answer
     return answer
 
@@ -72,10 +76,13 @@ def test_streamed_chat_through_the_router(cluster):
     client = OpenAI(base_url=cluster.router.url + "/v1", api_key="unused")
     messages = [{"role": "user", "content": "Tell me about the sea. " * 10}]
     whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
-    stream = client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True)
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == \
-        whole.choices[0].message.content
+    stream = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    assert (
+        "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        == whole.choices[0].message.content
+    )
 
 
 def test_a_prefix_cached_on_decode_is_not_pulled_again(cluster):

@@ -31,8 +31,20 @@ def engines(tmp_path_factory):
     for name in ("decode", *FAULTS):
         role = "decode" if name == "decode" else "prefill"
         port = free_port()
-        argv = [role, "--port", str(port), "--model", model, "--kv-transfer", "tcp", "--kv-side-channel-port",
-                str(free_port()), "--kv-transfer-timeout", "3", *ENGINE_FLAGS]
+        argv = [
+            role,
+            "--port",
+            str(port),
+            "--model",
+            model,
+            "--kv-transfer",
+            "tcp",
+            "--kv-side-channel-port",
+            str(free_port()),
+            "--kv-transfer-timeout",
+            "3",
+            *ENGINE_FLAGS,
+        ]
         process_env = env if name == "decode" else dict(env, PDSERVE_KV_FAULTS=name)
         processes[name] = Process(name, argv, process_env, port, str(folder / f"{name}.log"))
     try:
@@ -40,8 +52,11 @@ def engines(tmp_path_factory):
             process.start()
         for process in processes.values():
             process.wait_healthy()
-            wait_for(lambda url=process.url: "pdserve_kv_transfer_failures_total" in metrics(url), 10,
-                     "the engine published no stats")
+            wait_for(
+                lambda url=process.url: "pdserve_kv_transfer_failures_total" in metrics(url),
+                10,
+                "the engine published no stats",
+            )
         yield processes
     finally:
         for process in processes.values():
@@ -65,8 +80,11 @@ def _decode_with(engines, prompt: str, params: dict) -> tuple[str, float]:
     status, answer = post(decode + "/v1/completions", _body(prompt, kv_transfer_params=params), timeout=60)
     elapsed = time.monotonic() - started
     assert status == 200, answer
-    wait_for(lambda: metrics(decode)["pdserve_kv_transfer_failures_total"] == failures + 1, 5,
-             "the fault was not counted as a failed transfer")
+    wait_for(
+        lambda: metrics(decode)["pdserve_kv_transfer_failures_total"] == failures + 1,
+        5,
+        "the fault was not counted as a failed transfer",
+    )
     return answer["choices"][0]["text"], elapsed
 
 
@@ -80,7 +98,8 @@ def test_a_fault_in_the_transfer_ends_in_a_recompute(engines, fault):
     # The decode told the prefill to free (or the read itself released the blocks).
     wait_for(lambda: metrics(prefill)["pdserve_kv_blocks_held_for_remote"] == 0, 10, "prefill kept the blocks")
     assert metrics(engines["decode"].url)["pdserve_kv_cache_usage_ratio"] == 0 or wait_for(
-        lambda: metrics(engines["decode"].url)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode kept blocks")
+        lambda: metrics(engines["decode"].url)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode kept blocks"
+    )
 
 
 def test_a_side_channel_that_never_answers_times_out_and_recomputes(engines):

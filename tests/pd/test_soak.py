@@ -16,8 +16,13 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_soak_200_requests(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--requests", "200", "--log-dir",
-                             str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=540)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "soak.py"), "--requests", "200", "--log-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     report = result.stdout + result.stderr
     assert result.returncode == 0, report[-6000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])

@@ -23,8 +23,15 @@ from multidict import CIMultiDict
 from pdserve.api.kv_events import EngineLoad, KVEventBatch, encode_batch
 from pdserve.router import RouterConfig, RunningRouter, start_router
 
-KV_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_request_id": "r",
-             "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 5555, "x_extra": {"a": 1}}
+KV_PARAMS = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "e1",
+    "remote_request_id": "r",
+    "remote_block_ids": [1, 2],
+    "remote_host": "127.0.0.1",
+    "remote_port": 5555,
+    "x_extra": {"a": 1},
+}
 
 
 class LoopThread:
@@ -56,36 +63,69 @@ def stream_bytes(path: str, tokens: int) -> bytes:
     for i in range(tokens):
         finish = "length" if i == tokens - 1 else None
         if path.endswith("/chat/completions"):
-            chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "demo",
-                     "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": finish}]}
+            chunk = {
+                "id": "c1",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "demo",
+                "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": finish}],
+            }
         else:
-            chunk = {"id": "c1", "object": "text_completion", "created": 1, "model": "demo",
-                     "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": finish}]}
+            chunk = {
+                "id": "c1",
+                "object": "text_completion",
+                "created": 1,
+                "model": "demo",
+                "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": finish}],
+            }
         events.append(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
     return b"".join(events) + b"data: [DONE]\n\n"
 
 
 def usage(cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": 100, "completion_tokens": 8, "total_tokens": 108,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": 100,
+        "completion_tokens": 8,
+        "total_tokens": 108,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def usage_event(path: str, cached_tokens: int) -> bytes:
     """The last data event of a stream that asked for ``include_usage``."""
     kind = "chat.completion.chunk" if path.endswith("/chat/completions") else "text_completion"
-    return b"data: " + msgspec.json.encode({"id": "c1", "object": kind, "created": 1, "model": "demo", "choices": [],
-                                            "usage": usage(cached_tokens)}) + b"\n\n"
+    return (
+        b"data: "
+        + msgspec.json.encode(
+            {"id": "c1", "object": kind, "created": 1, "model": "demo", "choices": [], "usage": usage(cached_tokens)}
+        )
+        + b"\n\n"
+    )
 
 
-def whole_answer(path: str, text: str, kv_params: dict[str, Any] | None = None,
-                 cached_tokens: int | None = None) -> dict[str, Any]:
+def whole_answer(
+    path: str, text: str, kv_params: dict[str, Any] | None = None, cached_tokens: int | None = None
+) -> dict[str, Any]:
     extra = {} if cached_tokens is None else {"usage": usage(cached_tokens)}
     if path.endswith("/chat/completions"):
-        return {"id": "c1", "object": "chat.completion", "created": 1, "model": "demo", "kv_transfer_params": kv_params,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": "length"}], **extra}
-    return {"id": "c1", "object": "text_completion", "created": 1, "model": "demo", "kv_transfer_params": kv_params,
-            "choices": [{"index": 0, "text": text, "finish_reason": "length"}], **extra}
+        return {
+            "id": "c1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "demo",
+            "kv_transfer_params": kv_params,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
+            **extra,
+        }
+    return {
+        "id": "c1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "demo",
+        "kv_transfer_params": kv_params,
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+        **extra,
+    }
 
 
 class Stub:
@@ -140,12 +180,26 @@ class Stub:
             self._context.term()
             self._publisher = self._context = None
 
-    async def publish(self, stored: list[bytes] = (), removed: list[bytes] = (), snapshot: list[bytes] | None = None,
-                      block_size: int = 16, load: EngineLoad | None = None, seq: int | None = None) -> None:
+    async def publish(
+        self,
+        stored: list[bytes] = (),
+        removed: list[bytes] = (),
+        snapshot: list[bytes] | None = None,
+        block_size: int = 16,
+        load: EngineLoad | None = None,
+        seq: int | None = None,
+    ) -> None:
         """Publish one batch (consecutive ``seq`` unless given)."""
         self.seq = self.seq if seq is None else seq
-        batch = KVEventBatch(self.engine_id, self.seq, block_size, list(stored), list(removed),
-                             load or EngineLoad(0, 0, 0, 0.0, 0), None if snapshot is None else list(snapshot))
+        batch = KVEventBatch(
+            self.engine_id,
+            self.seq,
+            block_size,
+            list(stored),
+            list(removed),
+            load or EngineLoad(0, 0, 0, 0.0, 0),
+            None if snapshot is None else list(snapshot),
+        )
         self.seq += 1
         await self._publisher.send(encode_batch(batch))
 
@@ -166,23 +220,36 @@ class Stub:
         return web.json_response({"status": "ok", "kv_events_port": self.kv_events_port})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": "demo", "object": "model", "created": 1, "owned_by": "pdserve"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": "demo", "object": "model", "created": 1, "owned_by": "pdserve"}]}
+        )
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(Seen(request.path, body, CIMultiDict(request.headers)))
         try:
             if self.status != 200:
-                return web.json_response({"error": {"message": f"stub says {self.status}", "type": "stub",
-                                                    "param": None, "code": self.status}}, status=self.status,
-                                         headers={"Retry-After": "2"} if self.status == 503 else None)
+                return web.json_response(
+                    {
+                        "error": {
+                            "message": f"stub says {self.status}",
+                            "type": "stub",
+                            "param": None,
+                            "code": self.status,
+                        }
+                    },
+                    status=self.status,
+                    headers={"Retry-After": "2"} if self.status == 503 else None,
+                )
             if self.role == "prefill":
                 await asyncio.sleep(self.delay)
                 return web.json_response(whole_answer(request.path, "x", self.kv_params, self.cached_tokens))
             if not body.get("stream"):
-                return web.json_response(whole_answer(request.path, "".join(f"t{i} " for i in range(self.tokens)),
-                                                      cached_tokens=self.cached_tokens))
+                return web.json_response(
+                    whole_answer(
+                        request.path, "".join(f"t{i} " for i in range(self.tokens)), cached_tokens=self.cached_tokens
+                    )
+                )
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
             events = stream_bytes(request.path, self.tokens).split(b"\n\n")[:-1]

@@ -19,16 +19,25 @@ from pdserve.router.discovery import pod_endpoint
 from pdserve.router.pods import PodSet
 
 
-def _pod(role: str | None = "decode", ready: bool = True, ip: str | None = "10.0.0.7", phase: str = "Running",
-         deleting: bool = False, port: int | None = 8200) -> V1Pod:
+def _pod(
+    role: str | None = "decode",
+    ready: bool = True,
+    ip: str | None = "10.0.0.7",
+    phase: str = "Running",
+    deleting: bool = False,
+    port: int | None = 8200,
+) -> V1Pod:
     labels = {"app.kubernetes.io/instance": "demo"} | ({"pdserve.io/role": role} if role else {})
     ports = [V1ContainerPort(name="http", container_port=port)] if port else None
     return V1Pod(
-        metadata=V1ObjectMeta(name="p", uid="u1", labels=labels,
-                              deletion_timestamp=datetime.now(UTC) if deleting else None),
+        metadata=V1ObjectMeta(
+            name="p", uid="u1", labels=labels, deletion_timestamp=datetime.now(UTC) if deleting else None
+        ),
         spec=V1PodSpec(containers=[V1Container(name="engine", ports=ports)]),
-        status=V1PodStatus(phase=phase, pod_ip=ip,
-                           conditions=[V1PodCondition(type="Ready", status="True" if ready else "False")]))
+        status=V1PodStatus(
+            phase=phase, pod_ip=ip, conditions=[V1PodCondition(type="Ready", status="True" if ready else "False")]
+        ),
+    )
 
 
 def test_a_ready_engine_pod_is_an_endpoint_on_its_http_port():
@@ -39,8 +48,14 @@ def test_a_ready_engine_pod_is_an_endpoint_on_its_http_port():
 
 
 def test_pods_that_cannot_take_requests_are_not_endpoints():
-    for pod in (_pod(ready=False), _pod(ip=None), _pod(phase="Pending"), _pod(deleting=True), _pod(role=None),
-                _pod(role="router")):
+    for pod in (
+        _pod(ready=False),
+        _pod(ip=None),
+        _pod(phase="Pending"),
+        _pod(deleting=True),
+        _pod(role=None),
+        _pod(role="router"),
+    ):
         assert pod_endpoint(pod) is None
 
 

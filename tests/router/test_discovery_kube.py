@@ -15,23 +15,43 @@ PODS = "v1/pods"
 
 def _pod(name: str, role: str, instance: str = "llm") -> dict:
     port = {"prefill": 8100, "decode": 8200}[role]
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": {"app.kubernetes.io/instance": instance, "pdserve.io/role": role}},
-            "spec": {"containers": [{"name": "engine", "image": "pdserve",
-                                     "ports": [{"name": "http", "containerPort": port}]}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/instance": instance, "pdserve.io/role": role}},
+        "spec": {
+            "containers": [{"name": "engine", "image": "pdserve", "ports": [{"name": "http", "containerPort": port}]}]
+        },
+    }
 
 
 def _ready(ip: str, ready: bool = True) -> dict:
-    return {"status": {"phase": "Running", "podIP": ip,
-                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    return {
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        }
+    }
 
 
 def test_pods_joining_and_leaving_follow_the_cluster(kube_cluster, kube_namespace):
     loop = LoopThread()
-    running = loop.run(start_router(RouterConfig([], [], discovery="kubernetes", namespace=kube_namespace,
-                                                 selector="app.kubernetes.io/instance=llm", health_interval=60)))
+    running = loop.run(
+        start_router(
+            RouterConfig(
+                [],
+                [],
+                discovery="kubernetes",
+                namespace=kube_namespace,
+                selector="app.kubernetes.io/instance=llm",
+                health_interval=60,
+            )
+        )
+    )
     router = running.router
     try:
+
         def urls() -> tuple[list[str], list[str]]:
             return sorted(p.url for p in router.prefill.pods), sorted(p.url for p in router.decode.pods)
 

@@ -18,8 +18,9 @@ H = [bytes([i]) * 32 for i in range(10)]
 
 
 def batch(seq: int, stored=(), removed=(), snapshot=None, engine="e1", block_size=16) -> KVEventBatch:
-    return KVEventBatch(engine, seq, block_size, list(stored), list(removed), LOAD,
-                        None if snapshot is None else list(snapshot))
+    return KVEventBatch(
+        engine, seq, block_size, list(stored), list(removed), LOAD, None if snapshot is None else list(snapshot)
+    )
 
 
 def test_stored_removed_and_snapshot():

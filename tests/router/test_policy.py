@@ -18,9 +18,13 @@ TOKENS = list(range(1, 161))  # 160 tokens: 9 blocks of 16 can hit (the last tok
 HASHES = hash_prompt_blocks(TOKENS, 16)
 
 
-def setup(routing: str = "prefix-load", cached: dict[str, int] | None = None,
-          loads: dict[str, EngineLoad] | None = None, tokenizer: str | None = "model",
-          **settings) -> tuple[Chooser, PodSet, KVIndex]:
+def setup(
+    routing: str = "prefix-load",
+    cached: dict[str, int] | None = None,
+    loads: dict[str, EngineLoad] | None = None,
+    tokenizer: str | None = "model",
+    **settings,
+) -> tuple[Chooser, PodSet, KVIndex]:
     """Pods a, b, c; ``cached``: how many leading prompt blocks each has."""
     index = KVIndex()
     for url, blocks in (cached or {}).items():
@@ -51,10 +55,10 @@ def test_prefix_ties_go_to_the_least_loaded_then_round_robin():
 
 
 def test_prefix_load_weighs_cached_blocks_against_load():
-    busy = EngineLoad(num_running=3, num_waiting=2, num_waiting_for_remote_kv=0, kv_cache_usage=0.5,
-                      num_blocks_held_for_remote=0)
-    chooser, pods, _ = setup("prefix-load", {"a": 9, "b": 0, "c": 0}, {"a": busy}, prefix_weight=1.0,
-                             load_weight=2.0)
+    busy = EngineLoad(
+        num_running=3, num_waiting=2, num_waiting_for_remote_kv=0, kv_cache_usage=0.5, num_blocks_held_for_remote=0
+    )
+    chooser, pods, _ = setup("prefix-load", {"a": 9, "b": 0, "c": 0}, {"a": busy}, prefix_weight=1.0, load_weight=2.0)
     # a: 9 - 2 * (5 + 0.5) = -2 < 0: the engine's own queue (other routers' requests too) outweighs 9 blocks.
     assert chooser.choose(pods, Prompt(TOKENS)).pod.url in ("b", "c")
     chooser, pods, _ = setup("prefix-load", {"a": 9, "b": 0, "c": 0}, prefix_weight=1.0, load_weight=2.0)

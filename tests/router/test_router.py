@@ -47,15 +47,31 @@ def pd(cluster):
 
 def test_completions_legs_rewritten_and_params_passed_unchanged(loop, pd):
     prefill, decode, router = pd
-    body = {"model": "demo", "prompt": "hi", "max_tokens": 20, "n": 1, "min_tokens": 3, "temperature": 0,
-            "stream_options": {"include_usage": True}, "seed": None, "x_custom": {"keep": [1, 2]}}
+    body = {
+        "model": "demo",
+        "prompt": "hi",
+        "max_tokens": 20,
+        "n": 1,
+        "min_tokens": 3,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+        "seed": None,
+        "x_custom": {"keep": [1, 2]},
+    }
     status, headers, payload = loop.run(post(router.url + "/v1/completions", body, {"X-Request-Id": "req-42"}))
     assert status == 200 and headers["Content-Type"].startswith("application/json")
     assert msgspec.json.decode(payload)["choices"][0]["text"] == "t0 t1 t2 t3 t4 t5 t6 t7 "
     assert prefill.seen[0].path == "/v1/completions"
-    assert prefill.seen[0].body == {"model": "demo", "prompt": "hi", "max_tokens": 1, "temperature": 0, "seed": None,
-                                    "x_custom": {"keep": [1, 2]}, "stream": False,
-                                    "kv_transfer_params": {"do_remote_decode": True}}
+    assert prefill.seen[0].body == {
+        "model": "demo",
+        "prompt": "hi",
+        "max_tokens": 1,
+        "temperature": 0,
+        "seed": None,
+        "x_custom": {"keep": [1, 2]},
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     assert decode.seen[0].body == {**body, "kv_transfer_params": KV_PARAMS}  # the extra field included
     assert prefill.seen[0].headers["X-Request-Id"] == decode.seen[0].headers["X-Request-Id"] == "req-42"
     assert headers["X-Request-ID"] == "req-42"
@@ -70,8 +86,13 @@ def test_chat_legs_and_generated_request_id(loop, pd):
     status, headers, payload = loop.run(post(router.url + "/v1/chat/completions", body))
     assert status == 200
     assert msgspec.json.decode(payload)["choices"][0]["message"]["content"].startswith("t0 ")
-    assert prefill.seen[0].body == {"messages": body["messages"], "max_tokens": 1, "max_completion_tokens": 1,
-                                    "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    assert prefill.seen[0].body == {
+        "messages": body["messages"],
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     assert decode.seen[0].body == {**body, "kv_transfer_params": KV_PARAMS}
     request_id = headers["X-Request-ID"]
     assert re.fullmatch("[0-9a-f]{32}", request_id)
@@ -92,8 +113,11 @@ def test_openai_client_streams_chat_through_the_router(loop, cluster):
     prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
     router = cluster.router([prefill.url], [decode.url], api_key="sk-test")
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="sk-test", max_retries=0, timeout=10)
-    chunks = list(client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=8, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "".join(f"t{i} " for i in range(8))
     assert chunks[-1].choices[0].finish_reason == "length"
     assert prefill.seen[0].headers["Authorization"] == decode.seen[0].headers["Authorization"] == "Bearer sk-test"
@@ -104,8 +128,12 @@ def test_openai_client_streams_chat_through_the_router(loop, cluster):
 def test_decode_only_when_one_prefill_leg_cannot_serve(loop, cluster):
     prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
     router = cluster.router([prefill.url], [decode.url])
-    local = [{"prompt": "hi", "n": 2}, {"prompt": "hi", "echo": True, "logprobs": 1},
-             {"prompt": ["a", "b"]}, {"prompt": [[1, 2], [3]]}]
+    local = [
+        {"prompt": "hi", "n": 2},
+        {"prompt": "hi", "echo": True, "logprobs": 1},
+        {"prompt": ["a", "b"]},
+        {"prompt": [[1, 2], [3]]},
+    ]
     for body in local:
         raw = msgspec.json.encode(body)
         assert loop.run(post(router.url + "/v1/completions", raw))[0] == 200
@@ -122,7 +150,8 @@ def test_decode_only_when_one_prefill_leg_cannot_serve(loop, cluster):
 
     no_prefill = cluster.router([], [decode.url])
     assert loop.run(post(no_prefill.url + "/v1/completions", {"prompt": "hi", "stream": True}))[2] == stream_bytes(
-        "/v1/completions", 8)
+        "/v1/completions", 8
+    )
     assert metric(metrics_text(loop, no_prefill), "pdserve_router_requests_total", path="decode_only") == 1
 
 
@@ -172,10 +201,13 @@ def test_4xx_answers_pass_through(loop, pd):
 def test_router_refuses_malformed_bodies_itself(loop, pd):
     prefill, decode, router = pd
     url = router.url + "/v1/completions"
-    for body, param, words in [(b"{not json", None, "not valid JSON"), (b"[1]", None, "Expected `object`"),
-                               (b"{}", None, "missing required field `prompt`"),
-                               (b'{"prompt": "x", "max_tokens": "ten"}', "max_tokens", "max_tokens"),
-                               (b'{"prompt": []}', "prompt", "prompt")]:
+    for body, param, words in [
+        (b"{not json", None, "not valid JSON"),
+        (b"[1]", None, "Expected `object`"),
+        (b"{}", None, "missing required field `prompt`"),
+        (b'{"prompt": "x", "max_tokens": "ten"}', "max_tokens", "max_tokens"),
+        (b'{"prompt": []}', "prompt", "prompt"),
+    ]:
         status, _, payload = loop.run(post(url, body))
         assert status == 400, body
         error = assert_openai_error(payload, 400)
@@ -278,8 +310,9 @@ def test_client_disconnect_during_prefill_cancels_it(loop, pd):
     loop.run(give_up())
     assert prefill.cancelled.wait(3), "the prefill leg kept running after the client left"
     assert decode.seen == []
-    assert _settles(lambda: metric(metrics_text(loop, router), "pdserve_router_errors_total",
-                                         kind="client_disconnect") == 1)
+    assert _settles(
+        lambda: metric(metrics_text(loop, router), "pdserve_router_errors_total", kind="client_disconnect") == 1
+    )
 
 
 def test_request_timeout_bounds_the_whole_request(loop, cluster):
@@ -307,8 +340,10 @@ def test_answers_cut_short_end_the_client_connection(loop, cluster):
 
     async def read_stream() -> bytes:
         received = b""
-        async with aiohttp.ClientSession() as session, session.post(
-                router.url + "/v1/completions", json={"prompt": "hi", "stream": True}) as response:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(router.url + "/v1/completions", json={"prompt": "hi", "stream": True}) as response,
+        ):
             assert response.status == 200
             with pytest.raises(aiohttp.ClientPayloadError):
                 async for chunk in response.content.iter_any():

@@ -198,8 +198,10 @@ def test_session_affinity_keeps_a_session_on_one_pod(loop, cluster):
     assert len({landed(user="someone") for _ in range(4)}) == 1
     assert len({landed() for _ in range(3)}) == 3  # no session: least-load spreads them
     text = metrics_text(loop, router)
-    assert sum(metric(text, "pdserve_router_choices_total", role="decode", pod=pod.url, policy="affinity")
-               for pod in pods) == 16
+    assert (
+        sum(metric(text, "pdserve_router_choices_total", role="decode", pod=pod.url, policy="affinity") for pod in pods)
+        == 16
+    )
 
 
 def test_long_prompts_are_tokenized_off_the_event_loop(loop, cluster, model, tokenizer):
@@ -218,8 +220,12 @@ def test_long_prompts_are_tokenized_off_the_event_loop(loop, cluster, model, tok
 def test_several_prompts_and_bad_chat_arguments_route_without_the_prompt(loop, cluster, model):
     decode = cluster.stub("decode", events=True)
     router = cluster.router([], [decode.url], tokenizer=model)
-    for path, body in (("/v1/completions", {"prompt": ["a", "b"]}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                 "chat_template_kwargs": {"tokenize": "surprise"}})):
+    for path, body in (
+        ("/v1/completions", {"prompt": ["a", "b"]}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": "surprise"}},
+        ),
+    ):
         assert loop.run(post(router.url + path, body))[0] == 200
     assert len(decode.seen) == 2

@@ -35,10 +35,25 @@ def get_json(url: str) -> dict:
 
 def start_router(engines: Cluster, tmp_path) -> Process:
     port = free_port()
-    router = Process("router", ["router", "--port", str(port), "--log-level", "warning", "--tokenizer",
-                                str(ensure_demo_model()), "--prefill", *[p.url for p in engines.prefills],
-                                "--decode", *[d.url for d in engines.decodes]],
-                     engines.prefills[0].env, port, str(tmp_path / f"router-{port}.log"))
+    router = Process(
+        "router",
+        [
+            "router",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--tokenizer",
+            str(ensure_demo_model()),
+            "--prefill",
+            *[p.url for p in engines.prefills],
+            "--decode",
+            *[d.url for d in engines.decodes],
+        ],
+        engines.prefills[0].env,
+        port,
+        str(tmp_path / f"router-{port}.log"),
+    )
     router.start()
     router.wait_healthy(60)
     return router
@@ -57,8 +72,10 @@ def engines(tmp_path_factory):
 
 
 def complete(router: Process, prompt, max_tokens: int = 4, **extra) -> dict:
-    status, answer = post(router.url + "/v1/completions",
-                          {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra})
+    status, answer = post(
+        router.url + "/v1/completions",
+        {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra},
+    )
     assert status == 200, answer
     return answer
 
@@ -76,9 +93,11 @@ def index_differences(router: Process, engines: list[Process], stale_too: bool =
             continue
         believed, cached = set(pod["block_hashes"]), set(truth["block_hashes"])
         if (stale_too and pod["stale"]) or believed != cached:
-            differences.append(f"{engine.name}: stale={pod['stale']} seq={pod['seq']}, {len(believed - cached)} "
-                               f"believed but not cached, {len(cached - believed)} cached but not known "
-                               f"(of {len(cached)})")
+            differences.append(
+                f"{engine.name}: stale={pod['stale']} seq={pod['seq']}, {len(believed - cached)} "
+                f"believed but not cached, {len(cached - believed)} cached but not known "
+                f"(of {len(cached)})"
+            )
         assert pod["block_size"] == truth["block_size"] == BLOCK
     return differences
 
@@ -95,14 +114,17 @@ def test_same_prefix_lands_where_it_is_cached_and_predictions_come_true(engines)
     router = engines.router
     prefixes = [[rng.randrange(10, 1000) for _ in range(PREFIX_TOKENS)] for _ in range(4)]
     for prefix in prefixes:
-        answers = [complete(router, prefix + [rng.randrange(10, 1000) for _ in range(rng.randrange(40, 80))])
-                   for _ in range(4)]
+        answers = [
+            complete(router, prefix + [rng.randrange(10, 1000) for _ in range(rng.randrange(40, 80))]) for _ in range(4)
+        ]
         # The first computes the prefix somewhere; the others land where it is (their decode pod has it all).
         assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] == PREFIX_TOKENS for a in answers[1:])
     system = {"role": "system", "content": "You are a terse assistant. " * 14}
     for question in ("What is a block?", "What is a prefix?", "What is a router?"):
-        status, answer = post(router.url + "/v1/chat/completions", {
-            "model": "demo", "messages": [system, {"role": "user", "content": question}], "max_tokens": 4})
+        status, answer = post(
+            router.url + "/v1/chat/completions",
+            {"model": "demo", "messages": [system, {"role": "user", "content": question}], "max_tokens": 4},
+        )
         assert status == 200, answer
     values = metrics(router.url)
     for role in ("prefill", "decode"):
@@ -149,8 +171,12 @@ def test_a_new_router_converges_within_the_snapshot_interval(engines):
     engines.router.stop()
     engines.router = start_router(engines, engines.path)
     started = time.monotonic()
-    converge(engines.router, engines.prefills + engines.decodes, SNAPSHOT_INTERVAL_S + 3,
-             "a new router's index did not converge")
+    converge(
+        engines.router,
+        engines.prefills + engines.decodes,
+        SNAPSHOT_INTERVAL_S + 3,
+        "a new router's index did not converge",
+    )
     assert time.monotonic() - started < SNAPSHOT_INTERVAL_S + 3
 
 
@@ -165,8 +191,9 @@ def test_a_killed_decode_engine_is_taken_out_and_requests_still_succeed(engines)
         local = random.Random(seed)
         while not stop.is_set():
             prompt = [local.randrange(10, 1000) for _ in range(local.randrange(100, 450))]  # both paths
-            status, _ = post(router.url + "/v1/completions",
-                             {"model": "demo", "prompt": prompt, "max_tokens": 24, "temperature": 0})
+            status, _ = post(
+                router.url + "/v1/completions", {"model": "demo", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+            )
             with lock:
                 statuses.append(status)
 

@@ -32,14 +32,33 @@ def test_serve_colocated_answers_and_stops_cleanly_on_sigterm():
     ensure_demo_model()  # the user's cache, as `pdserve serve` with no --model uses it
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "colocated", "--port", str(port),
-         "--kv-cache-memory", "32MiB", "--max-model-len", "256", "--device", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--mode",
+            "colocated",
+            "--port",
+            str(port),
+            "--kv-cache-memory",
+            "32MiB",
+            "--max-model-len",
+            "256",
+            "--device",
+            "cpu",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_healthy(process, port, 120)
         request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type": "application/json"},
-            data=json.dumps({"prompt": "hello", "max_tokens": 3}).encode())
+            f"http://127.0.0.1:{port}/v1/completions",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": "hello", "max_tokens": 3}).encode(),
+        )
         with urllib.request.urlopen(request, timeout=30) as response:
             assert json.loads(response.read())["model"] == "pdserve-demo-qwen3-v1"
         process.send_signal(signal.SIGTERM)
@@ -55,14 +74,33 @@ def test_serve_disaggregated_runs_router_prefill_and_decode_and_stops_them_all()
     ensure_demo_model()
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--kv-cache-memory", "32MiB",
-         "--max-model-len", "512", "--device", "cpu", "--kv-transfer", "tcp"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--kv-cache-memory",
+            "32MiB",
+            "--max-model-len",
+            "512",
+            "--device",
+            "cpu",
+            "--kv-transfer",
+            "tcp",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_healthy(process, port, 180)
         request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type": "application/json"},
-            data=json.dumps({"prompt": "word " * 100, "max_tokens": 3}).encode())  # > 256 tokens: worth a prefill leg
+            f"http://127.0.0.1:{port}/v1/completions",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": "word " * 100, "max_tokens": 3}).encode(),
+        )  # > 256 tokens: worth a prefill leg
         with urllib.request.urlopen(request, timeout=60) as response:
             assert len(json.loads(response.read())["choices"]) == 1
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
@@ -81,12 +119,14 @@ def test_serve_disaggregated_runs_router_prefill_and_decode_and_stops_them_all()
 
 
 def test_serve_rejects_empty_pools():
-    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--decode", "0"], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--decode", "0"], capture_output=True, text=True
+    )
     assert result.returncode == 2 and "--decode" in result.stderr
 
 
-@pytest.mark.parametrize(("text", "size"), [("4GiB", 4 << 30), ("512MiB", 512 << 20), ("1.5G", 3 << 29),
-                                            ("1000", 1000)])
+@pytest.mark.parametrize(
+    ("text", "size"), [("4GiB", 4 << 30), ("512MiB", 512 << 20), ("1.5G", 3 << 29), ("1000", 1000)]
+)
 def test_sizes(text, size):
     assert parse_size(text) == size

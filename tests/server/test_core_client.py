@@ -21,8 +21,12 @@ PROMPTS = [[5, 6, 7], list(range(10, 60)), [300] * 20, [1, 2], list(range(100, 1
 
 @pytest.fixture(scope="module")
 def args(tmp_path_factory) -> EngineArgs:
-    return EngineArgs(model=str(ensure_demo_model(tmp_path_factory.mktemp("cache"))), kv_cache_memory=32 << 20,
-                      max_model_len=256, device="cpu")
+    return EngineArgs(
+        model=str(ensure_demo_model(tmp_path_factory.mktemp("cache"))),
+        kv_cache_memory=32 << 20,
+        max_model_len=256,
+        device="cpu",
+    )
 
 
 async def _collect(queue) -> list:
@@ -51,8 +55,9 @@ def test_requests_aborts_and_rejections_through_the_core_process(args):
             assert [[t for o in outs for t in o.new_token_ids] for outs in results] == expected
             assert all(outs[-1].finish_reason == "length" for outs in results)
 
-            long_running = await client.add_request("long", [9] * 10, SamplingParams(max_tokens=200, ignore_eos=True),
-                                                    None)
+            long_running = await client.add_request(
+                "long", [9] * 10, SamplingParams(max_tokens=200, ignore_eos=True), None
+            )
             await asyncio.wait_for(long_running.get(), timeout=60)  # it is running
             await client.abort(["long"])
             rejected = await client.add_request("too-long", [1] * 300, greedy, None)
@@ -78,8 +83,9 @@ def test_a_dead_core_fails_requests_in_flight_at_once(args):
     async def scenario() -> None:
         client = await EngineCoreClient.start(args)
         try:
-            queue = await client.add_request("doomed", [3] * 20, SamplingParams(max_tokens=10_000, ignore_eos=True),
-                                             None)
+            queue = await client.add_request(
+                "doomed", [3] * 20, SamplingParams(max_tokens=10_000, ignore_eos=True), None
+            )
             await asyncio.wait_for(queue.get(), timeout=60)
             killed_at = time.monotonic()
             os.kill(client.process.pid, signal.SIGKILL)

@@ -17,9 +17,10 @@ def tokenizer(tmp_path_factory):
 
 def _stream(tokenizer, text, stop=(), include=False, step=1):
     ids = tokenizer.encode(text)
-    detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, [1, 2, 3], list(stop),
-                                   include_stop_str_in_output=include)
-    pieces = [detok.add_tokens(ids[i:i + step]) for i in range(0, len(ids), step)]
+    detok = IncrementalDetokenizer(
+        tokenizer.backend_tokenizer, [1, 2, 3], list(stop), include_stop_str_in_output=include
+    )
+    pieces = [detok.add_tokens(ids[i : i + step]) for i in range(0, len(ids), step)]
     pieces.append(detok.finish())
     return pieces, detok
 

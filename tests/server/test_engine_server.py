@@ -23,8 +23,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline(server):
-    return LLM(str(ensure_demo_model(server.cache_dir)), kv_cache_memory=64 << 20,
-               max_model_len=512, device="cpu")
+    return LLM(str(ensure_demo_model(server.cache_dir)), kv_cache_memory=64 << 20, max_model_len=512, device="cpu")
 
 
 def test_models_and_health(server, client):
@@ -36,8 +35,9 @@ def test_models_and_health(server, client):
 def test_completions_equal_offline_greedy(client, offline):
     prompts = ["Hello there", "The router sends", "x"]
     expected = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    response = client.completions.create(model="demo", prompt=prompts, max_tokens=12, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model="demo", prompt=prompts, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == [e.outputs[0].text for e in expected]
     assert response.usage.completion_tokens == 36
     assert response.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
@@ -45,14 +45,21 @@ def test_completions_equal_offline_greedy(client, offline):
 
 def test_chat_streaming_and_not_agree(client, offline):
     messages = [{"role": "user", "content": "Say something"}]
-    full = client.chat.completions.create(model="demo", messages=messages, max_tokens=10, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     expected = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     assert full.choices[0].message.content == expected[0].outputs[0].text
     assert full.choices[0].finish_reason == "length"
-    stream = client.chat.completions.create(model="demo", messages=messages, max_tokens=10, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="demo",
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -65,8 +72,9 @@ def test_thirty_two_concurrent_streams(client, offline):
     expected = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 
     def stream(prompt: str) -> str:
-        chunks = client.completions.create(model="demo", prompt=prompt, max_tokens=8, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
+        chunks = client.completions.create(
+            model="demo", prompt=prompt, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         return "".join(c.choices[0].text for c in chunks if c.choices)
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
@@ -75,18 +83,39 @@ def test_thirty_two_concurrent_streams(client, offline):
 
 
 def test_stop_strings_n_and_logprobs(client):
-    base = client.completions.create(model="demo", prompt="Once upon", max_tokens=16, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    stop = base[len(base) // 2: len(base) // 2 + 2]
-    cut = client.completions.create(model="demo", prompt="Once upon", max_tokens=16, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True}).choices[0]
-    assert cut.text == base[:base.index(stop)] and cut.finish_reason == "stop"
-    several = client.completions.create(model="demo", prompt="Once upon", max_tokens=6, temperature=1.0, n=3,
-                                        seed=5, logprobs=2, extra_body={"ignore_eos": True})
+    base = (
+        client.completions.create(
+            model="demo", prompt="Once upon", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
+    cut = client.completions.create(
+        model="demo", prompt="Once upon", max_tokens=16, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    ).choices[0]
+    assert cut.text == base[: base.index(stop)] and cut.finish_reason == "stop"
+    several = client.completions.create(
+        model="demo",
+        prompt="Once upon",
+        max_tokens=6,
+        temperature=1.0,
+        n=3,
+        seed=5,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in several.choices) == [0, 1, 2]
     assert all(len(c.logprobs.tokens) == 6 and len(c.logprobs.top_logprobs[0]) == 2 for c in several.choices)
-    echo = client.completions.create(model="demo", prompt="Once upon", max_tokens=2, temperature=0, echo=True,
-                                     logprobs=1, extra_body={"ignore_eos": True}).choices[0]
+    echo = client.completions.create(
+        model="demo",
+        prompt="Once upon",
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    ).choices[0]
     assert echo.text.startswith("Once upon") and echo.logprobs.token_logprobs[0] is None
 
 
@@ -120,8 +149,11 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", '{"messages": []}', 400),
     ("/v1/chat/completions", '{"messages": "hi"}', 400),
     ("/v1/chat/completions", '{"messages": [{"content": "no role"}]}', 400),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 99, "logprobs": true}',
-     400),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 99, "logprobs": true}',
+        400,
+    ),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}', 400),
     ("/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', 413),
     ("/v1/nothing", "{}", 404),
@@ -153,13 +185,22 @@ def _metrics(server) -> dict[str, float]:
 def test_metrics_use_the_contract_names(server, client):
     client.completions.create(model="demo", prompt="count me", max_tokens=3, extra_body={"ignore_eos": True})
     values = _metrics(server)
-    for name in ("pdserve_num_requests_running", "pdserve_num_requests_waiting",
-                 "pdserve_num_requests_waiting_for_remote_kv", "pdserve_kv_cache_usage_ratio",
-                 "pdserve_kv_blocks_held_for_remote", "pdserve_prefix_cache_queries_total",
-                 "pdserve_prefix_cache_hits_total", "pdserve_preemptions_total", "vllm:num_requests_running",
-                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "pdserve_time_to_first_token_seconds_count", "pdserve_time_per_output_token_seconds_count",
-                 "pdserve_e2e_request_latency_seconds_count"):
+    for name in (
+        "pdserve_num_requests_running",
+        "pdserve_num_requests_waiting",
+        "pdserve_num_requests_waiting_for_remote_kv",
+        "pdserve_kv_cache_usage_ratio",
+        "pdserve_kv_blocks_held_for_remote",
+        "pdserve_prefix_cache_queries_total",
+        "pdserve_prefix_cache_hits_total",
+        "pdserve_preemptions_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "pdserve_time_to_first_token_seconds_count",
+        "pdserve_time_per_output_token_seconds_count",
+        "pdserve_e2e_request_latency_seconds_count",
+    ):
         assert name in values, name
     assert values['pdserve_requests_total{finish_reason="length"}'] >= 1
     assert any(k.startswith("vllm:cache_config_info{") for k in values)
@@ -181,8 +222,11 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         values = _metrics(server)
-        if (values["pdserve_num_requests_running"], values["pdserve_num_requests_waiting"],
-                values["pdserve_kv_cache_usage_ratio"]) == (0, 0, 0):
+        if (
+            values["pdserve_num_requests_running"],
+            values["pdserve_num_requests_waiting"],
+            values["pdserve_kv_cache_usage_ratio"],
+        ) == (0, 0, 0):
             return
         time.sleep(0.2)
     raise AssertionError(f"blocks still held after the clients left: {values}")
@@ -198,5 +242,7 @@ def test_openapi_document_describes_the_endpoints(server):
     assert request_ref == {"$ref": "#/components/schemas/CompletionRequest"}
     assert "prompt" in schemas["CompletionRequest"]["required"]
     refs = json.dumps(document).count("#/components/schemas/")
-    assert refs and all(ref.split("/")[-1] in schemas for ref in
-                        [part.split('"')[0] for part in json.dumps(document).split("#/components/schemas/")[1:]])
+    assert refs and all(
+        ref.split("/")[-1] in schemas
+        for ref in [part.split('"')[0] for part in json.dumps(document).split("#/components/schemas/")[1:]]
+    )

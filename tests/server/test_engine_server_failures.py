@@ -18,8 +18,12 @@ from tests.server.helpers import ServerThread
 
 @pytest.fixture
 def args(tmp_path_factory) -> EngineArgs:
-    return EngineArgs(model=str(ensure_demo_model(tmp_path_factory.mktemp("cache"))), kv_cache_memory=32 << 20,
-                      max_model_len=256, device="cpu")
+    return EngineArgs(
+        model=str(ensure_demo_model(tmp_path_factory.mktemp("cache"))),
+        kv_cache_memory=32 << 20,
+        max_model_len=256,
+        device="cpu",
+    )
 
 
 def test_api_key_guards_v1_but_not_health_or_metrics(args):
@@ -69,9 +73,14 @@ def _open_stream(url: str, max_tokens: int = 200):
 
     parts = urlparse(url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-    connection.request("POST", "/v1/completions", json.dumps(
-        {"model": "demo", "prompt": "tell me more", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}),
-        {"Content-Type": "application/json"})
+    connection.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(
+            {"model": "demo", "prompt": "tell me more", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        ),
+        {"Content-Type": "application/json"},
+    )
     response = connection.getresponse()
     assert response.status == 200
     response.read1(16)
@@ -82,8 +91,9 @@ def _completion(url: str, **body) -> tuple[int, dict[str, str], dict]:
     import json
 
     payload = json.dumps({"model": "demo", "prompt": "hi", "max_tokens": 2, **body}).encode()
-    request = urllib.request.Request(url + "/v1/completions", headers={"Content-Type": "application/json"},
-                                     data=payload)
+    request = urllib.request.Request(
+        url + "/v1/completions", headers={"Content-Type": "application/json"}, data=payload
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, dict(response.headers), json.loads(response.read())
@@ -165,10 +175,13 @@ def test_a_client_that_stops_reading_holds_up_nobody(args):
     stalled = socket.create_connection((url.hostname, url.port))
     try:
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-        body = json.dumps({"model": "demo", "prompt": "go on", "max_tokens": 200, "ignore_eos": True,
-                           "stream": True, "n": 4}).encode()
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        body = json.dumps(
+            {"model": "demo", "prompt": "go on", "max_tokens": 200, "ignore_eos": True, "stream": True, "n": 4}
+        ).encode()
+        stalled.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         for _ in range(5):
             started = time.monotonic()
             status, _, answer = _completion(server.running.url, max_tokens=8)

@@ -52,8 +52,9 @@ def test_seeded_draws_do_not_depend_on_the_rest_of_the_batch():
 
 def test_penalties_change_logits_exactly_as_defined():
     logits = _logits(1)[0]
-    request = _request("p", prompt=[5, 6], output=[6, 7, 7], repetition_penalty=1.5, frequency_penalty=0.25,
-                       presence_penalty=0.5)
+    request = _request(
+        "p", prompt=[5, 6], output=[6, 7, 7], repetition_penalty=1.5, frequency_penalty=0.25, presence_penalty=0.5
+    )
     expected = logits.clone()
     for token in (5, 6, 7):  # repetition: prompt and output tokens
         expected[token] = expected[token] / 1.5 if expected[token] > 0 else expected[token] * 1.5
@@ -92,8 +93,9 @@ def test_temperature_sharpens_and_flattens():
 def test_logprobs_are_of_the_raw_logits_with_ranks_and_top_n():
     sampler = Sampler(VOCAB, torch.device("cpu"))
     logits = _logits(2)
-    tokens, logprobs = sampler.sample(logits, [_request("a", temperature=0.0, logprobs=3, repetition_penalty=2.0),
-                                               _request("b", temperature=0.0)])
+    tokens, logprobs = sampler.sample(
+        logits, [_request("a", temperature=0.0, logprobs=3, repetition_penalty=2.0), _request("b", temperature=0.0)]
+    )
     assert logprobs[1] is None
     raw = torch.log_softmax(logits[0], dim=-1)
     entry = logprobs[0]
