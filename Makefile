@@ -22,6 +22,7 @@ serve: setup
 lint: setup
 	$(BIN)/ruff check pdserve tests bench
 	$(BIN)/ruff format --check pdserve tests bench
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest -m "not slow"
@@ -31,7 +32,7 @@ test-slow: setup
 
 bench: setup
 	$(BIN)/pip install --quiet -e '.[bench]'
-	$(BIN)/python bench/scheduler.py
-	$(BIN)/python bench/throughput.py
-	$(BIN)/python bench/kv_transfer.py
-	$(BIN)/python bench/router.py
+	$(BIN)/python bench/scheduler.py --plot docs/img
+	$(BIN)/python bench/throughput.py --plot docs/img
+	$(BIN)/python bench/kv_transfer.py --plot docs/img
+	$(BIN)/python bench/router.py --plot docs/img

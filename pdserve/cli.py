@@ -1,8 +1,8 @@
-"""The ``pdserve`` command line: the one place that wires components together (DESIGN §9).
+"""The ``pdserve`` command line: the one place that wires components together (docs/architecture.md).
 
 Subcommands are added as their components land; each is a thin shell over its package, and heavy
 imports (torch, the model code) happen only inside the subcommand that needs them. Flag names are
-a contract (DESIGN §7): vLLM's where vLLM has one.
+a contract (docs/contracts.md): vLLM's where vLLM has one.
 """
 
 from __future__ import annotations

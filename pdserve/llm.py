@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pdserve.api.tokenizer import load_tokenizer
 from pdserve.engine.engine_args import EngineArgs
@@ -142,16 +142,11 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; each through the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = cast(list[list[dict[str, Any]]], [messages] if single else messages)
         prompts: list[PromptInput] = [
-            {
-                "prompt_token_ids": self.processor.chat_prompt(
-                    conversation,
-                    add_generation_prompt,  # type: ignore[arg-type]
-                    chat_template_kwargs,
-                ).token_ids
-            }
-            for conversation in conversations
+            {"prompt_token_ids": self.processor.chat_prompt(c, add_generation_prompt, chat_template_kwargs).token_ids}
+            for c in conversations
         ]
         return self.generate(prompts, sampling_params)
 
@@ -186,10 +181,13 @@ class LLM:
             child.finish_reason = output.finish_reason
             child.num_cached_tokens = output.num_cached_tokens
 
+    def _text(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
     def _check_stop_strings(self, child: _Pending) -> None:
         request = child.request
         params = request.sampling_params
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        text = self._text(request.output_token_ids, params.skip_special_tokens)
         found = [(text.find(stop), stop) for stop in params.stop if stop in text]
         if not found:
             return
@@ -202,20 +200,18 @@ class LLM:
 
     def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         result = {
-            token_id: Logprob(logprob, rank + 1, self.tokenizer.decode([token_id]))
+            token_id: Logprob(logprob, rank + 1, self._text([token_id]))
             for rank, (token_id, logprob) in enumerate(zip(entry.top_token_ids, entry.top_logprobs, strict=True))
         }
         if entry.token_id not in result:
-            result[entry.token_id] = Logprob(entry.logprob, entry.rank, self.tokenizer.decode([entry.token_id]))
+            result[entry.token_id] = Logprob(entry.logprob, entry.rank, self._text([entry.token_id]))
         return result
 
     def _request_output(self, prompt: Prompt, params: SamplingParams, children: list[_Pending]) -> RequestOutput:
         completions = []
         for index, child in enumerate(children):
             request = child.request
-            output_text = self.tokenizer.decode(
-                request.output_token_ids, skip_special_tokens=params.skip_special_tokens
-            )
+            output_text = self._text(request.output_token_ids, params.skip_special_tokens)
             if child.stop_text_end is not None:
                 output_text = output_text[: child.stop_text_end]
             logprobs = [self._logprob_dict(e) for e in child.logprobs] if params.logprobs is not None else None

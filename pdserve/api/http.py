@@ -8,18 +8,17 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from pdserve.api.protocol import ProtocolError
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 # Paths that need the API key when one is set; /health, /metrics and /openapi.json stay open for
 # probes, scrapers and clients discovering the API.
 PROTECTED_PREFIXES = ("/v1/", "/debug/")

@@ -7,7 +7,7 @@ Requests are validated by decoding into these types: a wrong type or a missing f
 also generate the JSON schema of the API (``msgspec.json.schema``).
 
 ``kv_transfer_params`` is a top-level, nullable object on requests and responses: the P/D
-protocol's contract (shared/DESIGN.md §2), passed through unchanged by anything in between.
+protocol's contract (docs/contracts.md), passed through unchanged by anything in between.
 """
 
 from __future__ import annotations

@@ -172,6 +172,7 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (the live list: read it, never modify it); empty if it owns none."""
         return self.req_to_block_ids.get(request_id, [])
 
     def num_owned_blocks(self, request_id: str) -> int:

@@ -19,7 +19,9 @@ IDLE_PUBLISH_INTERVAL_S = 1.0
 
 
 class KVEventPublisher:
-    def __init__(self, context: zmq.Context, core: EngineCore, engine_id: str, host: str, port: int) -> None:
+    def __init__(
+        self, context: zmq.Context[zmq.Socket[bytes]], core: EngineCore, engine_id: str, host: str, port: int
+    ) -> None:
         self.core = core
         core.record_cache_events()
         self.engine_id = engine_id

@@ -8,6 +8,8 @@ from typing import Any
 
 from pdserve.worker.interface import TokenLogprobs
 
+__all__ = ["EngineCoreOutput", "TokenLogprobs"]
+
 
 @dataclass(slots=True)
 class EngineCoreOutput:

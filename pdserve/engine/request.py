@@ -13,6 +13,7 @@ from typing import Any
 
 from pdserve.engine.block_hash import BlockHash
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker.interface import TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -99,7 +100,7 @@ class Request:
         self.max_output_tokens = sampling_params.max_tokens or 0
         self.stop_reason: int | str | None = None
         # Filled chunk by chunk when sampling_params.prompt_logprobs is set (TokenLogprobs entries).
-        self.prompt_logprobs: list | None = None
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def num_tokens(self) -> int:

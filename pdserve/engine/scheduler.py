@@ -16,14 +16,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from pdserve.engine.block_pool import KVCacheBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kvtransfer.base import KVConnectorOutput, KVConnectorScheduler, NoKVConnector
-from pdserve.worker.interface import ModelRunnerOutput, SchedulerOutput
+from pdserve.worker.interface import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -144,7 +146,7 @@ class Scheduler:
             request.status = status
             self._release(request, load_in_flight=was_loading)
 
-    def _release(self, request: Request, load_in_flight: bool = False) -> dict | None:
+    def _release(self, request: Request, load_in_flight: bool = False) -> dict[str, Any] | None:
         """A request just finished: free its blocks, or hold them if the connector asks to."""
         request_id = request.request_id
         self._finished_since_last_step.add(request_id)
@@ -177,10 +179,10 @@ class Scheduler:
 
     # ----- one step -----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput[Request]:
         config = self.config
         kv = self.kv_cache_manager
-        req_to_block_ids = kv.req_to_block_ids
+        block_table = kv.get_block_ids
         budget = config.max_num_batched_tokens
         scheduled: list[Request] = []
         num_scheduled: list[int] = []
@@ -206,7 +208,7 @@ class Scheduler:
                 scheduled.append(request)
                 num_scheduled.append(num_new)
                 start_positions.append(num_computed)
-                block_tables.append(req_to_block_ids[request.request_id])
+                block_tables.append(block_table(request.request_id))
                 request.num_computed_tokens = num_computed + num_new
                 budget -= num_new
                 index += 1
@@ -251,10 +253,10 @@ class Scheduler:
                 parked.append(waiting.popleft())
                 continue
 
-            hit_blocks: list = []
+            hit_blocks: list[KVCacheBlock] = []
             num_external = 0
             load_async = False
-            if request.request_id not in kv.req_to_blocks:  # new or preempted: not a landed load
+            if not kv.owns_blocks(request.request_id):  # new or preempted: not a landed load
                 hit_blocks, num_local = kv.get_computed_blocks(request)
                 num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
                 if not load_async:
@@ -274,7 +276,7 @@ class Scheduler:
             waiting.popleft()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_local
-            block_ids = kv.req_to_block_ids[request.request_id]
+            block_ids = kv.get_block_ids(request.request_id)
             self.connector.update_state_after_alloc(request, block_ids, num_external)
             if load_async:
                 # The tokens being loaded count as computed: the request owns their blocks now.
@@ -325,7 +327,7 @@ class Scheduler:
         waiting.insert(position, request)
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+        self, scheduler_output: SchedulerOutput[Request], runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, release finished requests."""
         outputs: list[EngineCoreOutput] = []
@@ -344,8 +346,9 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(request.request_id, [token]))
                 continue
             output = EngineCoreOutput(request.request_id, [token])
-            if logprobs is not None and logprobs[index] is not None:
-                output.new_logprobs = [logprobs[index]]
+            entry = logprobs[index] if logprobs is not None else None
+            if entry is not None:
+                output.new_logprobs = [entry]
             if request.prompt_logprobs is not None and len(request.output_token_ids) == 1:
                 output.prompt_logprobs = request.prompt_logprobs
             if status is not None:
@@ -362,7 +365,7 @@ class Scheduler:
             self._update_from_connector(runner_output.kv_connector_output, outputs)
         return outputs
 
-    def _collect_prompt_logprobs(self, prompt_logprobs: dict) -> None:
+    def _collect_prompt_logprobs(self, prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]) -> None:
         for request_id, (first_position, entries) in prompt_logprobs.items():
             request = self.requests.get(request_id)
             if request is None:

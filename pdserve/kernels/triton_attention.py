@@ -304,7 +304,8 @@ def paged_attention(
 
 def token_positions(metadata: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Each batch token's sequence index and position (int32), as the attention kernel reads them."""
-    seqs, positions = [], []
+    seqs: list[int] = []
+    positions: list[int] = []
     for seq in range(metadata.num_seqs):
         start, end = metadata.query_start_loc[seq], metadata.query_start_loc[seq + 1]
         context_len = metadata.context_lens[seq]

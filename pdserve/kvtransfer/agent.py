@@ -52,7 +52,7 @@ class _Peer:
     """A remote engine's side channel, and what its handshake told us."""
 
     address: tuple[str, int]
-    socket: zmq.Socket
+    socket: zmq.Socket[bytes]
     engine_id: str | None = None  # set once the handshake succeeded
     handshake_deadline: float | None = None  # set while a handshake is in flight
     waiting: list[Pull] = field(default_factory=list)  # pulls waiting for the handshake
@@ -277,13 +277,13 @@ class TransferAgent:
             self._server.send_multipart([identity, messages.encode(messages.BlocksReply(message.request_id, error))])
             return
         data = self.transport.read_local(message.block_ids)
-        checksum = zlib.crc32(data)
+        checksum = zlib.crc32(data.data)
         if self.faults.corrupt_blocks:
             data.reshape(-1)[len(data.reshape(-1)) // 2] ^= 0xFF
         if self.faults.truncate_blocks:
             data = data.reshape(-1)[:-1]
         reply = messages.BlocksReply(message.request_id, checksum=checksum)
-        self._server.send_multipart([identity, messages.encode(reply), data], copy=False)
+        self._server.send_multipart([identity, messages.encode(reply), data.data], copy=False)
         if message.release:
             self._release(message.request_id)
 
@@ -360,7 +360,7 @@ class TransferAgent:
             for pull in due:
                 self._start_pull(pull)
 
-    def _on_peer_reply(self, socket: zmq.Socket) -> None:
+    def _on_peer_reply(self, socket: zmq.Socket[bytes]) -> None:
         peer = next((p for p in self._peers.values() if p.socket is socket), None)
         while peer is not None and peer.address in self._peers:  # a reply may drop the peer
             try:

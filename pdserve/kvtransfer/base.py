@@ -63,8 +63,8 @@ class KVConnectorWorker(Protocol):
     def submit(self, work: Any) -> None:
         """Start the work order the scheduler side built this step (``build_connector_meta``)."""
 
-    def collect(self) -> KVConnectorOutput:
-        """What finished since the last call (never blocks)."""
+    def collect(self) -> KVConnectorOutput | None:
+        """What finished since the last call (None: nothing); never blocks."""
         ...
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """``kv_transfer_params``: what a prefill engine hands back and a decode engine reads.
 
-The field names are vLLM's P/D convention (the contract of shared/DESIGN.md §2), so one proxy
+The field names are vLLM's P/D convention (a contract: docs/contracts.md), so one proxy
 drives either system. pdserve adds fields of its own, all prefixed ``remote_`` or ``kv_``; a
 proxy passes the whole object through unchanged:
 
@@ -61,7 +61,7 @@ def _int_list(params: dict[str, Any], name: str) -> list[int]:
     value = _field(params, name, list)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         raise ValueError(f"kv_transfer_params.{name} must be a list of non-negative integers")
-    return value
+    return list(value)
 
 
 def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:

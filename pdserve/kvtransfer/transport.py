@@ -74,7 +74,7 @@ class Transport(ABC):
         return None
 
     @abstractmethod
-    def start_pull(self, pull: Pull, socket: zmq.Socket) -> None:
+    def start_pull(self, pull: Pull, socket: zmq.Socket[bytes]) -> None:
         """Start the transfer (``socket`` is the peer's side channel)."""
 
     @abstractmethod
@@ -122,7 +122,7 @@ class TcpTransport(Transport):
         super().__init__(kv_cache)
         self._done: list[tuple[Pull, str | None]] = []
 
-    def start_pull(self, pull: Pull, socket: zmq.Socket) -> None:
+    def start_pull(self, pull: Pull, socket: zmq.Socket[bytes]) -> None:
         spec = pull.spec
         pull.released = True  # the read asks prefill to free once the bytes are sent
         socket.send(
@@ -168,7 +168,7 @@ class NixlTransport(Transport):
         from nixl._api import nixl_agent, nixl_agent_config
 
         super().__init__(kv_cache)
-        # No progress thread: on few cores it costs 2-3x throughput (shared/notes/nixl-cpu.md); the
+        # No progress thread: on few cores it costs 2-3x throughput and makes it erratic; the
         # agent thread polls instead, which also makes the passive side's notifications progress.
         self.agent = nixl_agent(config.engine_id, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
@@ -219,7 +219,7 @@ class NixlTransport(Transport):
             except Exception as error:  # already gone on NIXL's side
                 logger.debug("removing NIXL agent %s: %s", peer.agent_name, error)
 
-    def start_pull(self, pull: Pull, socket: zmq.Socket) -> None:
+    def start_pull(self, pull: Pull, socket: zmq.Socket[bytes]) -> None:
         peer = self._peers[pull.spec.remote.address]
         size = self.block_bytes
         local = [(self.kv_base + b * size, size, self.device_id) for b in pull.spec.local_block_ids]
@@ -232,9 +232,9 @@ class NixlTransport(Transport):
         pull: Pull,
         stage: str,
         peer: _NixlPeer,
-        local: list,
+        local: list[tuple[int, int, int]],
         local_mem: str,
-        remote: list,
+        remote: list[tuple[int, int, int]],
         remote_mem: str,
         notification: bytes = b"",
     ) -> None:
@@ -316,7 +316,7 @@ class NixlTransport(Transport):
             logger.error("could not cancel a timed-out NIXL read for %s", pull.spec.request_id)
 
     def poll_releases(self) -> list[str]:
-        released = []
+        released: list[str] = []
         try:
             notifications_by_agent = self.agent.get_new_notifs()
         except Exception as error:  # a peer's disconnect surfaces here too

@@ -81,7 +81,7 @@ class Attention(nn.Module):
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        if self.q_norm is None:
+        if self.q_norm is None or self.k_norm is None:
             # q and k heads sit side by side in qkv: rotate them in place, in one pass.
             qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         else:

@@ -43,7 +43,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 @kopf.on.resume(GROUP, VERSION, PDSERVICES, backoff=10)
 @kopf.on.create(GROUP, VERSION, PDSERVICES, backoff=10)
 @kopf.on.update(GROUP, VERSION, PDSERVICES, backoff=10)
-def reconcile_service(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+def reconcile_service(body: kopf.Body, name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    namespace = _namespaced(namespace)
     found = problems(name, body.get("spec") or {})
     if found:
         reconcile.sync(memo.kube, namespace, name)  # Ready=False, reason InvalidSpec
@@ -57,10 +58,17 @@ def reconcile_service(body: kopf.Body, name: str, namespace: str, memo: kopf.Mem
 @kopf.on.resume(GROUP, VERSION, PDPOOLS)
 @kopf.on.create(GROUP, VERSION, PDPOOLS)
 @kopf.on.field(GROUP, VERSION, PDPOOLS, field="spec.replicas")
-def follow_pool(spec: kopf.Spec, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    reconcile.sync(memo.kube, namespace, spec["service"])
+def follow_pool(spec: kopf.Spec, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    reconcile.sync(memo.kube, _namespaced(namespace), spec["service"])
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: OPERATOR, LABEL_SERVICE: kopf.PRESENT})
-def deployment_changed(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    reconcile.sync(memo.kube, namespace, labels[LABEL_SERVICE])
+def deployment_changed(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    reconcile.sync(memo.kube, _namespaced(namespace), labels[LABEL_SERVICE])
+
+
+def _namespaced(namespace: str | None) -> str:
+    """Every resource the handlers watch is namespaced: kopf always passes its namespace."""
+    if namespace is None:
+        raise kopf.PermanentError("a namespaced resource arrived without a namespace")
+    return namespace

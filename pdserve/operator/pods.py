@@ -1,6 +1,6 @@
 """Pod templates of the router and the engine pools of one PDService (pure functions of the spec).
 
-Owns what runs in the pods: the `pdserve router|prefill|decode` command lines (DESIGN §7 flag names),
+Owns what runs in the pods: the `pdserve router|prefill|decode` command lines (flags: docs/contracts.md),
 environment, ports, probes, resources, the model volume and the security context.
 """
 

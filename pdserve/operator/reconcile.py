@@ -23,7 +23,7 @@ _locks: collections.defaultdict[tuple[str, str], threading.Lock] = collections.d
 _locks_lock = threading.Lock()
 
 
-def ensure_objects(kube: Kube, body: Mapping[str, Any]) -> None:
+def ensure_objects(kube: Kube, body: kopf.Body) -> None:
     """Create or patch the PDPools, Deployments, Services and router RBAC of a valid PDService."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     spec = with_defaults(body["spec"])
@@ -61,7 +61,8 @@ def _router_size(service: Mapping[str, Any], deployment: Mapping[str, Any] | Non
     replicas = with_defaults(service.get("spec") or {})[ROUTER]["replicas"]
     if isinstance(replicas, int) and not isinstance(replicas, bool):
         return replicas
-    return (deployment or {}).get("spec", {}).get("replicas", 0)  # spec unusable: report what runs
+    running: int = (deployment or {}).get("spec", {}).get("replicas", 0)  # spec unusable: report what runs
+    return running
 
 
 def _follow_pool(

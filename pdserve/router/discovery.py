@@ -102,7 +102,7 @@ class KubernetesDiscovery:
                 for pod in listed.items:
                     self._set(pod)
                 self._publish()
-                version = listed.metadata.resource_version
+                version = listed.metadata.resource_version if listed.metadata is not None else None
                 while not self._stop.is_set():
                     stream = watch.Watch().stream(
                         api.list_namespaced_pod,

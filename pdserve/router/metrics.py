@@ -1,4 +1,4 @@
-"""The router's Prometheus series (names are a contract: shared/DESIGN.md §5), in a registry of its own
+"""The router's Prometheus series (names are a contract: docs/contracts.md), in a registry of its own
 so several routers can live in one process (tests) without clashing.
 
 ``pdserve_router_errors_total{kind}`` kinds:

@@ -1,6 +1,6 @@
 """The P→D path of one generation request: validation, pod choice (pdserve/router/policy.py), the prefill leg,
-the decode leg streamed back byte for byte, and the choice between the three paths (shared/DESIGN.md §2;
-notes/pd-protocol-edge-cases.md 11, 12):
+the decode leg streamed back byte for byte, and the choice between the three paths (docs/contracts.md,
+"kv_transfer_params"; every path is counted, so a silent fall back to decode-only shows in the metrics):
 
 - ``disagg``: prefill answered ``kv_transfer_params``; decode gets the client's body plus those params.
 - ``decode_only``: no prefill leg is possible or useful (no prefill pods, several choices or prompts, prompt
@@ -107,7 +107,18 @@ class Proxy:
         self.metrics = metrics
         self.chooser = chooser
         self.prompts = prompts  # None: prompts are not tokenized (no tokenizer, or nothing would use them)
-        self.session: aiohttp.ClientSession | None = None  # set on startup: it needs the running loop
+        self._session: aiohttp.ClientSession | None = None  # set on startup: it needs the running loop
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The client session of every leg (made at start-up: it needs the running loop)."""
+        if self._session is None:
+            raise RuntimeError("the router has not started")
+        return self._session
+
+    @session.setter
+    def session(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
 
     def eject(self, podset: PodSet, pod: Pod, reason: str) -> None:
         if podset.mark(pod, False, reason):

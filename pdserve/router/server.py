@@ -67,6 +67,7 @@ class Router:
         self._probe: asyncio.Task[None] | None = None
         self._discovery: KubernetesDiscovery | None = None
         self._openapi: bytes | None = None
+        self._session: aiohttp.ClientSession | None = None
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -91,7 +92,7 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
         )
-        self.proxy.session = session
+        self.proxy.session = self._session = session
         self._health = HealthChecker(
             session,
             [self.prefill, self.decode],
@@ -137,8 +138,8 @@ class Router:
             await self.subscriber.close()
         if self.proxy.prompts is not None:
             self.proxy.prompts.close()
-        if self.proxy.session is not None:
-            await self.proxy.session.close()
+        if self._session is not None:
+            await self._session.close()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.proxy.forward(request, chat=False)

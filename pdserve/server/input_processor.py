@@ -56,12 +56,12 @@ class InputProcessor:
 
     # ----- prompts ------------------------------------------------------------------------------
 
-    def prompts(self, prompts: PromptInput | Sequence[PromptInput], param: str = "prompt") -> list[Prompt]:
+    def prompts(self, prompts: PromptInput | Sequence[Any], param: str = "prompt") -> list[Prompt]:
         """One prompt or a list of them, each checked; ``[1, 2]`` is one prompt, ``[[1, 2], [3]]`` two."""
         single = isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and bool(prompts) and all(_is_token_id(t) for t in prompts)
         )
-        items = [prompts] if single else list(prompts)  # type: ignore[arg-type]
+        items = [prompts] if single else list(prompts)
         if not items:
             raise InputError(param, "no prompts given")
         result = [self._prompt(item, param) for item in items]

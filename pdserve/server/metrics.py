@@ -1,4 +1,4 @@
-"""Prometheus metrics of an engine server (names: shared/DESIGN.md §5, a contract).
+"""Prometheus metrics of an engine server (names are a contract: docs/contracts.md).
 
 Request-level series (finish reasons, TTFT, TPOT, end-to-end latency) are observed by the API
 process as responses finish. Scheduler state (queues, KV usage, prefix-cache and preemption

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +38,7 @@ from pdserve.api.protocol import (
     decode_request,
     sse_event,
 )
+from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.params import parse_remote_prefill
 from pdserve.kvtransfer.prefill_side import is_prefill_leg, prefill_leg_sampling
@@ -150,7 +151,7 @@ class OpenAIServing:
             text = result.text
             logprobs = None
             if body.logprobs is not None:
-                entries = list(result.logprobs)
+                entries: list[TokenLogprobs | None] = list(result.logprobs)
                 if echo:
                     entries = [None, *(result.prompt_logprobs or []), *entries]
                 logprobs = self.logprobs.completion(entries, prompt + result.token_ids if echo else result.token_ids)
@@ -268,7 +269,7 @@ class OpenAIServing:
         kv_transfer_params: dict[str, Any] | None,
         cache_salt: str | None,
         result: ChoiceResult,
-    ) -> AsyncIterator[ChoiceDelta]:
+    ) -> AsyncGenerator[ChoiceDelta, None]:
         """Run one choice, updating ``result`` and yielding what it produced at each output."""
         arrival = time.monotonic()
         queue = await self.client.add_request(
@@ -332,7 +333,7 @@ class OpenAIServing:
         kv_transfer_params: dict[str, Any] | None,
         cache_salt: str | None,
         results: list[ChoiceResult],
-    ) -> AsyncIterator[ChoiceDelta]:
+    ) -> AsyncGenerator[ChoiceDelta, None]:
         """Run every choice concurrently, yielding their deltas as they come; aborts what is still
         running if the consumer stops early (client gone) or anything fails."""
         merged: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from pdserve.kvtransfer.base import KVConnectorOutput
 
@@ -81,10 +81,14 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+# The scheduler's own request class; the worker reads it as a ScheduledRequest.
+RequestT = TypeVar("RequestT", bound=ScheduledRequest, covariant=True)
+
+
 @dataclass(slots=True)
-class SchedulerOutput:
+class SchedulerOutput(Generic[RequestT]):
     # Scheduled requests in running order, with the tokens each computes this step.
-    requests: Sequence[ScheduledRequest]
+    requests: Sequence[RequestT]
     num_scheduled_tokens: list[int]
     # Position of each request's first scheduled token (its num_computed_tokens before this step).
     start_positions: list[int]
@@ -115,7 +119,7 @@ class ModelRunnerOutput:
 class ModelExecutor(Protocol):
     """What the EngineCore drives: one step of the scheduled work on the device(s)."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> ModelRunnerOutput:
         """Compute the scheduled tokens' KV and sample one token for each request that reached
         the end of its known tokens (NO_TOKEN for a partial prompt chunk)."""
         ...

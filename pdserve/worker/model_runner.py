@@ -72,7 +72,7 @@ class ModelRunner:
         return self.block_size * self.model_config.kv_bytes_per_token(self.config.dtype)
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> ModelRunnerOutput:
         if scheduler_output.finished_req_ids:
             self.sampler.forget(scheduler_output.finished_req_ids)
         agent = self.kv_connector
@@ -151,7 +151,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[first_row : first_row + count]).float()
             targets = request.prompt_token_ids[first_position + 1 : first_position + 1 + count]
             entries = logprob_entries(
-                torch.log_softmax(logits, dim=-1), targets, [request.sampling_params.prompt_logprobs] * count
+                torch.log_softmax(logits, dim=-1), targets, [request.sampling_params.prompt_logprobs or 0] * count
             )
             result[request.request_id] = (first_position, entries)
         return result

@@ -53,12 +53,12 @@ class Sampler:
             sampled[drawn] = self._draw(logits[drawn], [requests[i] for i in drawn])
         token_ids = sampled.tolist()
 
-        if not want_logprobs:
+        if raw_logprobs is None:
             return token_ids, None
         entries = logprob_entries(
             raw_logprobs[want_logprobs],
             [token_ids[i] for i in want_logprobs],
-            [params[i].logprobs for i in want_logprobs],
+            [params[i].logprobs or 0 for i in want_logprobs],
         )
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         for i, entry in zip(want_logprobs, entries, strict=True):
@@ -142,7 +142,7 @@ def logprob_entries(logprobs: torch.Tensor, token_ids: list[int], num_top: list[
     chosen = logprobs[rows, torch.tensor(token_ids, device=logprobs.device)]
     ranks = ((logprobs > chosen[:, None]).sum(dim=-1) + 1).tolist()
     max_top = max(num_top)
-    top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+    top_values, top_ids = logprobs.topk(max_top, dim=-1)  # empty columns when no row wants alternatives
     chosen_list = chosen.tolist()
     entries = []
     for row, (token_id, n) in enumerate(zip(token_ids, num_top, strict=True)):
@@ -151,8 +151,8 @@ def logprob_entries(logprobs: torch.Tensor, token_ids: list[int], num_top: list[
                 token_id,
                 chosen_list[row],
                 ranks[row],
-                top_ids[row, :n].tolist() if n else [],
-                top_values[row, :n].tolist() if n else [],
+                top_ids[row, :n].tolist(),
+                top_values[row, :n].tolist(),
             )
         )
     return entries

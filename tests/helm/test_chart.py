@@ -36,7 +36,7 @@ CUSTOM = {
     "test": {"image": {"repository": "registry.example.com/busybox", "tag": "1.37"}},
 }
 
-# The operator's permissions (brief and DESIGN §6): (apiGroup, resource) -> verbs.
+# The operator's permissions (least privilege, docs/operator.md): (apiGroup, resource) -> verbs.
 # Exactly what the operator calls (tests/operator records its requests against the emulator).
 OPERATOR_RULES = {
     ("pdserve.io", "pdservices"): {"get", "list", "watch", "patch"},

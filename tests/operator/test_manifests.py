@@ -247,7 +247,7 @@ def test_the_charts_examples_are_valid():
 
 
 def test_pod_commands_parse_with_the_real_cli():
-    # The operator writes `pdserve ...` command lines; the CLI (DESIGN §7) must accept them as written.
+    # The operator writes `pdserve ...` command lines; the CLI (docs/contracts.md) must accept them as written.
     parser = build_parser()
     fields = {"prefill": {"engineArgs": ["--max-model-len", "8192"]}, "kvTransfer": {"leaseSeconds": 2.5}}
     for role in ("prefill", "decode"):

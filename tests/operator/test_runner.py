@@ -26,7 +26,7 @@ def test_run_is_kopf_standalone_with_liveness(monkeypatch):
 
 
 def test_operator_imports_nothing_else_of_pdserve():
-    # DESIGN §9: the operator shares nothing with the engine but the CLI names it writes.
+    # Layering (docs/architecture.md): the operator shares nothing with the engine but the CLI names it writes.
     package = pathlib.Path(__file__).resolve().parents[2] / "pdserve/operator"
     for path in package.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
