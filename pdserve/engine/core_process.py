@@ -2,8 +2,9 @@
 where nothing else can block it. The API process talks to it over two ZMQ sockets with msgpack
 (msgspec) messages; only token ids, parameters and statistics cross, never tensors.
 
-    API process --(AddRequest | AbortRequests | Shutdown)--> core      (PUSH -> PULL)
-    API process <--(CoreReady | CoreOutputs | CoreError)---- core      (PULL <- PUSH)
+    API process --(AddRequest | AbortRequests | ReleaseRemoteBlocks | DumpCachedBlocks | Shutdown)--> core
+    API process <--(CoreReady | CoreOutputs | CoreError | CachedBlocks)------------------------- core
+    (both PUSH -> PULL)
 
 The loop blocks on its input socket only when it has no work; otherwise it drains whatever
 arrived and steps. Any exception ends the process (the client notices through the process
@@ -78,6 +79,7 @@ class CoreReady(msgspec.Struct, tag="ready"):
     block_size: int
     max_model_len: int
     kv_events_port: int | None = None  # where the core publishes KV-cache events (None: it does not)
+    enable_prefix_caching: bool = True
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):
@@ -141,6 +143,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                 scheduler_config.block_size,
                 scheduler_config.max_model_len,
                 publisher.port if publisher else None,
+                scheduler_config.enable_prefix_caching,
             )
         )
     )

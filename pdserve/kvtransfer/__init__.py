@@ -1,1 +1,14 @@
-"""KV transfer between engines: the connector interface the scheduler calls (``base``)."""
+"""KV transfer between engines (prefill/decode disaggregation).
+
+- ``base``: the connector interfaces: the scheduler side's hooks, the worker side's protocol, and
+  what the worker side reports each step;
+- ``connector``: the P/D connector's scheduler side, routing each hook to ``prefill_side`` (hold a
+  finished prefill leg's blocks for a decode engine) or ``decode_side`` (pull a prompt's blocks
+  from a prefill engine); each reads top to bottom as the life of a request in that role;
+- ``work``: the work order those sides hand the transfer agent each step;
+- ``agent``: the transfer agent, one thread per engine owning the side channel, holds, leases,
+  handshakes and pulls; ``transport``: NIXL (default) and TCP data planes; ``messages``: the
+  side channel's frames;
+- ``params``: ``kv_transfer_params`` (vLLM's field names plus ours); ``config``: settings and the
+  fault-injection hook the tests use.
+"""

@@ -63,7 +63,7 @@ class EngineServer:
             {
                 "block_size": str(client.ready.block_size),
                 "num_gpu_blocks": str(client.ready.num_kv_blocks),
-                "enable_prefix_caching": "True",
+                "enable_prefix_caching": str(client.ready.enable_prefix_caching),
             },
         )
         client.on_stats = self.metrics.observe_stats
