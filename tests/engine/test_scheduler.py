@@ -206,10 +206,10 @@ def test_aborting_a_finished_held_request_frees_its_blocks_at_once():
     engine.add_request(make_request("p", prompt_of(9, seed=1), {"do_remote_decode": True, "delay": 50}, max_tokens=1))
     _step(engine)
     assert engine.scheduler.make_stats().num_blocks_held_for_remote == 3
-    generations = engine.scheduler.kv_cache_manager.block_pool.generations.copy()
+    generations = engine.scheduler.kv_cache_manager.block_generations.copy()
     engine.abort_requests(["p"])
     assert engine.scheduler.make_stats().num_blocks_held_for_remote == 0
-    assert (engine.scheduler.kv_cache_manager.block_pool.generations[:3] == generations[:3] + 1).all()
+    assert (engine.scheduler.kv_cache_manager.block_generations[:3] == generations[:3] + 1).all()
     assert_nothing_leaks(engine.scheduler)
 
 

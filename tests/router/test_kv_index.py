@@ -94,8 +94,7 @@ def test_the_index_follows_a_real_block_pool_through_evictions(seed):
     equal to the pool's cached set, evictions included, without any snapshot. (Some seeds evict and cache the same
     hash within one step: applying stored before removed fails them.)"""
     engine = make_engine(num_blocks=24, block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    pool.record_events()
+    engine.record_cache_events()
     rng = random.Random(seed)
     prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(4)]
     index = KVIndex()
@@ -105,8 +104,8 @@ def test_the_index_follows_a_real_block_pool_through_evictions(seed):
             prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
             engine.add_request(make_request(f"r{number}", prompt, max_tokens=rng.randrange(1, 6)))
         engine.step()
-        index.apply("p", KVEventBatch("e", number, 4, pool.stored_log, pool.removed_log, LOAD))
-        evictions_seen = evictions_seen or bool(pool.removed_log)
-        pool.stored_log, pool.removed_log = [], []
-        assert index.pods["p"].hashes == set(pool.cached_blocks), f"step {number}"
+        stored, removed = engine.take_cache_events()
+        index.apply("p", KVEventBatch("e", number, 4, stored, removed, LOAD))
+        evictions_seen = evictions_seen or bool(removed)
+        assert index.pods["p"].hashes == set(engine.cached_block_hashes()), f"step {number}"
     assert evictions_seen
