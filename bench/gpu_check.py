@@ -15,7 +15,7 @@ Sections, each recorded in the result file whether it passes, fails or is skippe
    weight-read time at copy bandwidth.
 
 ``--dry-run`` runs the same code on CPU at tiny shapes with Triton's interpreter (what CI does, to
-keep this script working where no GPU is lent). Writes JSON to ``--out``; prints as it goes.
+keep this script working where no GPU is lent). Prints as it goes; with ``--out FILE``, also writes JSON there.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def check_attention_bandwidth() -> dict:
 def check_parity() -> dict:
     from pdserve import LLM, SamplingParams
     from pdserve.models.demo import ensure_demo_model
-    from tests.models.hf_models import SHAPES, VOCAB, build_hf_model, first_divergence, hf_greedy
+    from pdserve.testing.hf_models import SHAPES, VOCAB, build_hf_model, first_divergence, hf_greedy
 
     max_new = 8 if DRY_RUN else 16
     gen = torch.Generator().manual_seed(0)
@@ -278,7 +278,7 @@ def check_decode_step() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE (after every section)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
     args = parser.parse_args()
     if not DRY_RUN and not torch.cuda.is_available():
@@ -311,12 +311,13 @@ def main() -> None:
             report[name] = {"passed": False, "error": repr(error), "traceback": traceback.format_exc()[-2000:]}
         report[name]["seconds"] = round(time.perf_counter() - start, 1)
         print(json.dumps(report[name], default=str)[:2000], flush=True)
-        with open(args.out, "w") as handle:  # after every section: a timeout still leaves results
-            json.dump(report, handle, indent=2, default=str)
+        if args.out:
+            with open(args.out, "w") as handle:  # after every section: a timeout still leaves results
+                json.dump(report, handle, indent=2, default=str)
     failed = [n for n in sections if report[n].get("passed") is False]
     print(
         f"GPU check: {len(sections) - len(failed)} of {len(sections)} sections passed, skipped or not judged; "
-        f"failed: {failed or 'none'}; results in {args.out}"
+        f"failed: {failed or 'none'}" + (f"; results in {args.out}" if args.out else "")
     )
     sys.exit(1 if failed else 0)
 

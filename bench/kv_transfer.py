@@ -10,17 +10,20 @@ the moment it reports the blocks landed, after one warm-up pull (the handshake).
 copies the same kind of block sets (random, cold) between two such caches in one process with
 numpy. Best of 5 each.
 
-Writes docs/img/kv_transfer.png. Runs in about 40 s.
+With --plot DIR, writes DIR/kv_transfer.png. Runs in about 40 s.
 Last line: {"bench": "kv_transfer", "nixl_16mib_gbps", "memcpy_16mib_gbps", "ratio"}.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
 import random
 import time
+
+from plots import add_plot_argument, bar_chart
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -33,7 +36,7 @@ REPEATS = 5
 def _kv_cache():
     import torch
 
-    from pdserve.worker.model_runner import allocate_kv_memory
+    from pdserve.worker.kv_cache import allocate_kv_memory
 
     kv_cache = allocate_kv_memory((NUM_BLOCKS, BLOCK_BYTES // 4), torch.float32, torch.device("cpu"))
     kv_cache.fill_(1.0)  # touch every page now, as a serving engine's cache is after warm-up
@@ -145,6 +148,9 @@ def _memcpy() -> dict[int, float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_plot_argument(parser)
+    args = parser.parse_args()
     memcpy = _memcpy()
     contiguous = _contiguous_memcpy()
     nixl = _pull_all("nixl")
@@ -163,18 +169,17 @@ def main() -> None:
         f"one contiguous cache-warm 16 MiB numpy copy: {contiguous:.2f} GB/s (nixl at 16 MiB: "
         f"{nixl[16] / contiguous:.2f} of it)"
     )
-    from plots import bar_chart
-
-    path = bar_chart(
-        "kv_transfer",
-        "KV pull between two processes vs numpy copying the same blocks (GB/s)",
-        "GB/s",
-        {
-            f"{size} MiB": {"numpy, same blocks": memcpy[size], "NIXL": nixl[size], "TCP": tcp[size]}
-            for size in SIZES_MIB
-        },
-    )
-    print(f"plot: {path}")
+    if args.plot:
+        bar_chart(
+            args.plot,
+            "kv_transfer",
+            "KV pull between two processes vs numpy copying the same blocks (GB/s)",
+            "GB/s",
+            {
+                f"{size} MiB": {"numpy, same blocks": memcpy[size], "NIXL": nixl[size], "TCP": tcp[size]}
+                for size in SIZES_MIB
+            },
+        )
     print(
         json.dumps(
             {

@@ -14,7 +14,7 @@ TPOT is flat under load, while each role has half the compute (prefill is slower
 cannot: the router, the load generator and the transfer agents share the same two cores with
 the engines, and there is no network between the "pods" (UCX moves KV through shared memory).
 
-Writes docs/img/pd_vs_colocated.png and prints a table; last line JSON. About 4 minutes.
+Prints a table (last line JSON) and, with --plot DIR, writes DIR/pd_vs_colocated.png. About 4 minutes.
 """
 
 from __future__ import annotations
@@ -24,18 +24,16 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
+from plots import add_plot_argument, pyplot, save
+
 from pdserve.launcher import free_port
+from pdserve.testing.processes import Process, cpu_engine_flags, router_argv, server_env
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = {
     "hidden_size": 768,
     "intermediate_size": 2048,
@@ -46,18 +44,7 @@ MODEL = {
     "tie_word_embeddings": True,
     "max_position_embeddings": 2048,
 }
-ENGINE_FLAGS = [
-    "--device",
-    "cpu",
-    "--max-model-len",
-    "1024",
-    "--kv-cache-memory",
-    "1GiB",
-    "--served-model-name",
-    "bench",
-    "--log-level",
-    "warning",
-]
+ENGINE_FLAGS = cpu_engine_flags("1GiB", max_model_len=1024, served_model_name="bench")
 
 
 def build_model(folder: Path) -> None:
@@ -74,27 +61,12 @@ def build_model(folder: Path) -> None:
             shutil.copy(demo / name, folder / name)
 
 
-def start(argv: list[str], cores: str | None, threads: int, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    prefix = ["taskset", "-c", cores] if cores else []
-    with open(log, "wb") as handle:
-        return subprocess.Popen(
-            [*prefix, sys.executable, "-m", "pdserve.cli", *argv], env=env, stdout=handle, stderr=subprocess.STDOUT
-        )
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"a server exited during start-up ({url})")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy")
+def start(name: str, port: int, argv: list[str], logs: Path, cores: str | None = None, threads: int = 1) -> Process:
+    """Start `pdserve ARGV` (listening on ``port``) with ``threads`` torch threads, pinned to ``cores`` when given,
+    its output in LOGS/NAME.log."""
+    process = Process(name, argv, server_env(threads), port, logs / f"{name}.log", cores=cores)
+    process.start()
+    return process
 
 
 def run_load(url: str, args: argparse.Namespace) -> dict:
@@ -121,71 +93,31 @@ def run_load(url: str, args: argparse.Namespace) -> dict:
 
 
 def run_setup(name: str, folder: Path, logs: Path, args: argparse.Namespace) -> dict:
-    processes = []
+    processes: list[Process] = []
     try:
         if name == "colocated":
             port = free_port()
-            processes.append(
-                start(
-                    ["serve", "--mode", "colocated", "--port", str(port), "--model", str(folder), *ENGINE_FLAGS],
-                    "0,1",
-                    2,
-                    logs / "colocated.log",
-                )
-            )
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, processes[0])
+            argv = ["serve", "--mode", "colocated", "--port", str(port), "--model", str(folder), *ENGINE_FLAGS]
+            processes.append(start("colocated", port, argv, logs, "0,1", 2))
         else:
-            engines = []
             for role, core in (("prefill", "0"), ("decode", "1")):
                 port = free_port()
-                processes.append(
-                    start(
-                        [role, "--port", str(port), "--model", str(folder), *ENGINE_FLAGS],
-                        core,
-                        1,
-                        logs / f"{role}.log",
-                    )
-                )
-                engines.append(f"http://127.0.0.1:{port}")
-            for url, process in zip(engines, processes, strict=True):
-                wait_healthy(url, process)
+                argv = [role, "--port", str(port), "--model", str(folder), *ENGINE_FLAGS]
+                processes.append(start(role, port, argv, logs, core))
+            for process in processes:
+                process.wait_healthy(300)
+            prefill, decode = processes
             port = free_port()
-            processes.append(
-                start(
-                    [
-                        "router",
-                        "--port",
-                        str(port),
-                        "--log-level",
-                        "warning",
-                        "--prefill",
-                        engines[0],
-                        "--decode",
-                        engines[1],
-                    ],
-                    None,
-                    1,
-                    logs / "router.log",
-                )
-            )
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, processes[-1])
-        return run_load(url, args)
+            processes.append(start("router", port, router_argv(port, [prefill.url], [decode.url]), logs))
+        processes[-1].wait_healthy(300)
+        return run_load(processes[-1].url, args)
     finally:
         for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(30)
+            process.stop()
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+def plot(results: dict[str, dict], folder: Path) -> None:
+    figure, axes = pyplot().subplots(1, 2, figsize=(10, 4))
     for name, summary in results.items():
         for axis, key, label in ((axes[0], "ttfts_ms", "TTFT (ms)"), (axes[1], "tpots_ms", "TPOT (ms)")):
             values = sorted(v for v in summary[key] if v is not None)
@@ -195,9 +127,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
             axis.grid(alpha=0.3)
     axes[0].legend()
     figure.suptitle("colocated vs 1P1D, 2 cores, same offered load (bench/pd_vs_colocated.py)")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
+    save(figure, folder, "pd_vs_colocated")
 
 
 def main() -> None:
@@ -208,7 +138,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--slo-ttft-ms", type=float, default=2000)
     parser.add_argument("--slo-tpot-ms", type=float, default=100)
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "img" / "pd_vs_colocated.png"))
+    add_plot_argument(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "model"
@@ -228,8 +158,8 @@ def main() -> None:
             f"{s['median_tpot_ms']:9.1f} {s['p90_tpot_ms']:7.1f} {s['p99_tpot_ms']:7.1f} "
             f"{s['goodput']:8.2f} {s['output_throughput']:7.1f} {s['failed']:6d}"
         )
-    plot(results, Path(args.plot))
-    print(f"plot: {args.plot}")
+    if args.plot:
+        plot(results, args.plot)
     print(
         json.dumps(
             {

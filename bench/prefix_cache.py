@@ -5,7 +5,7 @@ both cores). Workload: `pdserve bench --workload shared-prefix`: 4 prefixes of 3
 request one of them plus a 64-token random suffix, 16 output tokens, Poisson arrivals. The hit
 rate is the engine's own count (pdserve_prefix_cache_hits_total / _queries_total).
 
-Writes docs/img/prefix_cache.png and prints a table; last line JSON. About 3 minutes.
+Prints a table (last line JSON) and, with --plot DIR, writes DIR/prefix_cache.png. About 3 minutes.
 """
 
 from __future__ import annotations
@@ -13,74 +13,61 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import tempfile
-import urllib.request
 from pathlib import Path
 
-from pd_vs_colocated import ENGINE_FLAGS, ROOT, build_model, free_port, start, wait_healthy
+from pd_vs_colocated import ENGINE_FLAGS, build_model, free_port, start
+from plots import add_plot_argument, pyplot, save
+
+from pdserve.testing.metrics import metric, scrape
 
 
 def prefix_counters(url: str) -> tuple[float, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-
-    def value(name: str) -> float:
-        match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-        return float(match.group(1)) if match else 0.0
-
-    return value("pdserve_prefix_cache_hits_total"), value("pdserve_prefix_cache_queries_total")
+    """The engine's prefix-cache hits and queries so far (tokens)."""
+    values = scrape(url)
+    return metric(values, "pdserve_prefix_cache_hits_total"), metric(values, "pdserve_prefix_cache_queries_total")
 
 
-def run(folder: Path, caching: bool, args: argparse.Namespace, log: Path) -> dict:
+def shared_prefix_load(url: str, args: argparse.Namespace, seed: int) -> dict:
+    """`pdserve bench --workload shared-prefix` against ``url`` with the run's workload arguments: its summary."""
     from pdserve.bench.loadgen import BenchConfig, run_benchmark
 
+    config = BenchConfig(
+        base_url=url,
+        model="bench",
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        workload="shared-prefix",
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        input_len=args.suffix_len,
+        output_len=args.output_len,
+        ignore_eos=True,
+        seed=seed,
+        progress=False,
+    )
+    return asyncio.run(run_benchmark(config))
+
+
+def run(folder: Path, caching: bool, args: argparse.Namespace, logs: Path) -> dict:
     port = free_port()
     flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
-    process = start(
-        ["serve", "--mode", "colocated", "--port", str(port), "--model", str(folder), flag, *ENGINE_FLAGS],
-        "0,1",
-        2,
-        log,
-    )
-    url = f"http://127.0.0.1:{port}"
+    argv = ["serve", "--mode", "colocated", "--port", str(port), "--model", str(folder), flag, *ENGINE_FLAGS]
+    process = start(f"caching-{'on' if caching else 'off'}", port, argv, logs, "0,1", 2)
     try:
-        wait_healthy(url, process)
-        hits_before, queries_before = prefix_counters(url)
-        summary = asyncio.run(
-            run_benchmark(
-                BenchConfig(
-                    base_url=url,
-                    model="bench",
-                    num_prompts=args.num_prompts,
-                    request_rate=args.request_rate,
-                    workload="shared-prefix",
-                    prefix_len=args.prefix_len,
-                    num_prefixes=args.num_prefixes,
-                    input_len=args.suffix_len,
-                    output_len=args.output_len,
-                    ignore_eos=True,
-                    seed=3,
-                    progress=False,
-                )
-            )
-        )
-        hits, queries = prefix_counters(url)
+        process.wait_healthy(300)
+        hits_before, queries_before = prefix_counters(process.url)
+        summary = shared_prefix_load(process.url, args, seed=3)
+        hits, queries = prefix_counters(process.url)
         summary["hit_rate"] = (hits - hits_before) / max(queries - queries_before, 1)
         return summary
     finally:
-        process.terminate()
-        process.wait(30)
+        process.stop()
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: dict[str, dict], folder: Path) -> None:
     names = list(results)
-    figure, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    figure, axes = pyplot().subplots(1, 2, figsize=(9, 3.5))
     width = 0.35
     for offset, key, label in ((-width / 2, "median_ttft_ms", "p50"), (width / 2, "p90_ttft_ms", "p90")):
         axes[0].bar([i + offset for i in range(len(names))], [results[n][key] for n in names], width, label=label)
@@ -90,9 +77,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
     axes[1].bar(names, [results[n]["hit_rate"] * 100 for n in names], color="tab:green")
     axes[1].set_ylabel("prompt tokens from the prefix cache (%)")
     figure.suptitle("shared-prefix workload, prefix caching on vs off (bench/prefix_cache.py)")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
+    save(figure, folder, "prefix_cache")
 
 
 def main() -> None:
@@ -103,14 +88,13 @@ def main() -> None:
     parser.add_argument("--num-prefixes", type=int, default=4)
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "img" / "prefix_cache.png"))
+    add_plot_argument(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "model"
         build_model(folder)
         results = {
-            name: run(folder, name == "caching on", args, Path(scratch) / f"{name}.log")
-            for name in ("caching on", "caching off")
+            name: run(folder, name == "caching on", args, Path(scratch)) for name in ("caching on", "caching off")
         }
     print(
         f"{args.num_prompts} requests: {args.num_prefixes} prefixes x {args.prefix_len} tokens + "
@@ -122,8 +106,8 @@ def main() -> None:
             f"{name:<12} {s['hit_rate']:9.1%} {s['median_ttft_ms']:9.0f} {s['p90_ttft_ms']:7.0f} "
             f"{s['p99_ttft_ms']:7.0f} {s['request_throughput']:6.2f}"
         )
-    plot(results, Path(args.plot))
-    print(f"plot: {args.plot}")
+    if args.plot:
+        plot(results, args.plot)
     on, off = results["caching on"], results["caching off"]
     print(
         json.dumps(

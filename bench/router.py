@@ -13,6 +13,7 @@ Measured, for streamed /v1/completions requests:
 (d) the same (latency and requests/s) through the FastAPI + httpx baseline, when fastapi/httpx/uvicorn are
     installed (``.venv/bin/pip install fastapi httpx uvicorn``); otherwise skipped with a message.
 
+With --plot DIR, writes DIR/router_latency.png and DIR/router_throughput.png.
 Last line: {"bench": "router", "overhead_p50_ms": X, "router_rps": Y, "baseline_rps": Z, "ratio": R}.
 """
 
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 import msgspec
+from plots import add_plot_argument, bar_chart
 
 from pdserve.launcher import free_port
 
@@ -312,7 +314,7 @@ def _have_baseline() -> bool:
     return True
 
 
-async def run(requests: int, seconds: float) -> None:
+async def run(requests: int, seconds: float, plot: Path | None) -> None:
     cores = sorted(os.sched_getaffinity(0))
     proxy_core, own_core = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
     if own_core is not None:
@@ -350,22 +352,22 @@ async def run(requests: int, seconds: float) -> None:
         )
     router = rows[1]
     baseline = rows[2] if len(rows) > 2 else None
-    from plots import bar_chart
-
-    bar_chart(
-        "router_latency",
-        "two legs, streamed: latency with 1 request in flight (ms)",
-        "ms",
-        {row["name"]: {"p50": row["p50_ms"], "p99": row["p99_ms"]} for row in rows},
-    )
-    path = bar_chart(
-        "router_throughput",
-        f"requests/s with {CONCURRENCY} in flight",
-        "requests/s",
-        {row["name"]: {"req/s": row["rps"]} for row in rows},
-        log=True,
-    )
-    print(f"plots: {path.parent}/router_latency.png, {path}")
+    if plot:
+        bar_chart(
+            plot,
+            "router_latency",
+            "two legs, streamed: latency with 1 request in flight (ms)",
+            "ms",
+            {row["name"]: {"p50": row["p50_ms"], "p99": row["p99_ms"]} for row in rows},
+        )
+        bar_chart(
+            plot,
+            "router_throughput",
+            f"requests/s with {CONCURRENCY} in flight",
+            "requests/s",
+            {row["name"]: {"req/s": row["rps"]} for row in rows},
+            log=True,
+        )
     print(
         json.dumps(
             {
@@ -383,6 +385,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=1000, help="sequential requests per latency measurement")
     parser.add_argument("--seconds", type=float, default=4.0, help="length of each requests/s measurement")
+    add_plot_argument(parser)
     parser.add_argument("--serve", choices=["stubs", "router", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--decode-port", type=int, help=argparse.SUPPRESS)
@@ -396,7 +399,7 @@ def main() -> None:
     elif args.serve == "baseline":
         serve_baseline(args.port, args.prefill, args.decode)
     else:
-        asyncio.run(run(args.requests, args.seconds))
+        asyncio.run(run(args.requests, args.seconds, args.plot))
 
 
 if __name__ == "__main__":

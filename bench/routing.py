@@ -17,128 +17,59 @@ prefix on the engine that has it (unless that engine is much busier), so each en
 Hit rate: the engines' own counters (pdserve_prefix_cache_hits_total / _queries_total, both engines). Also shown:
 the router's predicted vs realised decode hits (from usage in the streams' last event) and how requests split.
 
-Writes docs/img/routing.png; last line JSON {"bench": "routing", "hit_rate_prefix_load", "hit_rate_round_robin",
-"ttft_p50_prefix_load_ms", "ttft_p50_round_robin_ms", ...}.
+With --plot DIR, writes DIR/routing.png. Last line JSON {"bench": "routing", "hit_rate_prefix_load",
+"hit_rate_round_robin", "ttft_p50_prefix_load_ms", "ttft_p50_round_robin_ms", ...}.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import re
 import tempfile
-import urllib.request
 from pathlib import Path
 
-from pd_vs_colocated import build_model, free_port, start, wait_healthy
-from plots import bar_chart
-from prefix_cache import prefix_counters
+from pd_vs_colocated import build_model, free_port, start
+from plots import add_plot_argument, bar_chart
+from prefix_cache import prefix_counters, shared_prefix_load
 
-ENGINE_FLAGS = [
-    "--device",
-    "cpu",
-    "--max-model-len",
-    "512",
-    "--kv-cache-memory",
-    "112MiB",
-    "--served-model-name",
-    "bench",
-    "--log-level",
-    "warning",
-]
+from pdserve.testing.metrics import metric, scrape
+from pdserve.testing.processes import cpu_engine_flags, router_argv
+
+ENGINE_FLAGS = cpu_engine_flags("112MiB", served_model_name="bench")
 POLICIES = ("prefix-load", "round-robin")
 
 
-def router_counters(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    values = {}
-    for name, labels, value in re.findall(r"^(pdserve_router_\w+_total)(\{[^}]*\})? (\S+)$", text, re.MULTILINE):
-        values[name + (labels or "")] = float(value)
-    return values
-
-
 def run(folder: Path, policy: str, args: argparse.Namespace, scratch: Path) -> dict:
-    from pdserve.bench.loadgen import BenchConfig, run_benchmark
-
     processes = []
     try:
-        engines = []
         for core in (0, 1):
             port = free_port()
-            processes.append(
-                start(
-                    ["decode", "--port", str(port), "--model", str(folder), *ENGINE_FLAGS],
-                    str(core),
-                    1,
-                    scratch / f"{policy}-engine{core}.log",
-                )
-            )
-            engines.append(f"http://127.0.0.1:{port}")
-        for url, process in zip(engines, processes, strict=True):
-            wait_healthy(url, process)
+            argv = ["decode", "--port", str(port), "--model", str(folder), *ENGINE_FLAGS]
+            processes.append(start(f"{policy}-engine{core}", port, argv, scratch, str(core)))
+        engines = [process.url for process in processes]
+        for process in processes:
+            process.wait_healthy(300)
         port = free_port()
-        router_url = f"http://127.0.0.1:{port}"
-        processes.append(
-            start(
-                [
-                    "router",
-                    "--port",
-                    str(port),
-                    "--routing",
-                    policy,
-                    "--tokenizer",
-                    str(folder),
-                    "--load-weight",
-                    str(args.load_weight),
-                    "--log-level",
-                    "warning",
-                    "--decode",
-                    *engines,
-                ],
-                None,
-                1,
-                scratch / f"{policy}-router.log",
-            )
-        )
-        wait_healthy(router_url, processes[-1])
-        summary = asyncio.run(
-            run_benchmark(
-                BenchConfig(
-                    base_url=router_url,
-                    model="bench",
-                    num_prompts=args.num_prompts,
-                    request_rate=args.request_rate,
-                    workload="shared-prefix",
-                    prefix_len=args.prefix_len,
-                    num_prefixes=args.num_prefixes,
-                    input_len=args.suffix_len,
-                    output_len=args.output_len,
-                    ignore_eos=True,
-                    seed=7,
-                    progress=False,
-                )
-            )
-        )
+        flags = ("--routing", policy, "--tokenizer", str(folder), "--load-weight", str(args.load_weight))
+        router = start(f"{policy}-router", port, router_argv(port, [], engines, *flags), scratch)
+        processes.append(router)
+        router.wait_healthy(300)
+        summary = shared_prefix_load(router.url, args, seed=7)
         hits = queries = 0.0
         for url in engines:
             engine_hits, engine_queries = prefix_counters(url)
             hits, queries = hits + engine_hits, queries + engine_queries
         summary["hit_rate"] = hits / max(queries, 1.0)
-        counters = router_counters(router_url)
-        summary["predicted"] = counters.get('pdserve_router_prefix_blocks_predicted_total{role="decode"}', 0.0)
-        summary["realised"] = counters.get('pdserve_router_prefix_blocks_realised_total{role="decode"}', 0.0)
+        counters = scrape(router.url)
+        summary["predicted"] = metric(counters, "pdserve_router_prefix_blocks_predicted_total", role="decode")
+        summary["realised"] = metric(counters, "pdserve_router_prefix_blocks_realised_total", role="decode")
         summary["split"] = [
-            counters.get(f'pdserve_router_choices_total{{pod="{url}",policy="{policy}",role="decode"}}', 0.0)
-            for url in engines
+            metric(counters, "pdserve_router_choices_total", pod=url, policy=policy, role="decode") for url in engines
         ]
         return summary
     finally:
         for process in reversed(processes):
-            process.terminate()
-        for process in processes:
-            process.wait(30)
+            process.stop()
 
 
 def main() -> None:
@@ -153,6 +84,7 @@ def main() -> None:
     parser.add_argument(
         "--policies", nargs="+", default=list(POLICIES), choices=["prefix-load", "round-robin", "prefix", "least-load"]
     )
+    add_plot_argument(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
@@ -179,17 +111,18 @@ def main() -> None:
             print(f"  {s['failed']} failed: {s['errors']}")
     if set(POLICIES) - set(results):
         return  # an exploration run: no plot, no summary line
-    path = bar_chart(
-        "routing",
-        "shared-prefix workload, 2 engines: prefix-load vs round-robin (bench/routing.py)",
-        "ms  |  %",
-        {
-            "TTFT p50 (ms)": {p: results[p]["median_ttft_ms"] for p in POLICIES},
-            "TTFT p90 (ms)": {p: results[p]["p90_ttft_ms"] for p in POLICIES},
-            "prompt tokens from cache (%)": {p: results[p]["hit_rate"] * 100 for p in POLICIES},
-        },
-    )
-    print(f"plot: {path}")
+    if args.plot:
+        bar_chart(
+            args.plot,
+            "routing",
+            "shared-prefix workload, 2 engines: prefix-load vs round-robin (bench/routing.py)",
+            "ms  |  %",
+            {
+                "TTFT p50 (ms)": {p: results[p]["median_ttft_ms"] for p in POLICIES},
+                "TTFT p90 (ms)": {p: results[p]["p90_ttft_ms"] for p in POLICIES},
+                "prompt tokens from cache (%)": {p: results[p]["hit_rate"] * 100 for p in POLICIES},
+            },
+        )
     load, rr = results["prefix-load"], results["round-robin"]
     print(
         json.dumps(

@@ -5,7 +5,8 @@ Steady: N requests brought to steady decode (nothing arriving, nothing finishing
 Churn: the same N long decodes plus 2 new 128-token prompts arriving every step, each finishing
 after 8 output tokens (so about 2 prefills, 16 short decodes and 2 finishes per step on top).
 After warm-up, 200 steps are timed; the median per step is reported. The deterministic fake
-runner supplies tokens and is not timed. Runs in about a minute on 2 cores.
+runner supplies tokens and is not timed. Runs in about a minute on 2 cores. With --plot DIR, writes
+DIR/scheduler.png.
 
 Last line: {"bench": "scheduler", "running": 256, "step_ms": X} for the 256-request steady case.
 """
@@ -17,6 +18,8 @@ import json
 import random
 import statistics
 import time
+
+from plots import add_plot_argument, bar_chart
 
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
@@ -94,6 +97,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=200)
+    add_plot_argument(parser)
     args = parser.parse_args()
     results = {}
     print(
@@ -111,20 +115,20 @@ def main() -> None:
                 f"{result['update_ms']:>10.3f}",
                 flush=True,
             )
-    from plots import bar_chart
-
-    path = bar_chart(
-        "scheduler",
-        "scheduler step (schedule + update from output), model excluded",
-        "ms per step",
-        {
-            f"{size} running": {
-                variant: results[(size, churn)]["median_ms"] for churn, variant in ((False, "steady"), (True, "churn"))
-            }
-            for size in args.sizes
-        },
-    )
-    print(f"plot: {path}")
+    if args.plot:
+        bar_chart(
+            args.plot,
+            "scheduler",
+            "scheduler step (schedule + update from output), model excluded",
+            "ms per step",
+            {
+                f"{size} running": {
+                    variant: results[(size, churn)]["median_ms"]
+                    for churn, variant in ((False, "steady"), (True, "churn"))
+                }
+                for size in args.sizes
+            },
+        )
     key = (256, False) if (256, False) in results else next(iter(results))
     print(json.dumps({"bench": "scheduler", "running": key[0], "step_ms": round(results[key]["median_ms"], 4)}))
 

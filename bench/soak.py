@@ -29,13 +29,9 @@ import os
 import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,22 +40,11 @@ from typing import Any
 import aiohttp
 
 from pdserve.launcher import free_port
+from pdserve.testing.metrics import IDLE_SERIES, idle, scrape
+from pdserve.testing.processes import Process, cpu_engine_flags, engine_argv, router_argv, server_env
 
 LEASE_SECONDS = 5
-ENGINE_FLAGS = [
-    "--device",
-    "cpu",
-    "--max-model-len",
-    "512",
-    "--kv-cache-memory",
-    "8MiB",
-    "--kv-lease-seconds",
-    str(LEASE_SECONDS),
-    "--served-model-name",
-    "demo",
-    "--log-level",
-    "warning",
-]
+ENGINE_FLAGS = [*cpu_engine_flags("8MiB"), "--kv-lease-seconds", str(LEASE_SECONDS)]
 CONCURRENCY = 16
 REQUEST_TIMEOUT_S = 180
 # Router error kinds that mean a leg failed (the router may hide them from the client, e.g. a prefill 5xx falls
@@ -74,113 +59,33 @@ ROUTER_LEG_FAILURES = (
     "decode_broken",
     "timeout",
 )
-IDLE_SERIES = (
-    "pdserve_num_requests_running",
-    "pdserve_num_requests_waiting",
-    "pdserve_num_requests_waiting_for_remote_kv",
-    "pdserve_kv_blocks_held_for_remote",
-    "pdserve_kv_cache_usage_ratio",
-)
 
 
 # ----- processes ----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Server:
-    name: str
-    argv: list[str]
-    port: int
-    log_path: Path
-    process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, env: dict[str, str]) -> None:
-        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.cli", *self.argv], env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    def wait_healthy(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.healthy():
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.2)
-
-    def log_tail(self, size: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-size:]
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)  # engines drain first: at the end there is nothing to drain
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
-
-
-def start_cluster(log_dir: Path, transport: str) -> tuple[Server, Server, Server]:
+def start_cluster(log_dir: Path, transport: str) -> tuple[Process, Process, Process]:
     from pdserve.models.demo import ensure_demo_model
 
     model = str(ensure_demo_model())
     # One OpenMP thread each and passive waits: two engines share a small machine without spinning on each other.
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    env.pop("PDSERVE_KV_FAULTS", None)
+    env = server_env()
     engines = []
     for role in ("prefill", "decode"):
         port = free_port()
-        argv = [
-            role,
-            "--port",
-            str(port),
-            "--model",
-            model,
-            "--kv-transfer",
-            transport,
-            "--kv-side-channel-port",
-            str(free_port()),
-            *ENGINE_FLAGS,
-        ]
-        engines.append(Server(role, argv, port, log_dir / f"{role}.log"))
+        argv = engine_argv(role, port, model, *ENGINE_FLAGS, transport=transport)
+        engines.append(Process(role, argv, env, port, log_dir / f"{role}.log"))
     prefill, decode = engines
     router_port = free_port()
-    router = Server(
-        "router",
-        [
-            "router",
-            "--port",
-            str(router_port),
-            "--log-level",
-            "warning",
-            "--prefill",
-            prefill.url,
-            "--decode",
-            decode.url,
-        ],
-        router_port,
-        log_dir / "router.log",
+    router = Process(
+        "router", router_argv(router_port, [prefill.url], [decode.url]), env, router_port, log_dir / "router.log"
     )
     try:
         for engine in engines:
-            engine.start(env)
+            engine.start()
         for engine in engines:
             engine.wait_healthy()
-        router.start(env)
+        router.start()
         router.wait_healthy()
     except BaseException:
         for server in (router, *engines):
@@ -244,38 +149,22 @@ def tree_rss_mib(pid: int) -> float:
     return total / (1 << 20)
 
 
-def metrics(url: str) -> dict[str, float]:
-    """A server's /metrics as {series with labels: value}."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
-        if match:
-            values[match.group(1)] = float(match.group(2))
-    return values
-
-
 def kv_state(url: str) -> dict[str, float]:
     """The idle-relevant series of an engine, plus the blocks it owns (usage x pool size)."""
-    values = metrics(url)
+    values = scrape(url)
     state = {name: values.get(name, 0.0) for name in IDLE_SERIES}
     pool = next((int(m.group(1)) for name in values if (m := re.search(r'num_gpu_blocks="(\d+)"', name))), 0)
     state["owned_blocks"] = round(state["pdserve_kv_cache_usage_ratio"] * pool)
     return state
 
 
-def is_idle(state: dict[str, float]) -> bool:
-    return all(state[name] == 0 for name in IDLE_SERIES)
-
-
-def wait_idle(engines: list[Server], timeout: float) -> tuple[dict[str, dict[str, float]], float]:
+def wait_idle(engines: list[Process], timeout: float) -> tuple[dict[str, dict[str, float]], float]:
     """Poll until every engine is idle (or ``timeout``); returns the last states seen and the seconds waited."""
     started = time.monotonic()
     while True:
         states = {engine.name: kv_state(engine.url) for engine in engines}
         waited = time.monotonic() - started
-        if all(is_idle(state) for state in states.values()) or waited > timeout:
+        if all(idle(state) for state in states.values()) or waited > timeout:
             return states, waited
         time.sleep(0.25)
 
@@ -410,7 +299,7 @@ async def run_plans(url: str, plans: list[Plan], outcomes: Outcomes) -> None:
 
 
 def router_counts(url: str) -> tuple[dict[str, float], dict[str, float]]:
-    values = metrics(url)
+    values = scrape(url)
     paths = {
         m.group(1): v
         for name, v in values.items()
@@ -454,7 +343,7 @@ def main() -> int:
         asyncio.run(run_plans(router.url, plans[warmup_count:], outcomes))
         run_seconds = time.monotonic() - run_started
         final, idle_after = wait_idle(engines, LEASE_SECONDS + 10)
-        expirations = metrics(prefill.url).get("pdserve_kv_lease_expirations_total", 0)
+        expirations = scrape(prefill.url).get("pdserve_kv_lease_expirations_total", 0)
         rss_end = {server.name: tree_rss_mib(server.process.pid) for server in servers}
         paths, router_errors = router_counts(router.url)
         alive = {server.name: server.process.poll() is None and server.healthy() for server in servers}
@@ -467,7 +356,7 @@ def main() -> int:
     leftover_blocks = int(
         sum(max(state["owned_blocks"], state["pdserve_kv_blocks_held_for_remote"]) for state in final.values())
     )
-    leaked = not all(is_idle(state) for state in final.values())
+    leaked = not all(idle(state) for state in final.values())
     errors = sum(outcomes.errors.values())
     ok = (
         all(alive.values())

@@ -1,17 +1,18 @@
 """Offline generation throughput: pdserve's LLM.generate against transformers' continuous batching
 (``generate_batch``) on the same weights, in one command.
 
-Model: the ~110M Llama of shared/notes/cpu-ml.md (hidden 768, 12 layers, 12 heads, intermediate
-2048, vocab 32000, tied embeddings), random seeded weights, fp32. Workload: 64 requests, 128-token
-random prompts, 128 new tokens each, greedy, EOS ignored. Each engine is warmed up on a small batch
-first. Also reports pdserve's decode step at batch 64 against the decode roofline (weight bytes
-per step / measured weight-streaming bandwidth). Takes 3-5 minutes on 2 cores.
+Model: a ~110M Llama (hidden 768, 12 layers, 12 heads, intermediate 2048, vocab 32000, tied
+embeddings), random seeded weights, fp32. Workload: 64 requests, 128-token random prompts, 128 new
+tokens each, greedy, EOS ignored. Each engine is warmed up on a small batch first. Also reports
+pdserve's decode step at batch 64 against the decode roofline (weight bytes per step / measured
+weight-streaming bandwidth). Takes 3-5 minutes on 2 cores.
 
 transformers' configuration (the best of those tried for this workload, see docs/benchmarks.md):
 page_size 32, num_blocks 640 (20480 token slots: all 64 requests stay resident), max_batch_tokens
 32, max_requests_per_batch 64, sdpa attention. (transformers gets faster as max_batch_tokens
 shrinks, down to 32: its paged attention on CPU seems to cost more than linearly in batch size.)
 
+With --plot DIR (and transformers measured), writes DIR/throughput.png.
 Last line: {"bench": "throughput", "pdserve_tok_s": X, "hf_tok_s": Y, "ratio": R}
 """
 
@@ -28,6 +29,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
+from plots import add_plot_argument, bar_chart
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.request import Request
@@ -139,6 +141,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true", help="measure pdserve only (no ratio)")
+    add_plot_argument(parser)
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(MODEL["vocab_size"]) for _ in range(args.prompt_len)] for _ in range(args.requests)]
@@ -170,16 +173,18 @@ def main() -> None:
             hf_tok_s = run_hf(folder, prompts, args.new_tokens)
             print(f"transformers generate_batch: {hf_tok_s:8.1f} output tok/s ({HF_CB})")
             print(f"ratio: {pdserve_tok_s / hf_tok_s:.2f}x")
-            from plots import bar_chart
-
-            path = bar_chart(
-                "throughput",
-                f"offline generation, {args.requests} x ({args.prompt_len} + "
-                f"{args.new_tokens}) tokens, ~110M Llama fp32",
-                "output tokens/s",
-                {"pdserve LLM.generate": {"tok/s": pdserve_tok_s}, "transformers generate_batch": {"tok/s": hf_tok_s}},
-            )
-            print(f"plot: {path}")
+            if args.plot:
+                bar_chart(
+                    args.plot,
+                    "throughput",
+                    f"offline generation, {args.requests} x ({args.prompt_len} + "
+                    f"{args.new_tokens}) tokens, ~110M Llama fp32",
+                    "output tokens/s",
+                    {
+                        "pdserve LLM.generate": {"tok/s": pdserve_tok_s},
+                        "transformers generate_batch": {"tok/s": hf_tok_s},
+                    },
+                )
     print(
         json.dumps(
             {

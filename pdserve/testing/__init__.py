@@ -1,2 +1,4 @@
-"""Stand-ins shared by the tests and the benchmarks (a bench must not import from tests/):
-``fake_runner`` replaces the model with a deterministic function of the KV cache's contents."""
+"""Helpers shared by the tests and the benchmarks (a bench must not import from tests/): ``fake_runner``
+replaces the model with a deterministic function of the KV cache's contents; ``hf_models`` builds tiny
+seeded Hugging Face models (the oracle); ``processes`` starts `pdserve` servers and waits for them;
+``metrics`` reads a server's /metrics."""

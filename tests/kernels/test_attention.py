@@ -170,7 +170,7 @@ def test_model_with_triton_kernels_matches_the_cpu_path(tmp_path):
     from pdserve.models.attention import triton_backend
     from pdserve.models.config import ModelConfig
     from pdserve.models.loader import load_model
-    from tests.models.hf_models import build_hf_model
+    from pdserve.testing.hf_models import build_hf_model
 
     build_hf_model("Llama", {"num_attention_heads": 4, "num_key_value_heads": 2}, tmp_path)
     config = ModelConfig.from_folder(tmp_path)

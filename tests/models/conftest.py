@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.models.demo import ensure_demo_model
-from tests.models.hf_models import SHAPES, build_hf_model
+from pdserve.testing.hf_models import SHAPES, build_hf_model
 
 
 @pytest.fixture(scope="session")

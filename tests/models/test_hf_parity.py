@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from tests.models.hf_models import SHAPES, VOCAB, first_divergence, hf_greedy
+from pdserve.testing.hf_models import SHAPES, VOCAB, first_divergence, hf_greedy
 
 MAX_NEW = 12
 TIE_MARGIN = 1e-3

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.models.config import ModelConfig, UnsupportedModelError, resolve_dtype
 from pdserve.models.loader import load_model
-from tests.models.hf_models import build_hf_model
+from pdserve.testing.hf_models import LLAMA3_ROPE, build_hf_model
 
 
 def _params(folder):
@@ -31,20 +31,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
 
 
 def test_both_config_dialects_give_the_same_rope(tmp_path):
-    build_hf_model(
-        "Llama",
-        {
-            "num_attention_heads": 4,
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        },
-        tmp_path,
-    )
+    build_hf_model("Llama", {"num_attention_heads": 4, "rope_scaling": dict(LLAMA3_ROPE)}, tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     rope = dict(raw.pop("rope_parameters"))
     old_style = {**raw, "rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}  # transformers 4.x

@@ -10,7 +10,8 @@ import random
 import aiohttp
 import pytest
 
-from tests.pd.cluster import Cluster, metrics, wait_for
+from pdserve.testing.metrics import scrape
+from tests.pd.cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -67,7 +68,7 @@ def test_clients_leaving_at_any_stage_leak_nothing(cluster):
     assert len(outcomes) == 100 and outcomes.count("left") > 30 and outcomes.count("completed") > 10
 
     def drained() -> bool:
-        prefill, decode = metrics(cluster.prefills[0].url), metrics(cluster.decodes[0].url)
+        prefill, decode = scrape(cluster.prefills[0].url), scrape(cluster.decodes[0].url)
         return (
             prefill["pdserve_kv_blocks_held_for_remote"] == 0
             and prefill["pdserve_kv_cache_usage_ratio"] == 0
@@ -77,5 +78,5 @@ def test_clients_leaving_at_any_stage_leak_nothing(cluster):
         )
 
     wait_for(drained, LEASE_S + 10, "blocks or requests left behind after the clients went away")
-    router = metrics(cluster.router.url)
+    router = scrape(cluster.router.url)
     assert router['pdserve_router_requests_total{path="disagg"}'] > 0

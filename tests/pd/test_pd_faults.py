@@ -15,7 +15,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from tests.pd.cluster import Cluster, metrics, post, wait_for
+from pdserve.testing.metrics import scrape
+from tests.pd.cluster import Cluster, post, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,7 +59,7 @@ def _reference(cluster: Cluster, prompt: str) -> str:
 
 
 def _held(cluster: Cluster) -> float:
-    return metrics(cluster.prefills[0].url)["pdserve_kv_blocks_held_for_remote"]
+    return scrape(cluster.prefills[0].url)["pdserve_kv_blocks_held_for_remote"]
 
 
 def _prompt(tag: str) -> str:
@@ -71,7 +72,7 @@ def test_lease_renewal_keeps_blocks_while_the_request_waits_on_decode(cluster):
     params = _prefill_leg(cluster, prompt)
     status, answer = post(cluster.decodes[0].url + "/v1/completions", _body(prompt, kv_transfer_params=params))
     assert status == 200 and answer["choices"][0]["text"] == expected
-    decode, prefill = metrics(cluster.decodes[0].url), metrics(cluster.prefills[0].url)
+    decode, prefill = scrape(cluster.decodes[0].url), scrape(cluster.prefills[0].url)
     assert decode["pdserve_kv_transfer_failures_total"] == 0, "the blocks outlived the 3 s lease only by renewal"
     assert decode["pdserve_kv_transfer_bytes_total"] > 0
     assert prefill["pdserve_kv_lease_expirations_total"] == 0
@@ -91,15 +92,15 @@ def test_decode_abort_before_the_pull_frees_prefill_by_notification(cluster):
     )
     assert connection.getresponse().status == 200
     wait_for(
-        lambda: metrics(cluster.decodes[0].url)["pdserve_num_requests_waiting_for_remote_kv"] == 1,
+        lambda: scrape(cluster.decodes[0].url)["pdserve_num_requests_waiting_for_remote_kv"] == 1,
         10,
         "the decode request never waited for its pull",
     )
     connection.close()  # the client leaves while the pull has not started
     wait_for(lambda: _held(cluster) == 0, DELAY_S, "prefill kept the blocks: no release reached it")
-    assert metrics(cluster.prefills[0].url)["pdserve_kv_lease_expirations_total"] == 0, "freed by lease, not release"
+    assert scrape(cluster.prefills[0].url)["pdserve_kv_lease_expirations_total"] == 0, "freed by lease, not release"
     wait_for(
-        lambda: metrics(cluster.decodes[0].url)["pdserve_kv_cache_usage_ratio"] == 0,
+        lambda: scrape(cluster.decodes[0].url)["pdserve_kv_cache_usage_ratio"] == 0,
         10,
         "decode kept the aborted request's blocks",
     )
@@ -122,21 +123,21 @@ def test_prefill_killed_while_requests_wait_then_restarted(cluster):
     for thread in threads:
         thread.start()
     wait_for(
-        lambda: metrics(cluster.decodes[0].url)["pdserve_num_requests_waiting_for_remote_kv"] == len(prompts),
+        lambda: scrape(cluster.decodes[0].url)["pdserve_num_requests_waiting_for_remote_kv"] == len(prompts),
         10,
         "requests did not reach WAITING_FOR_REMOTE_KVS",
     )
-    failures_before = metrics(cluster.decodes[0].url)["pdserve_kv_transfer_failures_total"]
+    failures_before = scrape(cluster.decodes[0].url)["pdserve_kv_transfer_failures_total"]
     cluster.prefills[0].kill()
     for thread in threads:
         thread.join(60)
         assert not thread.is_alive(), "a decode request hung after its prefill died"
     # Recomputed locally (the default policy): the same answers as if nothing had happened.
     assert [(status, body["choices"][0]["text"]) for status, body in answers] == [(200, e) for e in expected]
-    decode = metrics(cluster.decodes[0].url)
+    decode = scrape(cluster.decodes[0].url)
     assert decode["pdserve_kv_transfer_failures_total"] == failures_before + len(prompts)
     assert decode["pdserve_kv_cache_usage_ratio"] == 0 or wait_for(
-        lambda: metrics(cluster.decodes[0].url)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode leaked blocks"
+        lambda: scrape(cluster.decodes[0].url)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode leaked blocks"
     )
 
     # A restarted prefill (same ports, a new engine) is used again after a fresh handshake.
@@ -144,12 +145,12 @@ def test_prefill_killed_while_requests_wait_then_restarted(cluster):
     cluster.prefills[0].wait_healthy()
     prompt = _prompt("after restart")
     expected_after = _reference(cluster, prompt)
-    bytes_before = metrics(cluster.decodes[0].url)["pdserve_kv_transfer_bytes_total"]
+    bytes_before = scrape(cluster.decodes[0].url)["pdserve_kv_transfer_bytes_total"]
     status, answer = post(
         cluster.decodes[0].url + "/v1/completions", _body(prompt, kv_transfer_params=_prefill_leg(cluster, prompt))
     )
     assert status == 200 and answer["choices"][0]["text"] == expected_after
-    decode = metrics(cluster.decodes[0].url)
+    decode = scrape(cluster.decodes[0].url)
     assert decode["pdserve_kv_transfer_bytes_total"] > bytes_before
     assert decode["pdserve_kv_transfer_failures_total"] == failures_before + len(prompts)
 
@@ -163,7 +164,7 @@ def test_sigterm_drains_prefill_after_its_held_blocks_are_pulled_and_decode_afte
     status, reference = post(prefill.url + "/v1/completions", _body(prompt, max_tokens=150))
     assert status == 200
     params = _prefill_leg(cluster, prompt)
-    failures = metrics(decode.url)["pdserve_kv_transfer_failures_total"]
+    failures = scrape(decode.url)["pdserve_kv_transfer_failures_total"]
     url = urlparse(decode.url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
     connection.request(
@@ -174,7 +175,7 @@ def test_sigterm_drains_prefill_after_its_held_blocks_are_pulled_and_decode_afte
     )
     response = connection.getresponse()
     assert response.status == 200
-    wait_for(lambda: metrics(decode.url)["pdserve_num_requests_waiting_for_remote_kv"] == 1, 10, "no pending pull")
+    wait_for(lambda: scrape(decode.url)["pdserve_num_requests_waiting_for_remote_kv"] == 1, 10, "no pending pull")
     prefill.process.send_signal(signal.SIGTERM)
     wait_for(
         lambda: post(prefill.url + "/v1/completions", _body("new work"))[0] == 503,
@@ -183,11 +184,11 @@ def test_sigterm_drains_prefill_after_its_held_blocks_are_pulled_and_decode_afte
     )
     assert prefill.process.poll() is None, "prefill exited while holding blocks for a pending pull"
     wait_for(
-        lambda: metrics(decode.url)["pdserve_num_requests_waiting_for_remote_kv"] == 0,
+        lambda: scrape(decode.url)["pdserve_num_requests_waiting_for_remote_kv"] == 0,
         DELAY_S + 10,
         "the pull never happened",
     )
-    assert metrics(decode.url)["pdserve_kv_transfer_failures_total"] == failures, "pull from a draining prefill failed"
+    assert scrape(decode.url)["pdserve_kv_transfer_failures_total"] == failures, "pull from a draining prefill failed"
     decode.process.send_signal(signal.SIGTERM)  # mid-stream: the stream must still run to its end
     stream = response.read().decode()
     assert stream.rstrip().endswith("data: [DONE]")

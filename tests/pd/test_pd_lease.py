@@ -10,7 +10,9 @@ import threading
 
 import pytest
 
-from tests.pd.cluster import Cluster, Process, free_port, metrics, post, wait_for
+from pdserve.testing.metrics import scrape
+from pdserve.testing.processes import Process
+from tests.pd.cluster import Cluster, free_port, post, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -61,7 +63,7 @@ def _late_pull(cluster: Cluster, decode_url: str, prompt: str) -> tuple[int, dic
         )
     )
     thread.start()
-    wait_for(lambda: metrics(prefill)["pdserve_kv_blocks_held_for_remote"] == 0, 5, "the lease did not expire")
+    wait_for(lambda: scrape(prefill)["pdserve_kv_blocks_held_for_remote"] == 0, 5, "the lease did not expire")
     for index in range(10):  # other requests take the freed blocks (the cache holds 128 of 16 tokens)
         assert post(prefill + "/v1/completions", _body(f"filler {index} " + "x y z " * 80, max_tokens=1))[0] == 200
     thread.join(60)
@@ -74,12 +76,12 @@ def test_a_pull_after_the_lease_expired_recomputes(cluster):
     status, reference = post(cluster.prefills[0].url + "/v1/completions", _body(prompt))  # colocated answer
     assert status == 200
     decode = cluster.decodes[0].url
-    failures = metrics(decode)["pdserve_kv_transfer_failures_total"]
+    failures = scrape(decode)["pdserve_kv_transfer_failures_total"]
     status, answer = _late_pull(cluster, decode, prompt)
     assert status == 200 and answer["choices"][0]["text"] == reference["choices"][0]["text"]
-    assert metrics(decode)["pdserve_kv_transfer_failures_total"] == failures + 1
-    assert metrics(cluster.prefills[0].url)["pdserve_kv_lease_expirations_total"] >= 1
-    wait_for(lambda: metrics(decode)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode kept blocks")
+    assert scrape(decode)["pdserve_kv_transfer_failures_total"] == failures + 1
+    assert scrape(cluster.prefills[0].url)["pdserve_kv_lease_expirations_total"] >= 1
+    wait_for(lambda: scrape(decode)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode kept blocks")
 
 
 def test_under_the_fail_policy_a_late_pull_is_a_clear_error(cluster):
@@ -87,5 +89,5 @@ def test_under_the_fail_policy_a_late_pull_is_a_clear_error(cluster):
     status, answer = _late_pull(cluster, decode, "fail policy: " + " ".join(f"thing{i}" for i in range(70)))
     assert status == 503, answer
     assert "KV" in answer["error"]["message"] or "remote" in answer["error"]["message"], answer
-    wait_for(lambda: metrics(decode)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode kept blocks")
-    assert metrics(decode)['pdserve_requests_total{finish_reason="error"}'] == 1
+    wait_for(lambda: scrape(decode)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode kept blocks")
+    assert scrape(decode)['pdserve_requests_total{finish_reason="error"}'] == 1

@@ -9,7 +9,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.models.demo import ensure_demo_model
-from tests.pd.cluster import Cluster, metrics, post
+from pdserve.testing.metrics import scrape
+from tests.pd.cluster import Cluster, post
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -60,14 +61,14 @@ def _complete(cluster: Cluster, prompt: list[int], **extra) -> dict:
 def test_disaggregated_outputs_equal_colocated(cluster, expected):
     texts = [_complete(cluster, prompt)["choices"][0]["text"] for prompt in _prompts()]
     assert texts == expected
-    router = metrics(cluster.router.url)
+    router = scrape(cluster.router.url)
     assert router['pdserve_router_requests_total{path="disagg"}'] == len(expected)
     assert router['pdserve_router_requests_total{path="fallback"}'] == 0
-    pulled = sum(metrics(d.url)["pdserve_kv_transfer_bytes_total"] for d in cluster.decodes)
-    failures = sum(metrics(d.url)["pdserve_kv_transfer_failures_total"] for d in cluster.decodes)
+    pulled = sum(scrape(d.url)["pdserve_kv_transfer_bytes_total"] for d in cluster.decodes)
+    failures = sum(scrape(d.url)["pdserve_kv_transfer_failures_total"] for d in cluster.decodes)
     assert pulled > 0 and failures == 0
     if len(cluster.decodes) > 1:  # both decode engines took part
-        assert all(metrics(d.url)["pdserve_kv_transfer_bytes_total"] > 0 for d in cluster.decodes)
+        assert all(scrape(d.url)["pdserve_kv_transfer_bytes_total"] > 0 for d in cluster.decodes)
 
 
 def test_streamed_chat_through_the_router(cluster):
@@ -92,7 +93,7 @@ def test_a_prefix_cached_on_decode_is_not_pulled_again(cluster):
     prefix = [rng.randrange(10, 1000) for _ in range(160)]  # 10 full blocks
 
     def pulled() -> float:
-        return metrics(cluster.decodes[0].url)["pdserve_kv_transfer_bytes_total"]
+        return scrape(cluster.decodes[0].url)["pdserve_kv_transfer_bytes_total"]
 
     before = pulled()
     _complete(cluster, prefix + [rng.randrange(10, 1000) for _ in range(20)])  # 180 tokens: 12 blocks

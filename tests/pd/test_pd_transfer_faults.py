@@ -7,14 +7,15 @@ One decode engine; one prefill engine per fault (faults are fixed when a process
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import zmq
 
 from pdserve.models.demo import ensure_demo_model
-from tests.pd.cluster import ENGINE_FLAGS, Process, free_port, metrics, post, wait_for
+from pdserve.testing.metrics import scrape
+from pdserve.testing.processes import Process, engine_argv, server_env
+from tests.pd.cluster import ENGINE_FLAGS, free_port, post, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -25,26 +26,12 @@ FAULTS = ("fail_handshake", "corrupt_blocks", "truncate_blocks")
 def engines(tmp_path_factory):
     folder = tmp_path_factory.mktemp("transfer-faults")
     model = str(ensure_demo_model())
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
-    env.pop("PDSERVE_KV_FAULTS", None)
+    env = server_env()
     processes = {}
     for name in ("decode", *FAULTS):
         role = "decode" if name == "decode" else "prefill"
         port = free_port()
-        argv = [
-            role,
-            "--port",
-            str(port),
-            "--model",
-            model,
-            "--kv-transfer",
-            "tcp",
-            "--kv-side-channel-port",
-            str(free_port()),
-            "--kv-transfer-timeout",
-            "3",
-            *ENGINE_FLAGS,
-        ]
+        argv = engine_argv(role, port, model, "--kv-transfer-timeout", "3", *ENGINE_FLAGS, transport="tcp")
         process_env = env if name == "decode" else dict(env, PDSERVE_KV_FAULTS=name)
         processes[name] = Process(name, argv, process_env, port, str(folder / f"{name}.log"))
     try:
@@ -53,7 +40,7 @@ def engines(tmp_path_factory):
         for process in processes.values():
             process.wait_healthy()
             wait_for(
-                lambda url=process.url: "pdserve_kv_transfer_failures_total" in metrics(url),
+                lambda url=process.url: "pdserve_kv_transfer_failures_total" in scrape(url),
                 10,
                 "the engine published no stats",
             )
@@ -75,13 +62,13 @@ def _prefill_leg(url: str, prompt: str) -> dict:
 
 def _decode_with(engines, prompt: str, params: dict) -> tuple[str, float]:
     decode = engines["decode"].url
-    failures = metrics(decode)["pdserve_kv_transfer_failures_total"]
+    failures = scrape(decode)["pdserve_kv_transfer_failures_total"]
     started = time.monotonic()
     status, answer = post(decode + "/v1/completions", _body(prompt, kv_transfer_params=params), timeout=60)
     elapsed = time.monotonic() - started
     assert status == 200, answer
     wait_for(
-        lambda: metrics(decode)["pdserve_kv_transfer_failures_total"] == failures + 1,
+        lambda: scrape(decode)["pdserve_kv_transfer_failures_total"] == failures + 1,
         5,
         "the fault was not counted as a failed transfer",
     )
@@ -96,9 +83,9 @@ def test_a_fault_in_the_transfer_ends_in_a_recompute(engines, fault):
     text, elapsed = _decode_with(engines, prompt, _prefill_leg(prefill, prompt))
     assert text == reference and elapsed < 30
     # The decode told the prefill to free (or the read itself released the blocks).
-    wait_for(lambda: metrics(prefill)["pdserve_kv_blocks_held_for_remote"] == 0, 10, "prefill kept the blocks")
-    assert metrics(engines["decode"].url)["pdserve_kv_cache_usage_ratio"] == 0 or wait_for(
-        lambda: metrics(engines["decode"].url)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode kept blocks"
+    wait_for(lambda: scrape(prefill)["pdserve_kv_blocks_held_for_remote"] == 0, 10, "prefill kept the blocks")
+    assert scrape(engines["decode"].url)["pdserve_kv_cache_usage_ratio"] == 0 or wait_for(
+        lambda: scrape(engines["decode"].url)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode kept blocks"
     )
 
 

@@ -7,13 +7,14 @@ tests hand it coroutines."""
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import msgspec
 import zmq
 import zmq.asyncio
@@ -301,9 +302,28 @@ class Cluster:
             self.loop.run(stub.stop())
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample's value from Prometheus text (0 when absent); labels in any order (the text sorts them)."""
-    label_text = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
-    pattern = re.escape(name + (f"{{{label_text}}}" if labels else "")) + r" (\S+)"
-    match = re.search("^" + pattern + "$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+async def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    data = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    async with aiohttp.ClientSession() as session, session.post(url, data=data, headers=headers) as response:
+        return response.status, dict(response.headers), await response.read()
+
+
+async def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as response:
+        return response.status, await response.read()
+
+
+def metrics_text(loop: LoopThread, router: RunningRouter) -> str:
+    status, text = loop.run(get(router.url + "/metrics"))
+    assert status == 200
+    return text.decode()
+
+
+def settles(condition: Callable[[], Any], seconds: float = 5.0) -> bool:
+    """Whether ``condition()`` becomes true within ``seconds`` (what another thread or process does takes time)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from typing import Any
 
 import aiohttp
@@ -13,24 +12,8 @@ import msgspec
 import openai
 import pytest
 
-from tests.router.helpers import KV_PARAMS, free_port_url, metric, stream_bytes
-
-
-async def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    data = body if isinstance(body, bytes) else msgspec.json.encode(body)
-    async with aiohttp.ClientSession() as session, session.post(url, data=data, headers=headers) as response:
-        return response.status, dict(response.headers), await response.read()
-
-
-async def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as response:
-        return response.status, await response.read()
-
-
-def metrics_text(loop, router) -> str:
-    status, text = loop.run(get(router.url + "/metrics"))
-    assert status == 200
-    return text.decode()
+from pdserve.testing.metrics import metric
+from tests.router.helpers import KV_PARAMS, free_port_url, get, metrics_text, post, settles, stream_bytes
 
 
 def assert_openai_error(payload: bytes, status: int) -> dict[str, Any]:
@@ -296,7 +279,7 @@ def test_client_disconnect_mid_stream_cancels_decode(loop, pd):
 
     loop.run(read_a_little())
     assert decode.cancelled.wait(3), "the decode leg kept running after the client left"
-    assert _settles(lambda: router.router.decode.pods[0].in_flight == 0)
+    assert settles(lambda: router.router.decode.pods[0].in_flight == 0, 3.0)
 
 
 def test_client_disconnect_during_prefill_cancels_it(loop, pd):
@@ -310,8 +293,8 @@ def test_client_disconnect_during_prefill_cancels_it(loop, pd):
     loop.run(give_up())
     assert prefill.cancelled.wait(3), "the prefill leg kept running after the client left"
     assert decode.seen == []
-    assert _settles(
-        lambda: metric(metrics_text(loop, router), "pdserve_router_errors_total", kind="client_disconnect") == 1
+    assert settles(
+        lambda: metric(metrics_text(loop, router), "pdserve_router_errors_total", kind="client_disconnect") == 1, 3.0
     )
 
 
@@ -322,15 +305,6 @@ def test_request_timeout_bounds_the_whole_request(loop, cluster):
     status, _, payload = loop.run(post(router.url + "/v1/completions", {"prompt": "hi"}))
     assert status == 504 and assert_openai_error(payload, 504)["type"] == "timeout"
     assert prefill.cancelled.wait(3) and decode.seen == []
-
-
-def _settles(condition, seconds: float = 3.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def test_answers_cut_short_end_the_client_connection(loop, cluster):

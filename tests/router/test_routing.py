@@ -13,8 +13,8 @@ import pytest
 from pdserve.api.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 from pdserve.engine.block_hash import hash_prompt_blocks
 from pdserve.models.demo import ensure_demo_model
-from tests.router.helpers import metric, stream_bytes, usage_event
-from tests.router.test_router import get, metrics_text, post
+from pdserve.testing.metrics import metric
+from tests.router.helpers import get, metrics_text, post, settles, stream_bytes, usage_event
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 
@@ -27,15 +27,6 @@ def model() -> str:
 @pytest.fixture(scope="module")
 def tokenizer(model):
     return load_tokenizer(model)
-
-
-def settle(condition, seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def publish_until(loop, stub, router, condition, **batch) -> None:
@@ -113,7 +104,7 @@ def test_subscriptions_follow_pods_and_the_debug_index_shows_them(loop, cluster,
     first, second = cluster.stub("decode", events=True), cluster.stub("decode", events=True)
     router = cluster.router([], [first.url, second.url], tokenizer=model, api_key="sk", health_interval=0.2)
     inner = router.router
-    assert settle(lambda: len(inner.subscriber.endpoints()) == 2)
+    assert settles(lambda: len(inner.subscriber.endpoints()) == 2)
     publish_until(loop, first, router, has([b"a" * 32]), stored=[b"a" * 32])
     publish_until(loop, second, router, has([b"b" * 32]), snapshot=[b"b" * 32])
     auth = {"Authorization": "Bearer sk"}
@@ -127,7 +118,7 @@ def test_subscriptions_follow_pods_and_the_debug_index_shows_them(loop, cluster,
 
     # A seq gap: stale (and said so in the metrics) until the next snapshot.
     loop.run(second.publish(stored=[b"c" * 32], seq=second.seq + 5))
-    assert settle(lambda: inner.index.pods[second.url].stale)
+    assert settles(lambda: inner.index.pods[second.url].stale)
     assert metric(metrics_text(loop, router), "pdserve_router_kv_index_stale", pod=second.url) == 1
     publish_until(loop, second, router, lambda pod: not pod.stale, snapshot=[b"d" * 32])
     assert inner.index.pods[second.url].hashes == {b"d" * 32}
@@ -135,13 +126,13 @@ def test_subscriptions_follow_pods_and_the_debug_index_shows_them(loop, cluster,
     # Malformed frames are dropped and counted; the subscription carries on.
     loop.run(second.send_raw(b"not msgpack"))
     loop.run(second.send_raw(b"two", b"frames"))
-    assert settle(lambda: metric(metrics_text(loop, router), "pdserve_router_kv_events_malformed_total") == 2)
+    assert settles(lambda: metric(metrics_text(loop, router), "pdserve_router_kv_events_malformed_total") == 2)
     publish_until(loop, second, router, has([b"e" * 32]), stored=[b"e" * 32])
 
     # An engine restarted on the same pod publishes on a new port: followed there, its old picture dropped.
     old = inner.subscriber.endpoints()[first.url]
     loop.run(first.rebind_events())
-    assert settle(lambda: inner.subscriber.endpoints()[first.url] != old)
+    assert settles(lambda: inner.subscriber.endpoints()[first.url] != old)
     assert first.url not in inner.index.pods
     publish_until(loop, first, router, has([b"f" * 32]), stored=[b"f" * 32])
 

@@ -20,7 +20,9 @@ import pytest
 
 from pdserve.api.kv_events import SNAPSHOT_INTERVAL_S
 from pdserve.models.demo import ensure_demo_model
-from tests.pd.cluster import Cluster, Process, free_port, metrics, post, wait_for
+from pdserve.testing.metrics import scrape
+from pdserve.testing.processes import Process, router_argv
+from tests.pd.cluster import Cluster, free_port, post, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,25 +37,14 @@ def get_json(url: str) -> dict:
 
 def start_router(engines: Cluster, tmp_path) -> Process:
     port = free_port()
-    router = Process(
-        "router",
-        [
-            "router",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--tokenizer",
-            str(ensure_demo_model()),
-            "--prefill",
-            *[p.url for p in engines.prefills],
-            "--decode",
-            *[d.url for d in engines.decodes],
-        ],
-        engines.prefills[0].env,
+    argv = router_argv(
         port,
-        str(tmp_path / f"router-{port}.log"),
+        [p.url for p in engines.prefills],
+        [d.url for d in engines.decodes],
+        "--tokenizer",
+        str(ensure_demo_model()),
     )
+    router = Process("router", argv, engines.prefills[0].env, port, str(tmp_path / f"router-{port}.log"))
     router.start()
     router.wait_healthy(60)
     return router
@@ -126,7 +117,7 @@ def test_same_prefix_lands_where_it_is_cached_and_predictions_come_true(engines)
             {"model": "demo", "messages": [system, {"role": "user", "content": question}], "max_tokens": 4},
         )
         assert status == 200, answer
-    values = metrics(router.url)
+    values = scrape(router.url)
     for role in ("prefill", "decode"):
         predicted = values[f'pdserve_router_prefix_blocks_predicted_total{{role="{role}"}}']
         realised = values[f'pdserve_router_prefix_blocks_realised_total{{role="{role}"}}']
@@ -208,7 +199,7 @@ def test_a_killed_decode_engine_is_taken_out_and_requests_still_succeed(engines)
     for thread in threads:
         thread.join(60)
     assert statuses and set(statuses) == {200}, statuses  # whole answers: nothing was streamed, so all retried
-    values = metrics(router.url)
+    values = scrape(router.url)
     assert values["pdserve_router_pod_ejections_total"] >= 1
     assert values["pdserve_router_retries_total"] >= 1  # requests that met the dead pod went to the live one
     index = get_json(router.url + "/debug/index")

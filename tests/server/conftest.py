@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.engine_args import EngineArgs
-from pdserve.models.demo import ensure_demo_model
-from tests.server.helpers import ServerThread
+from tests.server.helpers import ServerThread, demo_engine_args
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("cache")
-    model = str(ensure_demo_model(cache_dir))
-    thread = ServerThread(EngineArgs(model=model, kv_cache_memory=64 << 20, max_model_len=512, device="cpu"))
+    thread = ServerThread(demo_engine_args(cache_dir, kv_cache_memory=64 << 20, max_model_len=512))
     thread.cache_dir = cache_dir
     yield thread
     thread.close()

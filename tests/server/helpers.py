@@ -7,7 +7,14 @@ import asyncio
 import threading
 
 from pdserve.engine.engine_args import EngineArgs
+from pdserve.models.demo import ensure_demo_model
 from pdserve.server.app import ServerLimits, start_engine_server
+
+
+def demo_engine_args(cache_dir, kv_cache_memory: int = 32 << 20, max_model_len: int = 256) -> EngineArgs:
+    """The demo model (fetched into ``cache_dir``) on CPU with a small KV cache."""
+    model = str(ensure_demo_model(cache_dir))
+    return EngineArgs(model=model, kv_cache_memory=kv_cache_memory, max_model_len=max_model_len, device="cpu")
 
 
 class ServerThread:

@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -14,53 +13,44 @@ import pytest
 from pdserve.cli import parse_size
 from pdserve.launcher import free_port
 from pdserve.models.demo import ensure_demo_model
+from pdserve.testing.processes import wait_healthy
+
+
+def _serve(port: int, *flags: str) -> subprocess.Popen:
+    """`pdserve serve --port PORT FLAGS` on CPU with a small KV cache, its output in a pipe."""
+    argv = ["serve", "--port", str(port), "--kv-cache-memory", "32MiB", "--device", "cpu", *flags]
+    return subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _wait_healthy(process: subprocess.Popen, port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return
-        except OSError:
-            assert process.poll() is None, process.stdout.read()
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+    # The output is read once the process has exited (before, reading would wait for it to exit).
+    wait_healthy(
+        f"http://127.0.0.1:{port}",
+        process,
+        timeout,
+        log=lambda: "" if process.poll() is None else process.stdout.read(),
+    )
+
+
+def _complete(port: int, prompt: str, timeout: float) -> dict:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"prompt": prompt, "max_tokens": 3}).encode(),
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
 
 
 def test_serve_colocated_answers_and_stops_cleanly_on_sigterm():
     ensure_demo_model()  # the user's cache, as `pdserve serve` with no --model uses it
     port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "serve",
-            "--mode",
-            "colocated",
-            "--port",
-            str(port),
-            "--kv-cache-memory",
-            "32MiB",
-            "--max-model-len",
-            "256",
-            "--device",
-            "cpu",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    process = _serve(port, "--mode", "colocated", "--max-model-len", "256")
     try:
         _wait_healthy(process, port, 120)
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            headers={"Content-Type": "application/json"},
-            data=json.dumps({"prompt": "hello", "max_tokens": 3}).encode(),
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
-            assert json.loads(response.read())["model"] == "pdserve-demo-qwen3-v1"
+        assert _complete(port, "hello", timeout=30)["model"] == "pdserve-demo-qwen3-v1"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:
@@ -73,36 +63,11 @@ def test_serve_colocated_answers_and_stops_cleanly_on_sigterm():
 def test_serve_disaggregated_runs_router_prefill_and_decode_and_stops_them_all():
     ensure_demo_model()
     port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--kv-cache-memory",
-            "32MiB",
-            "--max-model-len",
-            "512",
-            "--device",
-            "cpu",
-            "--kv-transfer",
-            "tcp",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    process = _serve(port, "--max-model-len", "512", "--kv-transfer", "tcp")
     try:
         _wait_healthy(process, port, 180)
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            headers={"Content-Type": "application/json"},
-            data=json.dumps({"prompt": "word " * 100, "max_tokens": 3}).encode(),
-        )  # > 256 tokens: worth a prefill leg
-        with urllib.request.urlopen(request, timeout=60) as response:
-            assert len(json.loads(response.read())["choices"]) == 1
+        # > 256 tokens: worth a prefill leg
+        assert len(_complete(port, "word " * 100, timeout=60)["choices"]) == 1
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             assert 'pdserve_router_requests_total{path="disagg"} 1.0' in response.read().decode()
         children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()

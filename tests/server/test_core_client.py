@@ -13,20 +13,15 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.engine_args import EngineArgs
-from pdserve.models.demo import ensure_demo_model
 from pdserve.server.core_client import EngineCoreClient, EngineDeadError, RequestRejectedError
+from tests.server.helpers import demo_engine_args
 
 PROMPTS = [[5, 6, 7], list(range(10, 60)), [300] * 20, [1, 2], list(range(100, 117))]
 
 
 @pytest.fixture(scope="module")
 def args(tmp_path_factory) -> EngineArgs:
-    return EngineArgs(
-        model=str(ensure_demo_model(tmp_path_factory.mktemp("cache"))),
-        kv_cache_memory=32 << 20,
-        max_model_len=256,
-        device="cpu",
-    )
+    return demo_engine_args(tmp_path_factory.mktemp("cache"))
 
 
 async def _collect(queue) -> list:

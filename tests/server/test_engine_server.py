@@ -14,6 +14,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.models.demo import ensure_demo_model
+from pdserve.testing.metrics import scrape
 
 
 @pytest.fixture(scope="module")
@@ -171,20 +172,9 @@ def test_server_still_serves_after_bad_requests(client):
     assert client.completions.create(model="demo", prompt="fine", max_tokens=2).choices[0].finish_reason
 
 
-def _metrics(server) -> dict[str, float]:
-    with urllib.request.urlopen(server.running.url + "/metrics") as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
 def test_metrics_use_the_contract_names(server, client):
     client.completions.create(model="demo", prompt="count me", max_tokens=3, extra_body={"ignore_eos": True})
-    values = _metrics(server)
+    values = scrape(server.running.url)
     for name in (
         "pdserve_num_requests_running",
         "pdserve_num_requests_waiting",
@@ -221,7 +211,7 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
         connection.close()  # gone mid-stream
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        values = _metrics(server)
+        values = scrape(server.running.url)
         if (
             values["pdserve_num_requests_running"],
             values["pdserve_num_requests_waiting"],

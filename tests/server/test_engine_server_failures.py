@@ -12,18 +12,12 @@ import openai
 import pytest
 
 from pdserve.engine.engine_args import EngineArgs
-from pdserve.models.demo import ensure_demo_model
-from tests.server.helpers import ServerThread
+from tests.server.helpers import ServerThread, demo_engine_args
 
 
 @pytest.fixture
 def args(tmp_path_factory) -> EngineArgs:
-    return EngineArgs(
-        model=str(ensure_demo_model(tmp_path_factory.mktemp("cache"))),
-        kv_cache_memory=32 << 20,
-        max_model_len=256,
-        device="cpu",
-    )
+    return demo_engine_args(tmp_path_factory.mktemp("cache"))
 
 
 def test_api_key_guards_v1_but_not_health_or_metrics(args):

@@ -1,15 +1,26 @@
 """Tiny seeded Hugging Face models in several shapes (transformers is the test oracle).
 
-No pytest here: bench/gpu_check.py builds the same models on the GPU machine.
+Shared by the model tests and bench/gpu_check.py, which builds the same models on the GPU machine
+(so no pytest here); transformers is imported only when a model is built.
 """
 
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import torch
 
 VOCAB = 1024  # the demo tokenizer's size, so every model can share it
+
+# Llama 3's RoPE scaling at a small original context. Give transformers a copy: it adds rope_theta to the dict.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 # name -> (transformers classes, config overrides). initializer_range 0.2 makes logits peaked, so
 # fp32 summation-order differences cannot flip a near-tie.
@@ -21,13 +32,7 @@ SHAPES = {
             "num_attention_heads": 8,
             "num_key_value_heads": 2,
             "tie_word_embeddings": True,
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
+            "rope_scaling": dict(LLAMA3_ROPE),
         },
     ),
     "qwen2-gqa2-bias": ("Qwen2", {"num_attention_heads": 4, "num_key_value_heads": 2}),
@@ -42,7 +47,8 @@ SHAPES = {
 }
 
 
-def build_hf_model(family: str, overrides: dict, path) -> torch.nn.Module:
+def build_hf_model(family: str, overrides: dict, path) -> Any:
+    """A tiny seeded ``family`` model (Llama, Qwen2, Qwen3) saved to ``path``: the transformers model."""
     import transformers
 
     config_class = getattr(transformers, f"{family}Config")
@@ -71,7 +77,7 @@ def build_hf_model(family: str, overrides: dict, path) -> torch.nn.Module:
     return model
 
 
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+def hf_greedy(model: Any, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
     """HF's greedy tokens for one prompt, and its log-softmax (float32) at each generated position."""
     device = next(model.parameters()).device
     with torch.no_grad():
