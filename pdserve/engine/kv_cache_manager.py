@@ -30,6 +30,9 @@ class KVCacheManager:
         self.req_to_block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # Blocks taken from requests whose remote load was abandoned while a write into them might
+        # still land: owned by nobody, reused by nobody, until released (request id -> blocks).
+        self.quarantined: dict[str, list[KVCacheBlock]] = {}
         # Cumulative prefix-cache statistics, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -170,6 +173,29 @@ class KVCacheManager:
         del self.req_to_block_ids[request_id]
         del self.num_cached_blocks[request_id]
         self.block_pool.free_blocks(reversed(blocks))
+
+    def quarantine(self, request: Request) -> int:
+        """Take the request's blocks away from it without freeing them (a load into them may still
+        be writing); returns how many. The request can then be given fresh blocks."""
+        request_id = request.request_id
+        blocks = self.req_to_blocks.pop(request_id, None)
+        if blocks is None:
+            return 0
+        del self.req_to_block_ids[request_id]
+        del self.num_cached_blocks[request_id]
+        self.quarantined.setdefault(request_id, []).extend(blocks)
+        return len(blocks)
+
+    def release_quarantine(self, request_id: str) -> None:
+        """Nothing can write into these blocks any more: back to the pool (never cached: a load
+        caches its blocks only once it has landed)."""
+        blocks = self.quarantined.pop(request_id, None)
+        if blocks is not None:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self.quarantined.values())
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (the live list: read it, never modify it); empty if it owns none."""

@@ -13,6 +13,8 @@ remote reader until the worker reports the send done.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,6 +28,8 @@ from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kvtransfer.base import KVConnectorOutput, KVConnectorScheduler, NoKVConnector
 from pdserve.worker.interface import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -70,6 +74,9 @@ class SchedulerStats:
     kv_transfer_failures: int = 0
     kv_lease_expirations: int = 0
     kv_transfer_seconds: list[float] = field(default_factory=list)
+    kv_release_failures: int = 0  # "free these blocks" messages the worker side could not send
+    kv_loads_abandoned: int = 0  # loads the watchdog ended because the worker side never reported them
+    num_blocks_quarantined: int = 0  # blocks of abandoned loads, kept out of use until no write can land
 
 
 class Scheduler:
@@ -99,7 +106,14 @@ class Scheduler:
         self.kv_transfer_bytes = 0
         self.kv_transfer_failures = 0
         self.kv_lease_expirations = 0
+        self.kv_release_failures = 0
+        self.kv_loads_abandoned = 0
         self._kv_transfer_seconds: list[float] = []
+        # The watchdog: loads handed to the connector must be reported by these times; blocks of
+        # abandoned loads stay quarantined until reported or until these times.
+        self._load_deadlines: dict[str, float] = {}
+        self._quarantine_deadlines: dict[str, float] = {}
+        self._watchdog_outputs: list[EngineCoreOutput] = []
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -174,12 +188,16 @@ class Scheduler:
             or self.running
             or self.held_for_remote
             or self.aborted_while_loading
+            or self._quarantine_deadlines
+            or self._watchdog_outputs
             or self.connector.has_pending_work()
         )
 
     # ----- one step -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput[Request]:
+        if self._load_deadlines or self._quarantine_deadlines:
+            self._watchdog(time.monotonic())
         config = self.config
         kv = self.kv_cache_manager
         block_table = kv.get_block_ids
@@ -281,6 +299,8 @@ class Scheduler:
             if load_async:
                 # The tokens being loaded count as computed: the request owns their blocks now.
                 request.num_computed_tokens = num_computed
+                if self.connector.load_report_timeout is not None:
+                    self._load_deadlines[request.request_id] = time.monotonic() + self.connector.load_report_timeout
                 request.status = _WAITING_FOR_REMOTE_KVS
                 parked.append(request)
                 continue
@@ -331,6 +351,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, release finished requests."""
         outputs: list[EngineCoreOutput] = []
+        if self._watchdog_outputs:
+            outputs, self._watchdog_outputs = self._watchdog_outputs, []
         any_finished = False
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
@@ -398,22 +420,70 @@ class Scheduler:
             self._kv_transfer_seconds.append(seconds)
         self.kv_transfer_failures += connector_output.num_failed_transfers
         self.kv_lease_expirations += connector_output.num_expired_leases
+        self.kv_release_failures += connector_output.num_failed_releases
         for request_id in connector_output.finished_sending:
             request = self.held_for_remote.pop(request_id, None)
             if request is not None:
                 self._drop(request)
         for request_id in connector_output.finished_recving:
+            if self._load_reported(request_id):
+                continue
             request = self.aborted_while_loading.pop(request_id, None)
             if request is not None:
                 self._drop(request)
             elif request_id in self.requests:
                 self.finished_recving.add(request_id)
         for request_id in connector_output.failed_recving:
+            if self._load_reported(request_id):
+                continue
             request = self.aborted_while_loading.pop(request_id, None)
             if request is not None:
                 self._drop(request)
             elif request_id in self.requests:
                 self._load_failed(self.requests[request_id], outputs)
+
+    def _load_reported(self, request_id: str) -> bool:
+        """A load's end came in; True if the watchdog had abandoned it already (its report now only
+        ends the quarantine of its old blocks, whatever the request does meanwhile)."""
+        self._load_deadlines.pop(request_id, None)
+        if request_id not in self._quarantine_deadlines:
+            return False
+        del self._quarantine_deadlines[request_id]
+        self.kv_cache_manager.release_quarantine(request_id)
+        return True
+
+    def _watchdog(self, now: float) -> None:
+        """Fail loads the worker side never reported, quarantining their blocks (a write into them
+        may still land); free quarantined blocks whose bound has passed."""
+        for request_id, until in list(self._quarantine_deadlines.items()):
+            if until <= now:
+                del self._quarantine_deadlines[request_id]
+                self.kv_cache_manager.release_quarantine(request_id)
+        for request_id, deadline in list(self._load_deadlines.items()):
+            if deadline <= now:
+                del self._load_deadlines[request_id]
+                self._abandon_load(request_id, now)
+
+    def _abandon_load(self, request_id: str, now: float) -> None:
+        kv = self.kv_cache_manager
+        request = self.aborted_while_loading.pop(request_id, None)
+        if request is not None:
+            kv.quarantine(request)
+            del self.requests[request_id]
+        else:
+            request = self.requests.get(request_id)
+            if request is None or request.status != _WAITING_FOR_REMOTE_KVS or request_id in self.finished_recving:
+                return
+            kv.quarantine(request)
+            self._load_failed(request, self._watchdog_outputs)
+        logger.warning(
+            "request %s: its KV load was not reported within %.0f s; failed, its blocks quarantined",
+            request_id,
+            self.connector.load_report_timeout,
+        )
+        self.kv_transfer_failures += 1
+        self.kv_loads_abandoned += 1
+        self._quarantine_deadlines[request_id] = now + self.connector.quarantine_seconds
 
     def _load_failed(self, request: Request, outputs: list[EngineCoreOutput]) -> None:
         """A remote load failed: recompute the prompt here, or finish the request with an error.
@@ -451,4 +521,7 @@ class Scheduler:
             kv_transfer_failures=self.kv_transfer_failures,
             kv_lease_expirations=self.kv_lease_expirations,
             kv_transfer_seconds=transfer_seconds,
+            kv_release_failures=self.kv_release_failures,
+            kv_loads_abandoned=self.kv_loads_abandoned,
+            num_blocks_quarantined=kv.num_quarantined_blocks,
         )

@@ -18,6 +18,7 @@ The engine thread posts a :class:`TransferWork` each step and drains the results
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -45,6 +46,17 @@ IDLE_POLL_MS = 100
 EARLY_READ_GRACE_S = 1.0
 MAX_EARLY_READS = 1024
 MAX_REMEMBERED_RELEASES = 4096
+# Side-channel sockets to remote engines: at most this many open, and one unused this long is closed,
+# so naming many peers (or a client naming junk addresses) never runs the process out of descriptors.
+MAX_PEER_SOCKETS = 128
+PEER_IDLE_S = 60.0
+# How long an address whose engine was dropped as dead gets no new socket just to carry a release.
+DEAD_PEER_MEMORY_S = 30.0
+MAX_DEAD_PEERS = 1024
+# Messages queued per peer socket before sends fail instead of blocking the agent thread.
+PEER_SEND_HWM = 1000
+# Request ids per RenewLeases frame: ~40 bytes each, so a frame stays far below MAX_MESSAGE_BYTES.
+RENEWALS_PER_MESSAGE = 4096
 
 
 @dataclass
@@ -56,6 +68,10 @@ class _Peer:
     engine_id: str | None = None  # set once the handshake succeeded
     handshake_deadline: float | None = None  # set while a handshake is in flight
     waiting: list[Pull] = field(default_factory=list)  # pulls waiting for the handshake
+    last_used: float = 0.0
+    # A pull on this connection failed in the transport: it is dropped once no other pull on it is
+    # in flight (never under them: one slow read must not fail the others).
+    suspect: bool = False
 
 
 class TransferAgent:
@@ -96,6 +112,9 @@ class TransferAgent:
         self._released: OrderedDict[str, None] = OrderedDict()
         # Decode side.
         self._peers: dict[tuple[str, int], _Peer] = {}
+        # Addresses whose engine was dropped as dead, until when: no socket is opened just to send them a release.
+        self._dead: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self._next_reap = 0.0
         self._tracked: dict[str, RemotePrefill] = {}  # leases to renew
         self._delayed: list[Pull] = []  # fault hook: pulls not started yet
         self._next_renewal = 0.0
@@ -114,8 +133,10 @@ class TransferAgent:
     # ----- engine thread ------------------------------------------------------------------
 
     def submit(self, work: TransferWork) -> None:
+        """Hand the agent a work order; never blocks and never raises (the engine thread calls it)."""
         self._inbox.put(work)
-        with self._wake_lock:
+        with self._wake_lock, contextlib.suppress(zmq.Again):
+            # A full wake pipe means wake-ups are pending already: the agent finds this work too.
             self._wake_send.send(b"", zmq.NOBLOCK)
 
     def collect(self) -> KVConnectorOutput | None:
@@ -128,6 +149,7 @@ class TransferAgent:
                 or results.transfers
                 or results.num_failed_transfers
                 or results.num_expired_leases
+                or results.num_failed_releases
             ):
                 return None
             self._results = KVConnectorOutput()
@@ -210,6 +232,8 @@ class TransferAgent:
                     self._delayed.append(pull)
                 else:
                     self._start_pull(pull)
+            # Every item above either took effect or, for pulls, was reported failed: the helpers
+            # it calls never raise, so no exception can drop the rest of a work order.
 
     # ----- prefill side: serving the side channel ----------------------------------------------
 
@@ -275,6 +299,8 @@ class TransferAgent:
             error = "block generations changed"
         if error is not None:
             self._server.send_multipart([identity, messages.encode(messages.BlocksReply(message.request_id, error))])
+            if message.release and held is not None:
+                self._release(message.request_id)  # decode gives up on these blocks either way
             return
         data = self.transport.read_local(message.block_ids)
         checksum = zlib.crc32(data.data)
@@ -310,36 +336,110 @@ class TransferAgent:
     def _peer(self, address: tuple[str, int]) -> _Peer:
         peer = self._peers.get(address)
         if peer is None:
+            if len(self._peers) >= MAX_PEER_SOCKETS:
+                self._reap_idle_peers(time.monotonic(), keep=MAX_PEER_SOCKETS - 1)
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.MAXMSGSIZE, -1)  # block data: bounded by what we asked for, checked on arrival
+            socket.setsockopt(zmq.SNDHWM, PEER_SEND_HWM)
             socket.connect(f"tcp://{address[0]}:{address[1]}")
             self._poller.register(socket, zmq.POLLIN)
             peer = self._peers[address] = _Peer(address, socket)
+        peer.last_used = time.monotonic()
         return peer
 
-    def _drop_peer(self, peer: _Peer) -> None:
-        """Forget a remote engine (dead, restarted, refused): the next use hand-shakes afresh."""
+    def _drop_peer(self, peer: _Peer, dead: bool = True) -> None:
+        """Forget one connection to a remote engine (dead, restarted, refused, or idle when not
+        ``dead``): the next use hand-shakes afresh. Only that connection: a newer one to the same
+        address is left alone."""
+        if self._peers.get(peer.address) is not peer:
+            return
+        del self._peers[peer.address]
         self._poller.unregister(peer.socket)
         peer.socket.close(linger=0)
-        self.transport.forget_peer(peer.address)
-        del self._peers[peer.address]
+        try:
+            self.transport.forget_peer(peer.address)
+        except Exception:
+            logger.exception("forgetting the transport's state of %s:%d", *peer.address)
+        if dead:
+            self._dead[peer.address] = time.monotonic() + DEAD_PEER_MEMORY_S
+            self._dead.move_to_end(peer.address)
+            while len(self._dead) > MAX_DEAD_PEERS:
+                self._dead.popitem(last=False)
+
+    def _in_use(self, peer: _Peer) -> bool:
+        return bool(peer.waiting or peer.handshake_deadline is not None or self.transport.pulls_on(peer))
+
+    def _reap_idle_peers(self, now: float, keep: int = MAX_PEER_SOCKETS) -> None:
+        """Close connections nothing uses: those idle for PEER_IDLE_S, and the least recently used
+        beyond ``keep``. (A connection with tracked leases is in use: renewals go through it.)"""
+        tracked = {remote.address for remote in self._tracked.values()}
+        idle = sorted(
+            (p for p in self._peers.values() if p.address not in tracked and not self._in_use(p)),
+            key=lambda p: p.last_used,
+        )
+        excess = len(self._peers) - keep
+        for peer in idle:
+            if excess > 0 or now - peer.last_used >= PEER_IDLE_S:
+                self._drop_peer(peer, dead=False)
+                excess -= 1
+
+    def _send(self, peer: _Peer, message: messages.SideChannelMessage) -> str | None:
+        """Send without blocking; the error if the connection cannot take it now (its queue is full:
+        the peer is dead or hung)."""
+        try:
+            peer.socket.send(messages.encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError as error:
+            return f"the side channel to {peer.address[0]}:{peer.address[1]} is not taking messages ({error})"
+        return None
 
     def _start_pull(self, pull: Pull) -> None:
-        remote = pull.spec.remote
-        pull.deadline = time.monotonic() + self.config.transfer_timeout
-        peer = self._peer(remote.address)
-        if peer.engine_id is not None and peer.engine_id != remote.engine_id:
-            # Another engine answers there now (a restart): its old memory is gone.
-            self._drop_peer(peer)
+        """Start a pull, or report it failed: whatever goes wrong fails this pull only."""
+        try:
+            remote = pull.spec.remote
             peer = self._peer(remote.address)
-        if peer.engine_id is not None:
-            self.transport.start_pull(pull, peer.socket)
-            return
-        peer.waiting.append(pull)
-        if peer.handshake_deadline is None:
-            peer.handshake_deadline = time.monotonic() + self.config.transfer_timeout
-            peer.socket.send(messages.encode(messages.Handshake(self.config.engine_id)))
+            if peer.engine_id is not None and peer.engine_id != remote.engine_id:
+                # Another engine answers there now (a restart): its old memory is gone, and so is
+                # whatever the old connection was doing.
+                self._drop_peer(peer)
+                peer = self._peer(remote.address)
+            if peer.engine_id is not None:
+                self._transfer(pull, peer)
+                return
+            peer.waiting.append(pull)
+            if peer.handshake_deadline is None:
+                # The handshake has a deadline of its own; the transfer's starts when it does.
+                peer.handshake_deadline = time.monotonic() + self.config.transfer_timeout
+                error = self._send(peer, messages.Handshake(self.config.engine_id))
+                if error is not None:
+                    self._handshake_failed(peer, error)
+        except Exception as error:
+            logger.exception("request %s: starting a KV pull", pull.spec.request_id)
+            self._forget_pull(pull)
+            self._pull_done(pull, f"the pull could not start: {type(error).__name__}: {error}")
+
+    def _transfer(self, pull: Pull, peer: _Peer) -> None:
+        pull.connection = peer
+        pull.deadline = time.monotonic() + self.config.transfer_timeout
+        self.transport.start_pull(pull, peer.socket)
+
+    def _forget_pull(self, pull: Pull) -> None:
+        """Take a pull out of every queue it may sit in (it is about to be reported)."""
+        for peer in self._peers.values():
+            if pull in peer.waiting:
+                peer.waiting.remove(pull)
+        if pull in self._delayed:
+            self._delayed.remove(pull)
+        self.transport.discard(pull)
+
+    def _handshake_failed(self, peer: _Peer, error: str, dead: bool = True) -> None:
+        """``dead``: the engine did not answer (as opposed to answering with a refusal)."""
+        logger.warning("handshake with %s:%d failed: %s", *peer.address, error)
+        waiting, peer.waiting = peer.waiting, []
+        peer.handshake_deadline = None
+        self._drop_peer(peer, dead=dead)
+        for pull in waiting:
+            self._pull_done(pull, f"handshake failed: {error}")
 
     def _cancel_pending(self, request_id: str) -> None:
         """The request ended: a pull of it that has not started moving data is dropped. (One that
@@ -362,18 +462,20 @@ class TransferAgent:
 
     def _on_peer_reply(self, socket: zmq.Socket[bytes]) -> None:
         peer = next((p for p in self._peers.values() if p.socket is socket), None)
-        while peer is not None and peer.address in self._peers:  # a reply may drop the peer
+        while peer is not None and self._peers.get(peer.address) is peer:  # a reply may drop the peer
             try:
                 frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             message = messages.decode(frames[0].bytes)
-            if isinstance(message, messages.HandshakeReply):
+            if isinstance(message, messages.HandshakeReply) and peer.handshake_deadline is not None:
                 self._on_handshake(peer, message)
             elif isinstance(message, messages.BlocksReply):
-                self.transport.on_blocks_reply(message, frames[1].buffer if len(frames) > 1 else None)
+                # Matched against the pulls sent on this connection only: another engine's reply
+                # can never land in a pull meant for this one.
+                self.transport.on_blocks_reply(message, frames[1].buffer if len(frames) > 1 else None, peer)
             else:
-                logger.warning("side channel: dropped a malformed reply from %s:%d", *peer.address)
+                logger.warning("side channel: dropped a malformed or unexpected reply from %s:%d", *peer.address)
 
     def _on_handshake(self, peer: _Peer, reply: messages.HandshakeReply) -> None:
         peer.handshake_deadline = None
@@ -389,10 +491,8 @@ class TransferAgent:
             except Exception as exc:  # a NIXL failure to load the remote's metadata
                 error = f"cannot connect the transport: {exc}"
         if error is not None:
-            logger.warning("handshake with %s:%d failed: %s", *peer.address, error)
-            self._drop_peer(peer)
-            for pull in waiting:
-                self._pull_done(pull, f"handshake failed: {error}")
+            peer.waiting = waiting
+            self._handshake_failed(peer, error, dead=False)
             return
         peer.engine_id = reply.engine_id
         logger.info("handshake with engine %s at %s:%d (%s)", reply.engine_id[:8], *peer.address, reply.transport)
@@ -400,10 +500,11 @@ class TransferAgent:
             if pull.spec.remote.engine_id != reply.engine_id:
                 self._pull_done(pull, "the prefill engine that held the blocks is gone (another engine answers)")
             else:
-                self.transport.start_pull(pull, peer.socket)
+                self._start_pull(pull)
 
     def _pull_done(self, pull: Pull, error: str | None, cancelled: bool = False) -> None:
-        """Report a pull's end; a failed or cancelled one also tells prefill to free (if nothing did)."""
+        """Report a pull's end; a failed or cancelled one also tells prefill to free (if nothing did).
+        Never raises: the report is made first, and nothing after it can lose it."""
         spec: LoadSpec = pull.spec
         self._tracked.pop(spec.request_id, None)
         if error is None and self.faults.fail_load:
@@ -417,19 +518,42 @@ class TransferAgent:
                 self._results.num_failed_transfers += not cancelled
         if error is not None and not cancelled:
             logger.warning("request %s: KV pull from %s:%d failed: %s", spec.request_id, *spec.remote.address, error)
-            peer = self._peers.get(spec.remote.address)
-            if peer is not None and peer.engine_id is not None and pull.peer_failed:
-                # The engine may be dead or restarted: the next pull from there hand-shakes afresh.
+        peer = pull.connection
+        if isinstance(peer, _Peer):
+            if error is None:
+                peer.suspect = False  # the connection works
+            elif pull.peer_failed and not cancelled:
+                # The engine may be dead or restarted: once nothing else runs on this connection,
+                # the next pull from there hand-shakes afresh.
+                peer.suspect = True
+            if peer.suspect and not self._in_use(peer):
                 self._drop_peer(peer)
         if not pull.released:
             self._send_release(spec.remote)
 
     def _send_release(self, remote: RemotePrefill) -> None:
+        """Tell a prefill engine to free a request's blocks, best effort: one that cannot be told
+        (dead, or not taking messages) frees them when their lease ends. Counted when it fails."""
         if self.faults.no_release:
             return
-        self._peer(remote.address).socket.send(
-            messages.encode(messages.ReleaseBlocks([remote.request_id])), zmq.NOBLOCK
-        )
+        address = remote.address
+        error = None
+        if address not in self._peers and self._dead.get(address, 0.0) > time.monotonic():
+            error = "its engine was just found dead"
+        else:
+            try:
+                error = self._send(self._peer(address), messages.ReleaseBlocks([remote.request_id]))
+            except zmq.ZMQError as exc:  # no socket could be made
+                error = str(exc)
+        if error is not None:
+            logger.info(
+                "request %s: could not tell %s:%d to free its blocks (%s); its lease will",
+                remote.request_id,
+                *address,
+                error,
+            )
+            with self._results_lock:
+                self._results.num_failed_releases += 1
 
     def _check_deadlines(self, now: float) -> None:
         expired = [rid for rid, (_, deadline) in self._held.items() if deadline <= now]
@@ -441,17 +565,30 @@ class TransferAgent:
                 self._results.num_expired_leases += len(expired)
         for peer in list(self._peers.values()):
             if peer.handshake_deadline is not None and peer.handshake_deadline <= now:
-                waiting, peer.waiting = peer.waiting, []
-                self._drop_peer(peer)
-                for pull in waiting:
-                    self._pull_done(pull, "handshake timed out")
+                self._handshake_failed(peer, "timed out")
         for pull in self.transport.expire(now):
             self._pull_done(pull, "transfer timed out")
         if self._tracked and now >= self._next_renewal and not self.faults.no_renew:
             # Three renewals per lease of the shortest lease asked for: one lost message is harmless.
             self._next_renewal = now + min(remote.lease_seconds for remote in self._tracked.values()) / 3
-            by_peer: dict[tuple[str, int], list[str]] = {}
-            for remote in self._tracked.values():
-                by_peer.setdefault(remote.address, []).append(remote.request_id)
-            for address, request_ids in by_peer.items():
-                self._peer(address).socket.send(messages.encode(messages.RenewLeases(request_ids)), zmq.NOBLOCK)
+            self._renew_leases()
+        if now >= self._next_reap:
+            self._next_reap = now + 1.0
+            self._reap_idle_peers(now)
+            while self._dead and next(iter(self._dead.values())) <= now:
+                self._dead.popitem(last=False)
+
+    def _renew_leases(self) -> None:
+        by_peer: dict[tuple[str, int], list[str]] = {}
+        for remote in self._tracked.values():
+            by_peer.setdefault(remote.address, []).append(remote.request_id)
+        for address, request_ids in by_peer.items():
+            if address not in self._peers and self._dead.get(address, 0.0) > time.monotonic():
+                continue  # nothing to renew on a dead engine: those pulls fail at their handshake
+            peer = self._peer(address)
+            # In slices that stay far below the peer's frame limit, however many requests wait.
+            for start in range(0, len(request_ids), RENEWALS_PER_MESSAGE):
+                error = self._send(peer, messages.RenewLeases(request_ids[start : start + RENEWALS_PER_MESSAGE]))
+                if error is not None:
+                    logger.info("lease renewal to %s:%d not sent: %s", *address, error)
+                    break

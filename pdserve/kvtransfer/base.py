@@ -55,6 +55,7 @@ class KVConnectorOutput:
     transfers: list[tuple[int, float]] = field(default_factory=list)
     num_failed_transfers: int = 0
     num_expired_leases: int = 0
+    num_failed_releases: int = 0  # "free these blocks" messages that could not be sent (the lease frees them)
 
 
 class KVConnectorWorker(Protocol):
@@ -74,6 +75,12 @@ class KVConnectorWorker(Protocol):
 class KVConnectorScheduler(ABC):
     # What a failed remote load does: True recomputes the prompt locally, False fails the request.
     recompute_failed_loads: bool = True
+    # Seconds within which the worker side reports every load it was given (landed or failed);
+    # past it the scheduler's watchdog fails the load itself. None: loads need no watchdog.
+    load_report_timeout: float | None = None
+    # How long the watchdog keeps an abandoned load's blocks out of use if the worker side never
+    # reports that load at all (a write into them might still land until then).
+    quarantine_seconds: float = 0.0
 
     def request_added(self, request: ConnectorRequest) -> None:
         """A request entered the scheduler's queue."""

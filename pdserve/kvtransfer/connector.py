@@ -16,6 +16,9 @@ from pdserve.kvtransfer.decode_side import DecodeSide
 from pdserve.kvtransfer.prefill_side import PrefillSide
 from pdserve.kvtransfer.work import TransferWork, WorkOrders
 
+# Beyond the agent's own bounds, before the scheduler gives up on a load's report.
+LOAD_REPORT_SLACK_S = 5.0
+
 
 class PDConnectorScheduler(KVConnectorScheduler):
     def __init__(
@@ -30,6 +33,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
         the block pool's generation array, handed out with held blocks."""
         self.compat_hash = compat_hash
         self.recompute_failed_loads = config.load_failure == "recompute"
+        # The agent bounds a pull by a handshake and a transfer timeout (after any injected delay);
+        # a load still unreported well after that was lost, and the watchdog ends it.
+        self.load_report_timeout = 2 * config.transfer_timeout + config.faults.delay_load + LOAD_REPORT_SLACK_S
+        self.quarantine_seconds = 3 * config.transfer_timeout
         self.outbox = WorkOrders()
         self.prefill = PrefillSide(config, compat_hash, block_size, advertised_port, block_generations, self.outbox)
         self.decode = DecodeSide(compat_hash, block_size, self.outbox)

@@ -47,6 +47,7 @@ class Pull:
     released: bool = False  # prefill was told to free (or frees by itself) once this pull ends
     peer_failed: bool = False  # failed in the transport (dead or unreachable peer), not by the peer's answer
     state: Any = None  # the transport's own progress record
+    connection: Any = None  # the agent's connection to the peer this pull runs on (set when it starts)
 
 
 class Transport(ABC):
@@ -62,6 +63,16 @@ class Transport(ABC):
     @property
     def busy(self) -> bool:
         return bool(self._pulls)
+
+    def pulls_on(self, connection: object) -> bool:
+        """Whether any pull is in flight on this connection."""
+        return any(pull.connection is connection for pull in self._pulls)
+
+    def discard(self, pull: Pull) -> None:
+        """Stop tracking a pull that is reported elsewhere (it failed to start)."""
+        if pull in self._pulls:
+            self._pulls.remove(pull)
+            self._cancel(pull)
 
     def local_info(self) -> dict[str, Any]:
         """What a peer needs, besides the handshake's common fields, to pull from this engine."""
@@ -93,7 +104,7 @@ class Transport(ABC):
     def _cancel(self, pull: Pull) -> None:
         return None
 
-    def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None) -> None:
+    def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None, connection: object) -> None:
         logger.warning("side channel: unexpected block data for %s", reply.request_id)
 
     def poll_releases(self) -> list[str]:
@@ -124,16 +135,16 @@ class TcpTransport(Transport):
 
     def start_pull(self, pull: Pull, socket: zmq.Socket[bytes]) -> None:
         spec = pull.spec
-        pull.released = True  # the read asks prefill to free once the bytes are sent
-        socket.send(
-            messages.encode(
-                messages.ReadBlocks(spec.remote.request_id, spec.remote_block_ids, spec.generations, release=True)
-            )
-        )
+        read = messages.ReadBlocks(spec.remote.request_id, spec.remote_block_ids, spec.generations, release=True)
+        socket.send(messages.encode(read), zmq.NOBLOCK)  # raises if the connection takes no more: the pull fails
+        pull.released = True  # the read asks prefill to free, whether it serves or refuses it
         self._pulls.append(pull)
 
-    def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None) -> None:
-        pull = next((p for p in self._pulls if p.spec.remote.request_id == reply.request_id), None)
+    def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None, connection: object) -> None:
+        pull = next(
+            (p for p in self._pulls if p.connection is connection and p.spec.remote.request_id == reply.request_id),
+            None,
+        )
         if pull is None:  # timed out already: its blocks may be someone else's now
             return
         self._pulls.remove(pull)
@@ -144,7 +155,12 @@ class TcpTransport(Transport):
         elif zlib.crc32(data) != reply.checksum:
             self._done.append((pull, "the block bytes arrived corrupted (CRC-32 mismatch)"))
         else:
-            self.write_local(pull.spec.local_block_ids, data)
+            try:
+                self.write_local(pull.spec.local_block_ids, data)
+            except Exception as error:  # e.g. out of device memory for the staging copy
+                logger.exception("request %s: writing pulled blocks", pull.spec.request_id)
+                self._done.append((pull, f"writing the pulled blocks failed: {type(error).__name__}: {error}"))
+                return
             self._done.append((pull, None))
 
     def progress(self, now: float) -> list[tuple[Pull, str | None]]:

@@ -60,6 +60,10 @@ class _SchedulerCollector:
                 stats.kv_cache_usage,
             ),
             "pdserve_kv_blocks_held_for_remote": ("KV blocks held for remote decode", stats.num_blocks_held_for_remote),
+            "pdserve_kv_blocks_quarantined": (
+                "KV blocks of abandoned loads kept out of use until no write into them can land",
+                stats.num_blocks_quarantined,
+            ),
             "vllm:num_requests_running": ("Requests being computed (vLLM name)", stats.num_running),
             "vllm:num_requests_waiting": ("Requests queued (vLLM name)", stats.num_waiting),
             "vllm:kv_cache_usage_perc": ("KV cache usage, 1 = full (vLLM name)", stats.kv_cache_usage),
@@ -78,6 +82,14 @@ class _SchedulerCollector:
             "pdserve_kv_lease_expirations": (
                 "Held KV blocks freed because no decode engine took them in time",
                 stats.kv_lease_expirations,
+            ),
+            "pdserve_kv_release_failures": (
+                "Release notifications to prefill engines that could not be sent (their leases free the blocks)",
+                stats.kv_release_failures,
+            ),
+            "pdserve_kv_loads_abandoned": (
+                "KV loads the scheduler's watchdog failed because the transfer agent never reported them",
+                stats.kv_loads_abandoned,
             ),
         }
         for name, (documentation, value) in counters.items():

@@ -60,7 +60,9 @@ def check_invariants(scheduler: Scheduler) -> None:
     pool = kv.block_pool
     block_size = kv.block_size
 
-    owners = Counter(block.block_id for blocks in kv.req_to_blocks.values() for block in blocks)
+    # Quarantined blocks (abandoned loads) are owned by their quarantine until released.
+    owned = [*kv.req_to_blocks.values(), *kv.quarantined.values()]
+    owners = Counter(block.block_id for blocks in owned for block in blocks)
     for block in pool.blocks:
         assert block.ref_cnt == owners[block.block_id], f"{block}: {owners[block.block_id]} owners"
         assert (block.ref_cnt == 0) == (block.block_id in pool.free_queue), block
@@ -98,7 +100,7 @@ def check_invariants(scheduler: Scheduler) -> None:
 def assert_nothing_leaks(scheduler: Scheduler) -> None:
     kv = scheduler.kv_cache_manager
     assert not scheduler.requests, scheduler.requests
-    assert not kv.req_to_blocks
+    assert not kv.req_to_blocks and not kv.quarantined
     assert kv.block_pool.num_free_blocks == kv.num_blocks
     assert all(block.ref_cnt == 0 for block in kv.block_pool.blocks)
 

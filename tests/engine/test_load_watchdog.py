@@ -1,0 +1,108 @@
+"""The scheduler's watchdog over remote loads: a load the worker side never reports (a lost work
+item, a wedged transfer thread) cannot park its request for ever or leak its blocks. Past the
+connector's report timeout the load is failed (recompute or error, by policy) and its blocks are
+quarantined, since a write into them might still land; they return to the pool when the load is
+finally reported, or after the quarantine bound."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.engine.request import RequestStatus
+from tests.engine.helpers import (
+    FakeRemoteConnector,
+    assert_nothing_leaks,
+    check_invariants,
+    expected_output,
+    make_engine,
+    make_request,
+    prompt_of,
+)
+
+NEVER = 10**9  # a load "delay" in steps: the fake worker never reports it
+
+
+def _watched(recompute: bool = True, report_timeout: float = 0.05, quarantine: float = 0.3) -> FakeRemoteConnector:
+    connector = FakeRemoteConnector(recompute_failed_loads=recompute)
+    connector.load_report_timeout = report_timeout
+    connector.quarantine_seconds = quarantine
+    return connector
+
+
+def _run(engine, seconds: float = 10.0) -> dict[str, str]:
+    """Step (with short sleeps: the watchdog runs on time) until the engine has no work."""
+    reasons: dict[str, str] = {}
+    end = time.monotonic() + seconds
+    while engine.has_work():
+        assert time.monotonic() < end, "the engine still has work"
+        for output in engine.step():
+            if output.finish_reason is not None:
+                reasons[output.request_id] = output.finish_reason
+        check_invariants(engine.scheduler)
+        time.sleep(0.002)
+    return reasons
+
+
+def test_an_unreported_load_is_recomputed_and_its_blocks_quarantined_then_freed():
+    engine = make_engine(_watched(), num_blocks=16, block_size=4, max_model_len=64)
+    request = make_request("r", prompt_of(10, seed=3), {"do_remote_prefill": True, "delay": NEVER}, max_tokens=3)
+    engine.add_request(request)
+    engine.step()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    time.sleep(0.06)
+    engine.step()  # the watchdog fires: the request recomputes, its old blocks stay out of use
+    stats = engine.make_stats()
+    assert stats.num_blocks_quarantined == 3 and stats.kv_loads_abandoned == 1 and stats.kv_transfer_failures == 1
+    assert _run(engine) == {"r": expected_output(request)[1]}
+    assert request.output_token_ids == expected_output(request)[0]
+    assert engine.make_stats().num_blocks_quarantined == 0
+    assert_nothing_leaks(engine.scheduler)
+
+
+def test_a_late_report_ends_the_quarantine_and_never_lands_in_the_recomputed_request():
+    # The load reports ~60 steps later, long after the watchdog: it only frees the old blocks.
+    engine = make_engine(_watched(quarantine=60.0), num_blocks=16, block_size=4, max_model_len=64)
+    request = make_request(
+        "r", prompt_of(10, seed=4), {"do_remote_prefill": True, "delay": 60}, max_tokens=40, ignore_eos=True
+    )
+    engine.add_request(request)
+    engine.step()
+    time.sleep(0.06)
+    engine.step()
+    assert engine.make_stats().num_blocks_quarantined == 3
+    _run(engine)  # would take the whole 60 s quarantine if the late report did not end it
+    assert request.output_token_ids == expected_output(request)[0]
+    assert_nothing_leaks(engine.scheduler)
+
+
+def test_under_the_fail_policy_an_unreported_load_ends_the_request_with_an_error():
+    engine = make_engine(_watched(recompute=False), num_blocks=16, block_size=4, max_model_len=64)
+    request = make_request("r", prompt_of(10, seed=5), {"do_remote_prefill": True, "delay": NEVER}, max_tokens=3)
+    engine.add_request(request)
+    engine.step()
+    time.sleep(0.06)
+    assert _run(engine) == {"r": "error"}
+    assert_nothing_leaks(engine.scheduler)
+
+
+def test_a_request_aborted_while_its_load_is_lost_frees_its_blocks_after_the_bound():
+    # Before the watchdog, an abort moved it to "aborted while loading", waiting for a report that
+    # never came: its blocks leaked for the life of the process.
+    engine = make_engine(_watched(), num_blocks=16, block_size=4, max_model_len=64)
+    request = make_request("r", prompt_of(10, seed=6), {"do_remote_prefill": True, "delay": NEVER}, max_tokens=3)
+    engine.add_request(request)
+    engine.step()
+    engine.abort_requests(["r"])
+    assert engine.scheduler.kv_cache_manager.num_owned_blocks("r") == 3
+    _run(engine)
+    assert_nothing_leaks(engine.scheduler)
+
+
+def test_reported_loads_are_not_watched_any_more():
+    engine = make_engine(_watched(report_timeout=0.2), num_blocks=16, block_size=4, max_model_len=64)
+    request = make_request("r", prompt_of(10, seed=7), {"do_remote_prefill": True, "delay": 1}, max_tokens=30)
+    engine.add_request(request)
+    _run(engine)
+    stats = engine.make_stats()
+    assert stats.kv_loads_abandoned == 0 and stats.kv_transfer_failures == 0
+    assert request.output_token_ids == expected_output(request)[0]
