@@ -4,7 +4,7 @@ and the router.
 Requests are validated by decoding into these types: a wrong type or a missing field becomes a
 :class:`ProtocolError` naming the field (HTTP 400). Optional fields accept JSON null, meaning
 "use the default". Range checks of sampling values belong to SamplingParams; the same structs
-also generate the JSON schema of the API (``msgspec.json.schema``).
+also generate the API's OpenAPI document (``pdserve.api.openapi``, which states those ranges too).
 
 ``kv_transfer_params`` is a top-level, nullable object on requests and responses: the P/D
 protocol's contract (docs/contracts.md), passed through unchanged by anything in between.
@@ -84,6 +84,29 @@ class ChatMessage(Struct, kw_only=True):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+# Arguments of the chat template's rendering itself (transformers' apply_chat_template): a client's
+# chat_template_kwargs may only add template variables, and ``tools`` and ``documents`` (lists of objects).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenize",
+        "add_generation_prompt",
+        "chat_template",
+        "continue_final_message",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+TEMPLATE_LIST_KWARGS = ("tools", "documents")
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -256,15 +279,37 @@ _OWN_CHECK_FIELD = re.compile(r"^`(\w+)` ")  # our __post_init__ checks name the
 
 
 def decode_request(body: bytes, request_type: type[Struct]) -> Any:
-    """Decode and validate a JSON request body, or raise ProtocolError naming the bad field."""
+    """Decode and validate a JSON request body, or raise ProtocolError naming the bad field.
+
+    A whole number written as a float (``3.0``) is an integer by JSON Schema, so integer fields take it too."""
     try:
-        return msgspec.json.decode(body, type=request_type)
+        try:
+            return msgspec.json.decode(body, type=request_type)
+        except msgspec.ValidationError as error:
+            if "got `float`" not in str(error):
+                raise
+            # Rare, so decoded twice: the strict decoder stays the fast path.
+            return msgspec.convert(_whole_floats_as_ints(msgspec.json.decode(body)), type=request_type)
     except msgspec.ValidationError as error:
         message = str(error)
         match = _ERROR_PATH.search(message) or _OWN_CHECK_FIELD.search(message)
         raise ProtocolError(message, param=(match.group(1) or None) if match else None) from error
     except msgspec.DecodeError as error:
         raise ProtocolError(f"the body is not valid JSON: {error}") from error
+
+
+def _whole_floats_as_ints(value: Any, top_level: bool = True) -> Any:
+    """``value`` with every whole float an int, except in chat_template_kwargs (template variables, as sent)."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        return [_whole_floats_as_ints(item, False) for item in value]
+    if isinstance(value, dict):
+        return {
+            key: item if top_level and key == "chat_template_kwargs" else _whole_floats_as_ints(item, False)
+            for key, item in value.items()
+        }
+    return value
 
 
 # ----- server-sent events --------------------------------------------------------------------
@@ -275,81 +320,3 @@ SSE_DONE = b"data: [DONE]\n\n"
 def sse_event(payload: Struct) -> bytes:
     """One server-sent event carrying ``payload`` as JSON."""
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
-
-
-# ----- OpenAPI -------------------------------------------------------------------------------
-
-
-def openapi_document(title: str, version: str) -> dict[str, Any]:
-    """The OpenAPI 3.1 description of the OpenAI-compatible API, generated from the structs above
-    (the same types requests are validated with, so the document cannot drift from the code)."""
-    # ChatCompletionChunk is listed so that its schema (the SSE payload) is among the components.
-    (completion_req, chat_req, completion_resp, chat_resp, _, models, error), components = (
-        msgspec.json.schema_components(
-            [
-                CompletionRequest,
-                ChatCompletionRequest,
-                CompletionResponse,
-                ChatCompletionResponse,
-                ChatCompletionChunk,
-                ModelList,
-                ErrorResponse,
-            ],
-            ref_template="#/components/schemas/{name}",
-        )
-    )
-    errors = {
-        str(status): {"description": description, "content": {"application/json": {"schema": error}}}
-        for status, description in (
-            (400, "Invalid request"),
-            (401, "Missing or wrong API key"),
-            (404, "Unknown model"),
-            (413, "Body too large"),
-            (503, "Engine unavailable"),
-        )
-    }
-
-    def generation(request_schema: dict, response_schema: dict, summary: str) -> dict[str, Any]:
-        return {
-            "post": {
-                "summary": summary,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}},
-                "responses": {
-                    "200": {
-                        "description": "The result, or an SSE stream of chunks when stream is true",
-                        "content": {
-                            "application/json": {"schema": response_schema},
-                            "text/event-stream": {"schema": {"type": "string"}},
-                        },
-                    },
-                    **errors,
-                },
-            }
-        }
-
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": title, "version": version},
-        "paths": {
-            "/v1/completions": generation(completion_req, completion_resp, "Text completion"),
-            "/v1/chat/completions": generation(chat_req, chat_resp, "Chat completion"),
-            "/v1/models": {
-                "get": {
-                    "summary": "Served models",
-                    "responses": {
-                        "200": {"description": "The model list", "content": {"application/json": {"schema": models}}}
-                    },
-                }
-            },
-            "/health": {
-                "get": {
-                    "summary": "Liveness of the engine",
-                    "responses": {
-                        "200": {"description": "Serving"},
-                        "503": {"description": "The engine core is not running"},
-                    },
-                }
-            },
-        },
-        "components": {"schemas": components},
-    }

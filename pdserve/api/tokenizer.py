@@ -12,6 +12,12 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pdserve.api.protocol import RESERVED_TEMPLATE_KWARGS, TEMPLATE_LIST_KWARGS
+
+
+class TemplateKwargsError(ValueError):
+    """chat_template_kwargs the rendering refuses (a reserved name, a wrong type)."""
+
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
@@ -20,25 +26,6 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Token ids of a completions prompt given as text (special tokens as the tokenizer adds them)."""
     return tokenizer.encode(text)
-
-
-# Arguments of the rendering itself: a client's chat_template_kwargs may only add template variables.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tokenize",
-        "add_generation_prompt",
-        "chat_template",
-        "return_dict",
-        "return_tensors",
-        "tokenizer_kwargs",
-        "padding",
-        "truncation",
-        "max_length",
-        "continue_final_message",
-    }
-)
 
 
 def apply_chat_template(
@@ -52,9 +39,13 @@ def apply_chat_template(
     template_kwargs = template_kwargs or {}
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
     if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        raise TemplateKwargsError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    for name in TEMPLATE_LIST_KWARGS:  # transformers reads these itself, and takes any iterable
+        value = template_kwargs.get(name)
+        if value is not None and not (isinstance(value, list) and all(isinstance(item, dict) for item in value)):
+            raise TemplateKwargsError(f"chat_template_kwargs.{name} must be a list of objects")
     try:
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs

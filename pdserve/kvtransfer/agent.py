@@ -299,8 +299,6 @@ class TransferAgent:
             error = "block generations changed"
         if error is not None:
             self._server.send_multipart([identity, messages.encode(messages.BlocksReply(message.request_id, error))])
-            if message.release and held is not None:
-                self._release(message.request_id)  # decode gives up on these blocks either way
             return
         data = self.transport.read_local(message.block_ids)
         checksum = zlib.crc32(data.data)

@@ -137,7 +137,6 @@ class TcpTransport(Transport):
         spec = pull.spec
         read = messages.ReadBlocks(spec.remote.request_id, spec.remote_block_ids, spec.generations, release=True)
         socket.send(messages.encode(read), zmq.NOBLOCK)  # raises if the connection takes no more: the pull fails
-        pull.released = True  # the read asks prefill to free, whether it serves or refuses it
         self._pulls.append(pull)
 
     def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None, connection: object) -> None:
@@ -148,6 +147,9 @@ class TcpTransport(Transport):
         if pull is None:  # timed out already: its blocks may be someone else's now
             return
         self._pulls.remove(pull)
+        # Prefill frees the blocks once it has sent them (the read asked it to); any other ending
+        # leaves it to this side to tell it, as for every failed pull.
+        pull.released = reply.error is None
         if reply.error is not None:
             self._done.append((pull, reply.error))
         elif data is None or len(data) != pull.num_bytes:

@@ -14,7 +14,8 @@ import msgspec
 from aiohttp import web
 
 from pdserve.api.http import api_key_middleware, error_middleware, start_app
-from pdserve.api.protocol import ProtocolError, openapi_document
+from pdserve.api.openapi import MAX_BODY_BYTES, ApiLimits, openapi_document, read_limits
+from pdserve.api.protocol import ProtocolError
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import KubernetesDiscovery
 from pdserve.router.kv_index import KVIndex
@@ -26,8 +27,6 @@ from pdserve.router.proxy import REQUEST_ID, REQUEST_ID_KEY, Proxy
 from pdserve.router.subscriber import KVSubscriber
 
 logger = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 4 << 20
 
 
 class Router:
@@ -184,9 +183,33 @@ class Router:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def openapi(self, request: web.Request) -> web.Response:
-        if self._openapi is None:
-            self._openapi = msgspec.json.encode(openapi_document("pdserve router", "v1"))
-        return web.Response(body=self._openapi, content_type="application/json")
+        """The engines' API as the router serves it, with their limits (context length, vocabulary...), which it
+        learns from a decode pod's document; until one answers, the document states the fields without them."""
+        if self._openapi is not None:
+            return web.Response(body=self._openapi, content_type="application/json")
+        limits = await self._engine_limits()
+        document = msgspec.json.encode(
+            openapi_document(
+                "pdserve router", "v1", server="router", limits=limits, api_key=self.config.api_key is not None
+            )
+        )
+        if limits is not None:
+            self._openapi = document
+        return web.Response(body=document, content_type="application/json")
+
+    async def _engine_limits(self) -> ApiLimits | None:
+        for pod in sorted(self.decode.pods, key=lambda pod: not pod.healthy):
+            try:
+                async with self.proxy.session.get(
+                    pod.url + "/openapi.json", timeout=aiohttp.ClientTimeout(total=10)
+                ) as answer:
+                    if answer.status == 200:
+                        limits = read_limits(msgspec.json.decode(await answer.read()))
+                        if limits is not None:
+                            return limits
+            except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
+                continue
+        return None
 
 
 def _own_namespace() -> str:

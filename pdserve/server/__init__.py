@@ -3,7 +3,8 @@ metrics, in front of an EngineCore process it talks to over ZMQ (``core_client``
 touches a tensor or blocks its event loop on the model.
 
 - ``app``: the application, its routes, start-up and drain;
-- ``serving``: completions and chat completions, one core request per choice;
+- ``serving``: completions and chat completions; ``choices``: one core request per choice, run
+  concurrently, aborted when the caller stops;
 - ``input_processor``: prompts and sampling settings checked and turned into core requests
   (shared with the offline ``pdserve.llm.LLM``);
 - ``responses``: OpenAI response shapes (usage, logprobs, SSE);

@@ -20,7 +20,9 @@ import msgspec
 from aiohttp import web
 
 from pdserve.api.http import api_key_middleware, error_middleware, json_response, start_app
-from pdserve.api.protocol import ModelCard, ModelList, ProtocolError, openapi_document
+from pdserve.api.openapi import MAX_BODY_BYTES, ApiLimits, openapi_document
+from pdserve.api.protocol import ModelCard, ModelList, ProtocolError
+from pdserve.api.roles import engine_role
 from pdserve.api.tokenizer import load_tokenizer
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.sampling_params import SamplingParamsError
@@ -28,11 +30,9 @@ from pdserve.models.config import ModelConfig
 from pdserve.server.core_client import EngineCoreClient, EngineDeadError
 from pdserve.server.input_processor import InputError, InputProcessor
 from pdserve.server.metrics import EngineMetrics
-from pdserve.server.serving import OpenAIServing, ServerLimits
+from pdserve.server.serving import MAX_N, OpenAIServing, ServerLimits
 
 logger = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 4 << 20
 
 
 def _engine_errors(error: Exception) -> ProtocolError | None:
@@ -53,6 +53,7 @@ class EngineServer:
         eos_token_ids: list[int],
         api_key: str | None = None,
         limits: ServerLimits | None = None,
+        kv_transfer: bool = False,
     ) -> None:
         self.client = client
         self.api_key = api_key
@@ -68,7 +69,9 @@ class EngineServer:
         )
         client.on_stats = self.metrics.observe_stats
         self.processor = InputProcessor(tokenizer, len(tokenizer), self.max_model_len, eos_token_ids)
-        self.serving = OpenAIServing(client, self.processor, model_name, self.metrics, limits or ServerLimits())
+        self.serving = OpenAIServing(
+            client, self.processor, model_name, self.metrics, limits or ServerLimits(), kv_transfer
+        )
         self.created = int(time.time())
         self._openapi: bytes | None = None
 
@@ -107,7 +110,22 @@ class EngineServer:
 
     async def openapi(self, request: web.Request) -> web.Response:
         if self._openapi is None:
-            self._openapi = msgspec.json.encode(openapi_document(f"pdserve engine ({self.model_name})", "v1"))
+            limits = ApiLimits(
+                max_model_len=self.max_model_len,
+                vocab_size=self.processor.vocab_size,
+                max_n=MAX_N,
+                max_logprobs=self.processor.max_logprobs,
+                max_choices=self.serving.limits.max_in_flight,
+            )
+            document = openapi_document(
+                f"pdserve engine ({self.model_name})",
+                "v1",
+                server="engine",
+                limits=limits,
+                kv_transfer=self.serving.kv_transfer,
+                api_key=self.api_key is not None,
+            )
+            self._openapi = msgspec.json.encode(document)
         return web.Response(body=self._openapi, content_type="application/json")
 
     async def debug_cached_blocks(self, request: web.Request) -> web.Response:
@@ -161,7 +179,15 @@ async def start_engine_server(
         eos_ids = ModelConfig.from_folder(folder).eos_token_ids or (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         )
-        server = EngineServer(client, tokenizer, served_model_name or Path(folder).name, eos_ids, api_key, limits)
+        server = EngineServer(
+            client,
+            tokenizer,
+            served_model_name or Path(folder).name,
+            eos_ids,
+            api_key,
+            limits,
+            kv_transfer=engine_role(args.role).kv_transfer,
+        )
         runner, url = await start_app(server.app(), host, port)
     except BaseException:
         await client.shutdown()

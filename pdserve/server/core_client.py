@@ -213,8 +213,11 @@ class EngineCoreClient:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to stop, wait for it (kill it after ``timeout``), release the sockets."""
-        if self._dead is None:
-            await self._inputs.send(self._encode(Shutdown()))
+        if self._dead is None and self.process.is_alive():
+            # Bounded: a core that died a moment ago (its sentinel not seen yet) reads nothing, and
+            # an unbounded send to it would hang the shutdown for ever.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._inputs.send(self._encode(Shutdown())), timeout)
             deadline = time.monotonic() + timeout
             while self.process.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.api.tokenizer import apply_chat_template, encode_prompt
+from pdserve.api.tokenizer import TemplateKwargsError, apply_chat_template, encode_prompt
 from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_LOGPROBS = 20
@@ -80,6 +80,8 @@ class InputProcessor:
             raise InputError("messages", "messages must not be empty")
         try:
             token_ids = apply_chat_template(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
+        except TemplateKwargsError as error:
+            raise InputError("chat_template_kwargs", str(error)) from error
         except ValueError as error:
             raise InputError("messages", str(error)) from error
         self.check_prompt(token_ids, "messages")
@@ -120,7 +122,7 @@ class InputProcessor:
         if max_tokens is not None and len(prompt) + max_tokens > self.max_model_len:
             raise InputError(
                 param,
-                f"max_tokens ({max_tokens}) plus the prompt's {len(prompt)} tokens exceed "
+                f"{param} ({max_tokens}) plus the prompt's {len(prompt)} tokens exceed "
                 f"the context length {self.max_model_len}",
             )
 

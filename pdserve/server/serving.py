@@ -1,19 +1,17 @@
-"""Serving completions and chat completions: each HTTP request becomes one core request per choice
-("<id>-<choice>"); their outputs stream back through the core client's queues and the incremental
-detokenizer, gathered into one answer or streamed as SSE events.
+"""Serving completions and chat completions: each request is checked (model, admission, prompts,
+sampling), run as one core request per choice (``choices.ChoiceRunner``), and answered as one JSON
+response or streamed as SSE events.
 
-Whatever way a handler ends (finished, client gone, error), the core requests still running are
-aborted, so their blocks are freed. A P/D decode leg refused at the door (bad value, overload,
-draining) tells its prefill engine to free the blocks it holds for it.
+A P/D decode leg refused at the door (bad value, overload, draining) tells its prefill engine to
+free the blocks it holds for it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -42,13 +40,12 @@ from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.params import parse_remote_prefill
 from pdserve.kvtransfer.prefill_side import is_prefill_leg, prefill_leg_sampling
-from pdserve.server.core_client import EngineCoreClient, RequestRejectedError
-from pdserve.server.detokenizer import IncrementalDetokenizer
+from pdserve.server.choices import ChoiceRunner
+from pdserve.server.core_client import EngineCoreClient
 from pdserve.server.input_processor import InputError, InputProcessor
 from pdserve.server.metrics import EngineMetrics
 from pdserve.server.responses import (
     Children,
-    ChoiceDelta,
     ChoiceResult,
     LogprobFormatter,
     end_stream_with_error,
@@ -94,6 +91,7 @@ class OpenAIServing:
         model_name: str,
         metrics: EngineMetrics,
         limits: ServerLimits,
+        kv_transfer: bool = False,
     ) -> None:
         self.client = client
         self.processor = processor
@@ -101,17 +99,25 @@ class OpenAIServing:
         self.metrics = metrics
         self.limits = limits
         self.logprobs = LogprobFormatter(processor.tokenizer)
+        self.choices = ChoiceRunner(client, processor, metrics, limits.request_timeout)
         self.draining = False  # set on shutdown: new requests are refused, running ones finish
+        # A P/D role's engine speaks the P/D protocol; any other ignores kv_transfer_params (as vLLM does
+        # without a KV connector): no prefill leg, no blocks to pull, nothing to check.
+        self.kv_transfer = kv_transfer
 
     # ----- endpoints ----------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_request(await request.read(), CompletionRequest)
+        if not self.kv_transfer:
+            body.kv_transfer_params = None
         async with self._releasing_refused(body.kv_transfer_params):
             return await self._completions(request, body)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_request(await request.read(), ChatCompletionRequest)
+        if not self.kv_transfer:
+            body.kv_transfer_params = None
         async with self._releasing_refused(body.kv_transfer_params):
             return await self._chat_completions(request, body)
 
@@ -142,10 +148,10 @@ class OpenAIServing:
             self.processor.check_max_tokens(prompt, params.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         children = [(prompt, index * params.n + k) for index, prompt in enumerate(prompts) for k in range(params.n)]
-        self._admit(len(children))
+        self._admit(len(children), "n" if params.n > 1 else "prompt")
         if body.stream:
             return await self._stream_completion(request, body, request_id, children, params)
-        results = await self._gather(request_id, children, params, body.kv_transfer_params, body.cache_salt)
+        results = await self.choices.gather(request_id, children, params, body.kv_transfer_params, body.cache_salt)
         choices = []
         for (prompt, index), result in zip(children, results, strict=True):
             text = result.text
@@ -177,16 +183,25 @@ class OpenAIServing:
         prompt = self.processor.chat_prompt(
             messages, body.add_generation_prompt is not False, body.chat_template_kwargs
         ).token_ids
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = body.max_tokens
+        if body.max_completion_tokens is not None:
+            # It wins; max_tokens, its deprecated alias, must still be a value the request could have used.
+            if max_tokens is not None and not 1 <= max_tokens < self.processor.max_model_len:
+                raise InputError("max_tokens", f"max_tokens must be between 1 and {self.processor.max_model_len - 1}")
+            max_tokens = body.max_completion_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, max_tokens, logprobs)
-        self.processor.check_max_tokens(prompt, params.max_tokens)
+        self.processor.check_max_tokens(
+            prompt,
+            params.max_tokens,
+            "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         children = [(prompt, k) for k in range(params.n)]
-        self._admit(len(children))
+        self._admit(len(children), "n")
         if body.stream:
             return await self._stream_chat(request, body, request_id, children, params)
-        results = await self._gather(request_id, children, params, body.kv_transfer_params, body.cache_salt)
+        results = await self.choices.gather(request_id, children, params, body.kv_transfer_params, body.cache_salt)
         choices = [
             ChatChoice(
                 index,
@@ -210,8 +225,15 @@ class OpenAIServing:
 
     # ----- admission and validation -------------------------------------------------------------
 
-    def _admit(self, num_choices: int) -> None:
-        """Refuse new work while draining or when the engine already has too much in flight."""
+    def _admit(self, num_choices: int, param: str) -> None:
+        """Refuse new work while draining or when the engine already has too much in flight; a request
+        more than an idle engine would take is the client's to change (400 naming ``param``)."""
+        if num_choices > self.limits.max_in_flight:
+            raise InputError(
+                param,
+                f"the request asks for {num_choices} choices (prompts x n); this server runs at most "
+                f"{self.limits.max_in_flight} at once",
+            )
         if self.draining:
             raise ProtocolError(
                 "the server is shutting down; retry on another replica",
@@ -259,141 +281,6 @@ class OpenAIServing:
             raise InputError("n", "kv_transfer_params needs n=1 (one request's KV is handed over)")
         return params
 
-    # ----- running choices ----------------------------------------------------------------------
-
-    async def _run_choice(
-        self,
-        child_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None,
-        cache_salt: str | None,
-        result: ChoiceResult,
-    ) -> AsyncGenerator[ChoiceDelta, None]:
-        """Run one choice, updating ``result`` and yielding what it produced at each output."""
-        arrival = time.monotonic()
-        queue = await self.client.add_request(
-            child_id, prompt, params, self.processor.eos_token_id, kv_transfer_params, cache_salt
-        )
-        detokenizer = IncrementalDetokenizer(
-            self.processor.tokenizer.backend_tokenizer,
-            prompt,
-            params.stop,
-            params.skip_special_tokens,
-            params.include_stop_str_in_output,
-        )
-        timeout = self.limits.request_timeout
-        deadline = None if timeout is None else arrival + timeout
-        while result.finish_reason is None:
-            try:
-                output = await asyncio.wait_for(queue.get(), None if deadline is None else deadline - time.monotonic())
-            except TimeoutError:
-                raise ProtocolError(
-                    f"the request did not finish within {timeout:g} s", 504, error_type="timeout"
-                ) from None
-            if isinstance(output, RequestRejectedError):
-                raise ProtocolError(str(output)) from output
-            if isinstance(output, Exception):
-                raise output
-            if result.first_token_time is None:
-                result.first_token_time = time.monotonic()
-            text = detokenizer.add_tokens(output.new_token_ids)
-            result.token_ids.extend(output.new_token_ids)
-            new_logprobs = output.new_logprobs or []
-            result.logprobs.extend(new_logprobs)
-            if output.prompt_logprobs is not None:
-                result.prompt_logprobs = output.prompt_logprobs
-            if detokenizer.stop_string is not None:
-                await self.client.abort([child_id])
-                result.finish_reason, result.stop_reason = "stop", detokenizer.stop_string
-                result.num_cached_tokens = output.num_cached_tokens
-            elif output.finish_reason == "error":
-                result.finish_reason = "error"
-                self.metrics.observe("error", arrival, result.first_token_time, time.monotonic(), len(result.token_ids))
-                raise ProtocolError(
-                    f"the request failed: {output.stop_reason}", status=503, error_type="service_unavailable"
-                )
-            elif output.finish_reason is not None:
-                text += detokenizer.finish()
-                result.finish_reason, result.stop_reason = output.finish_reason, output.stop_reason
-                result.num_cached_tokens = output.num_cached_tokens
-                result.kv_transfer_params = output.kv_transfer_params
-            result.text += text
-            if result.finish_reason is not None:
-                self.metrics.observe(
-                    result.finish_reason, arrival, result.first_token_time, time.monotonic(), len(result.token_ids)
-                )
-            yield ChoiceDelta(0, text, output.new_token_ids, new_logprobs, result.finish_reason)
-
-    async def _choices(
-        self,
-        request_id: str,
-        children: Children,
-        params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None,
-        cache_salt: str | None,
-        results: list[ChoiceResult],
-    ) -> AsyncGenerator[ChoiceDelta, None]:
-        """Run every choice concurrently, yielding their deltas as they come; aborts what is still
-        running if the consumer stops early (client gone) or anything fails."""
-        merged: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
-        child_ids = [f"{request_id}-{index}" for _, index in children]
-        per_choice = self.processor.choice_params(params)
-
-        async def run(position: int) -> None:
-            prompt, index = children[position]
-            try:
-                async for delta in self._run_choice(
-                    child_ids[position],
-                    prompt,
-                    per_choice[index % params.n],
-                    kv_transfer_params,
-                    cache_salt,
-                    results[position],
-                ):
-                    delta.index = index
-                    merged.put_nowait(delta)
-                merged.put_nowait(None)
-            except BaseException as error:
-                merged.put_nowait(error)
-
-        tasks = [asyncio.create_task(run(position)) for position in range(len(children))]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                item = await merged.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            unfinished = [cid for cid, result in zip(child_ids, results, strict=True) if result.finish_reason is None]
-            if unfinished:
-                self.metrics.requests.labels("abort").inc(len(unfinished))
-                if self.client.alive:
-                    await self.client.abort(unfinished)
-
-    async def _gather(
-        self,
-        request_id: str,
-        children: Children,
-        params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None,
-        cache_salt: str | None,
-    ) -> list[ChoiceResult]:
-        results = [ChoiceResult() for _ in children]
-        async with aclosing(
-            self._choices(request_id, children, params, kv_transfer_params, cache_salt, results)
-        ) as deltas:
-            async for _ in deltas:
-                pass
-        return results
-
     # ----- streaming ----------------------------------------------------------------------------
 
     async def _stream_completion(
@@ -404,7 +291,7 @@ class OpenAIServing:
         created = int(time.time())
         # aclosing: if the client goes away mid-stream, the choices' cleanup (abort) runs right here.
         async with aclosing(
-            self._choices(request_id, children, params, body.kv_transfer_params, body.cache_salt, results)
+            self.choices.stream(request_id, children, params, body.kv_transfer_params, body.cache_salt, results)
         ) as deltas:
             try:
                 async for delta in deltas:
@@ -459,7 +346,7 @@ class OpenAIServing:
         for _, index in children:
             await response.write(chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))]))
         async with aclosing(
-            self._choices(request_id, children, params, body.kv_transfer_params, body.cache_salt, results)
+            self.choices.stream(request_id, children, params, body.kv_transfer_params, body.cache_salt, results)
         ) as deltas:
             try:
                 async for delta in deltas:

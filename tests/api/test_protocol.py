@@ -95,6 +95,20 @@ def test_bad_requests_name_the_field(body, request_type, param):
     assert payload["error"]["type"] == "invalid_request_error"
 
 
+def test_whole_floats_are_integers():
+    # 3.0 is an integer by JSON Schema (what the OpenAPI document promises), so integer fields take it.
+    body = b'{"prompt": [1.0, 2], "n": 2.0, "max_tokens": 3.0, "temperature": 1.0, "seed": -4.0}'
+    request = decode_request(body, CompletionRequest)
+    assert (request.prompt, request.n, request.max_tokens, request.seed) == ([1, 2], 2, 3, -4)
+    assert all(type(value) is int for value in (*request.prompt, request.n, request.max_tokens, request.seed))
+    chat = b'{"messages": [{"role": "user"}], "top_logprobs": 1.0, "chat_template_kwargs": {"x": 1.0}}'
+    request = decode_request(chat, ChatCompletionRequest)
+    assert request.top_logprobs == 1 and type(request.chat_template_kwargs["x"]) is float  # template variables as sent
+    with pytest.raises(ProtocolError) as caught:
+        decode_request(b'{"prompt": "x", "n": 2.5}', CompletionRequest)
+    assert caught.value.param == "n"
+
+
 def test_response_shapes():
     response = CompletionResponse(
         id="cmpl-1",
@@ -124,6 +138,9 @@ def test_protocol_imports_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, pdserve.api.protocol, pdserve.engine.block_hash; print('torch' in sys.modules)"
+    code = (
+        "import sys, pdserve.api.protocol, pdserve.api.openapi, pdserve.engine.block_hash; "
+        "print('torch' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -1,6 +1,7 @@
 """Schemathesis fuzzing of a live pdserve HTTP server (an engine or the router), driven by the server's own
-/openapi.json: the checks every answer must pass, the requests known to trigger open server bugs (kept out of
-the random runs; none is open now: test_findings.py pins what was found), and the runner for one operation.
+/openapi.json: the checks every answer must pass, the runner for one operation and the assertions every server's
+runs share, and the request bodies the fuzz tests send by hand (test_findings.py pins what the fuzzing found;
+none is open now). test_schemathesis_cli.py runs schemathesis's own CLI, with all its checks, instead.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+from pdserve.api.openapi import read_limits
+
+MODEL = "demo"  # the served model name of every fuzzed server
+
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 # What each server gets: (path, method, document, mode, examples). "plain" is the served document; "within_limits"
 # and "streaming" are the ones load_schema_within_limits narrows. GET operations take no input: no negative cases.
@@ -38,6 +43,7 @@ RUNS = [
     )
 ]
 RUNS += [("/v1/models", "GET", "plain", POSITIVE, 3), ("/health", "GET", "plain", POSITIVE, 3)]
+RUN_IDS = [f"{method} {path} {document} {mode.value}" for path, method, document, mode, _ in RUNS]
 # Schemathesis reads 20 events of a stream by default; a whole stream is needed to check how it ends. The largest
 # the engines accept (16 choices of up to 63 tokens, plus role and usage events) stays well below this.
 MAX_STREAM_EVENTS = 5000
@@ -61,22 +67,30 @@ def _number(low: float, high: float) -> dict[str, Any]:
     return {"type": "number", "minimum": low, "maximum": high}
 
 
-def load_schema_within_limits(
-    url: str, model: str, vocab_size: int, streaming: bool = False
-) -> schemathesis.BaseSchema:
-    """The server's document with request fields narrowed to what a 64-token demo engine accepts (the document
-    itself states no ranges: SamplingParams checks them). Schema-valid requests are then mostly served, so
-    streams, logprobs, echo, several choices and stop conditions are exercised, not only 400s. Response schemas
-    are untouched: answers are still checked against the real document. With ``streaming``, every request asks
-    for a stream (otherwise few would: stream is one optional field of many)."""
+def load_schemas(url: str) -> dict[str, schemathesis.BaseSchema]:
+    """The documents RUNS use, by name."""
+    return {
+        "plain": load_schema(url),
+        "within_limits": load_schema_within_limits(url),
+        "streaming": load_schema_within_limits(url, streaming=True),
+    }
+
+
+def load_schema_within_limits(url: str, streaming: bool = False) -> schemathesis.BaseSchema:
+    """The server's document with request fields narrowed well inside what a 64-token demo engine accepts, clear
+    of the limits across fields the document cannot state (docs/openapi.md), and small enough to be cheap.
+    Schema-valid requests are then served, so streams, logprobs, echo, several choices and stop conditions are
+    exercised, not only 400s. Response schemas are untouched: answers are still checked against the real
+    document. With ``streaming``, every request asks for a stream (otherwise few would: stream is one optional
+    field of many)."""
     document = copy.deepcopy(load_schema(url).raw_schema)
     schemas = document["components"]["schemas"]
-    token = _integer(0, vocab_size - 1)
+    token = _integer(0, read_limits(document).vocab_size - 1)
     # Random unicode reaches 4 bytes a character, and the demo tokenizer is byte-level: 8 characters stay
     # within a 64-token context even after a chat template.
     text = {"type": "string", "minLength": 1, "maxLength": 8}
     shared = {
-        "model": _nullable({"const": model}),
+        "model": _nullable({"const": MODEL}),
         "n": _nullable(_integer(1, 3)),
         "temperature": _nullable(_number(0, 2)),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0.01, "maximum": 1}),
@@ -93,7 +107,8 @@ def load_schema_within_limits(
         "max_completion_tokens": _nullable(_integer(1, 8)),
         "top_logprobs": _nullable(_integer(0, 5)),
         "cache_salt": _nullable(text),
-        # P/D parameters and template arguments are fuzzed in the plain runs; here they would only be refused.
+        # P/D parameters (which colocated engines and the router ignore) and template arguments are fuzzed in the
+        # plain runs.
         "kv_transfer_params": {"type": "null"},
         "chat_template_kwargs": {"type": "null"},
     }
@@ -115,7 +130,6 @@ def load_schema_within_limits(
             {"type": "array", "minItems": 1, "maxItems": 3, "items": token_list},
         ]
     }
-    schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] = 1
     schemas["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] = 2
     message = schemas["ChatMessage"]["properties"]
     message["role"] = {"enum": ["system", "user", "assistant"]}
@@ -172,19 +186,10 @@ def openai_error_shape(ctx, response, case) -> None:
     _check_error_object(payload, response.status_code)
 
 
-def json_response_schema_conformance(ctx, response, case) -> None:
-    """Schemathesis's response_schema_conformance, except for event streams: the document gives their media type
-    the schema {"type": "string"}, which schemathesis (OpenAPI 3.1: a per-event schema) applies to each event
-    object, so every stream would fail. SseEventsConform checks streams instead."""
-    content_type = (response.headers.get("content-type") or [""])[0]
-    if not content_type.startswith("text/event-stream"):
-        response_schema_conformance(ctx, response, case)
-
-
 class SseEventsConform:
-    """A stream's events: each `data:` a JSON chunk of the operation's chunk schema (or an error object, the way a
-    failure after the headers travels), and `[DONE]` last. The document's text/event-stream entry says only
-    "string", so this check reads the component schemas itself."""
+    """A whole stream: read to its end, `[DONE]` last and only there, each other event a JSON chunk of the
+    operation's chunk schema or an error object (the way a failure after the headers travels). Schemathesis's
+    response_schema_conformance checks each event against the document's event schema, but not the order."""
 
     __name__ = "sse_events_conform"
 
@@ -253,7 +258,7 @@ def fuzz(
         no_server_error,
         status_code_conformance,
         content_type_conformance,
-        json_response_schema_conformance,
+        response_schema_conformance,
         negative_data_rejection,
         openai_error_shape,
         SseEventsConform(schema.raw_schema),
@@ -287,3 +292,41 @@ def fuzz(
         run = seed(int(chosen_seed))(run)
     run()
     return statuses
+
+
+def run_operation(
+    schemas: dict[str, schemathesis.BaseSchema],
+    path: str,
+    method: str,
+    document: str,
+    mode: GenerationMode,
+    examples: int,
+    server: str,
+) -> Counter:
+    """One of RUNS against ``server`` (its name, for messages), with what every server's runs must show."""
+    statuses = fuzz(schemas[document], path, method, mode, examples, whole_floats_as_ints=document != "plain")
+    print(f"{method} {path} {document} {mode.value}: {dict(statuses)}")  # shown with -s: what the run exercised
+    assert statuses["overloaded"] == 0, f"503 overload answers from an idle {server}: {statuses}"
+    if document != "plain":
+        # The narrowed document describes requests the server serves; mostly refusing them means it drifted.
+        assert statuses[200] >= examples // 2, statuses
+        assert document != "streaming" or statuses["streams"] == statuses[200], statuses
+    elif method == "POST" and mode is POSITIVE:
+        assert statuses[200] > 0, statuses
+    return statuses
+
+
+# ----- request bodies sent by hand --------------------------------------------------------------------------
+
+
+def completion_body(prompt: Any = "hi", **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, **fields}
+
+
+def chat_body(content: str = "hi", **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
+
+
+def prefill_leg_body(prompt: Any, **fields: Any) -> dict[str, Any]:
+    """What the router sends a prefill engine: one token, the blocks held for a decode engine to pull."""
+    return completion_body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, **fields)

@@ -6,12 +6,12 @@ the engine healthy and idle afterwards."""
 from __future__ import annotations
 
 import pytest
-from schemathesis import GenerationMode
 
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.models.demo import ensure_demo_model
-from tests.fuzz.openapi_fuzz import RUNS, fuzz, get_json, load_schema, load_schema_within_limits
-from tests.pd.cluster import metrics, wait_for
+from pdserve.testing.metrics import scrape as metrics
+from tests.fuzz.openapi_fuzz import RUN_IDS, RUNS, get_json, load_schemas, run_operation
+from tests.pd.cluster import wait_for
 from tests.server.helpers import ServerThread
 
 # Generation requests fuzz fields the engine must bound itself (n, max_tokens, logprobs); a 64-token context keeps
@@ -29,28 +29,12 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def schemas(engine):
-    url = engine.running.url
-    vocab_size = len(engine.running.server.tokenizer)
-    return {
-        "plain": load_schema(url),
-        "within_limits": load_schema_within_limits(url, "demo", vocab_size),
-        "streaming": load_schema_within_limits(url, "demo", vocab_size, streaming=True),
-    }
+    return load_schemas(engine.running.url)
 
 
-@pytest.mark.parametrize(
-    ("path", "method", "document", "mode", "examples"), RUNS, ids=[f"{m} {p} {d} {g.value}" for p, m, d, g, _ in RUNS]
-)
+@pytest.mark.parametrize(("path", "method", "document", "mode", "examples"), RUNS, ids=RUN_IDS)
 def test_operation(schemas, path, method, document, mode, examples):
-    statuses = fuzz(schemas[document], path, method, mode, examples, whole_floats_as_ints=document != "plain")
-    print(f"{method} {path} {document} {mode.value}: {dict(statuses)}")  # shown with -s: what the run exercised
-    assert statuses["overloaded"] == 0, f"503 overload answers from an idle engine: {statuses}"
-    if document != "plain":
-        # The narrowed document describes requests the engine serves; mostly refusing them means it drifted.
-        assert statuses[200] >= examples // 2, statuses
-        assert document != "streaming" or statuses["streams"] == statuses[200], statuses
-    elif method == "POST" and mode is GenerationMode.POSITIVE:
-        assert statuses[200] > 0, statuses
+    run_operation(schemas, path, method, document, mode, examples, "engine")
 
 
 def test_engine_healthy_and_idle_after_fuzzing(engine):

@@ -12,10 +12,9 @@ import time
 import aiohttp
 import pytest
 
-from pdserve.api.tokenizer import load_tokenizer
-from pdserve.models.demo import ensure_demo_model
-from tests.fuzz.openapi_fuzz import RUNS, fuzz, get_json, load_schema, load_schema_within_limits
-from tests.pd.cluster import Cluster, metrics, post, wait_for
+from pdserve.testing.metrics import scrape as metrics
+from tests.fuzz.openapi_fuzz import RUN_IDS, RUNS, completion_body, get_json, load_schemas, run_operation
+from tests.pd.cluster import Cluster, post, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -45,27 +44,12 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def schemas(cluster):
-    url = cluster.router.url
-    vocab_size = len(load_tokenizer(str(ensure_demo_model())))
-    return {
-        "plain": load_schema(url),
-        "within_limits": load_schema_within_limits(url, "demo", vocab_size),
-        "streaming": load_schema_within_limits(url, "demo", vocab_size, streaming=True),
-    }
+    return load_schemas(cluster.router.url)
 
 
-@pytest.mark.parametrize(
-    ("path", "method", "document", "mode", "examples"), RUNS, ids=[f"{m} {p} {d} {g.value}" for p, m, d, g, _ in RUNS]
-)
+@pytest.mark.parametrize(("path", "method", "document", "mode", "examples"), RUNS, ids=RUN_IDS)
 def test_operation(schemas, path, method, document, mode, examples):
-    statuses = fuzz(schemas[document], path, method, mode, examples, whole_floats_as_ints=document != "plain")
-    print(f"{method} {path} {document} {mode.value}: {dict(statuses)}")  # shown with -s: what the run exercised
-    assert statuses["overloaded"] == 0, f"503 overload answers from an idle cluster: {statuses}"
-    if document != "plain":
-        assert statuses[200] >= examples // 2, statuses
-        assert document != "streaming" or statuses["streams"] == statuses[200], statuses
-    elif method == "POST" and mode.value == "positive":
-        assert statuses[200] > 0, statuses
+    run_operation(schemas, path, method, document, mode, examples, "cluster")
 
 
 def _engine_idle(url: str) -> bool:
@@ -129,8 +113,7 @@ def test_refused_decode_leg_releases_prefill_blocks(cluster):
     def refuse() -> None:
         for extra in refused:
             status, answer = post(
-                f"{cluster.router.url}/v1/completions",
-                {"model": "demo", "prompt": f"a refused request {extra}", **extra},
+                f"{cluster.router.url}/v1/completions", completion_body(f"a refused request {extra}", **extra)
             )
             assert status == 400, answer
 
@@ -165,7 +148,7 @@ def test_client_leaving_during_the_prefill_leg_frees_prefill_blocks(cluster):
     def leave() -> None:
         # Several moments, so that some fall inside the prefill leg however fast this machine is.
         for index, seconds in enumerate((0.002, 0.005, 0.01, 0.02, 0.04, 0.08)):
-            body = {"model": "demo", "prompt": list(range(10 + index, 60 + index)), "max_tokens": 8}
+            body = completion_body(list(range(10 + index, 60 + index)), max_tokens=8)
             asyncio.run(_leave_after(f"{cluster.router.url}/v1/completions", body, seconds))
 
     assert _lease_expiries(cluster.prefills[0].url, leave) == 0
@@ -178,14 +161,9 @@ def test_client_kv_transfer_params_cannot_pin_decode_blocks(cluster):
     def pin() -> None:
         status, answer = post(
             f"{cluster.router.url}/v1/completions",
-            {
-                "model": "demo",
-                "prompt": "pin my blocks " * 3,
-                "echo": True,
-                "logprobs": 0,
-                "max_tokens": 2,
-                "kv_transfer_params": {"do_remote_decode": True},
-            },
+            completion_body(
+                "pin my blocks " * 3, echo=True, logprobs=0, max_tokens=2, kv_transfer_params={"do_remote_decode": True}
+            ),
         )
         assert status in (200, 400), answer
 

@@ -15,8 +15,9 @@ import pytest
 import zmq
 
 from pdserve.kvtransfer import messages
-from tests.fuzz.openapi_fuzz import get_json
-from tests.pd.cluster import Cluster, metrics, post, wait_for
+from pdserve.testing.metrics import scrape as metrics
+from tests.fuzz.openapi_fuzz import get_json, prefill_leg_body
+from tests.pd.cluster import Cluster, post, wait_for
 
 SEED = 20240601
 NUM_FRAMES = 400
@@ -166,15 +167,7 @@ def _await_hold(socket: zmq.Socket, held: dict[str, Any]) -> None:
 
 def test_side_channel_survives_junk(prefill):
     rng = random.Random(SEED)
-    status, leg = post(
-        f"{prefill.url}/v1/completions",
-        {
-            "model": "demo",
-            "prompt": "hold these blocks " * 4,
-            "max_tokens": 1,
-            "kv_transfer_params": {"do_remote_decode": True},
-        },
-    )
+    status, leg = post(f"{prefill.url}/v1/completions", prefill_leg_body("hold these blocks " * 4))
     assert status == 200, leg
     held = leg["kv_transfer_params"]
     context = zmq.Context()
@@ -231,10 +224,7 @@ def test_side_channel_survives_junk(prefill):
 def test_side_channel_read_is_bounded_by_the_held_blocks(prefill):
     # The agent used to check only set(block_ids) <= held blocks, so repeated ids passed: ~6 bytes of frame per id
     # made it copy and send a whole block (64 KiB here) per id, ~10 GiB for one 1 MiB frame.
-    status, leg = post(
-        f"{prefill.url}/v1/completions",
-        {"model": "demo", "prompt": "amplify me", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
-    )
+    status, leg = post(f"{prefill.url}/v1/completions", prefill_leg_body("amplify me"))
     assert status == 200, leg
     held = leg["kv_transfer_params"]
     context = zmq.Context()

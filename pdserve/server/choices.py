@@ -1,0 +1,165 @@
+"""Running one HTTP request's choices: each choice is one core request ("<id>-<choice>"), run
+concurrently; their outputs come back through the core client's queues and the incremental
+detokenizer, as deltas to stream or gathered into results. Whatever way a consumer stops
+(finished, client gone, error), the core requests still running are aborted, so their blocks are
+freed; the request timeout ends a choice with 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from pdserve.api.protocol import ProtocolError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.server.core_client import EngineCoreClient, RequestRejectedError
+from pdserve.server.detokenizer import IncrementalDetokenizer
+from pdserve.server.input_processor import InputProcessor
+from pdserve.server.metrics import EngineMetrics
+from pdserve.server.responses import Children, ChoiceDelta, ChoiceResult
+
+
+class ChoiceRunner:
+    def __init__(
+        self, client: EngineCoreClient, processor: InputProcessor, metrics: EngineMetrics, request_timeout: float | None
+    ) -> None:
+        self.client = client
+        self.processor = processor
+        self.metrics = metrics
+        self.request_timeout = request_timeout
+
+    async def _run_one(
+        self,
+        child_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None,
+        cache_salt: str | None,
+        result: ChoiceResult,
+    ) -> AsyncGenerator[ChoiceDelta, None]:
+        """Run one choice, updating ``result`` and yielding what it produced at each output."""
+        arrival = time.monotonic()
+        queue = await self.client.add_request(
+            child_id, prompt, params, self.processor.eos_token_id, kv_transfer_params, cache_salt
+        )
+        detokenizer = IncrementalDetokenizer(
+            self.processor.tokenizer.backend_tokenizer,
+            prompt,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+        )
+        timeout = self.request_timeout
+        deadline = None if timeout is None else arrival + timeout
+        while result.finish_reason is None:
+            try:
+                output = await asyncio.wait_for(queue.get(), None if deadline is None else deadline - time.monotonic())
+            except TimeoutError:
+                raise ProtocolError(
+                    f"the request did not finish within {timeout:g} s", 504, error_type="timeout"
+                ) from None
+            if isinstance(output, RequestRejectedError):
+                raise ProtocolError(str(output)) from output
+            if isinstance(output, Exception):
+                raise output
+            if result.first_token_time is None:
+                result.first_token_time = time.monotonic()
+            text = detokenizer.add_tokens(output.new_token_ids)
+            result.token_ids.extend(output.new_token_ids)
+            new_logprobs = output.new_logprobs or []
+            result.logprobs.extend(new_logprobs)
+            if output.prompt_logprobs is not None:
+                result.prompt_logprobs = output.prompt_logprobs
+            if detokenizer.stop_string is not None:
+                await self.client.abort([child_id])
+                result.finish_reason, result.stop_reason = "stop", detokenizer.stop_string
+                result.num_cached_tokens = output.num_cached_tokens
+            elif output.finish_reason == "error":
+                result.finish_reason = "error"
+                self.metrics.observe("error", arrival, result.first_token_time, time.monotonic(), len(result.token_ids))
+                raise ProtocolError(
+                    f"the request failed: {output.stop_reason}", status=503, error_type="service_unavailable"
+                )
+            elif output.finish_reason is not None:
+                text += detokenizer.finish()
+                result.finish_reason, result.stop_reason = output.finish_reason, output.stop_reason
+                result.num_cached_tokens = output.num_cached_tokens
+                result.kv_transfer_params = output.kv_transfer_params
+            result.text += text
+            if result.finish_reason is not None:
+                self.metrics.observe(
+                    result.finish_reason, arrival, result.first_token_time, time.monotonic(), len(result.token_ids)
+                )
+            yield ChoiceDelta(0, text, output.new_token_ids, new_logprobs, result.finish_reason)
+
+    async def stream(
+        self,
+        request_id: str,
+        children: Children,
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None,
+        cache_salt: str | None,
+        results: list[ChoiceResult],
+    ) -> AsyncGenerator[ChoiceDelta, None]:
+        """Run every choice concurrently, yielding their deltas as they come; aborts what is still
+        running if the consumer stops early (client gone) or anything fails."""
+        merged: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
+        child_ids = [f"{request_id}-{index}" for _, index in children]
+        per_choice = self.processor.choice_params(params)
+
+        async def run(position: int) -> None:
+            prompt, index = children[position]
+            try:
+                async for delta in self._run_one(
+                    child_ids[position],
+                    prompt,
+                    per_choice[index % params.n],
+                    kv_transfer_params,
+                    cache_salt,
+                    results[position],
+                ):
+                    delta.index = index
+                    merged.put_nowait(delta)
+                merged.put_nowait(None)
+            except BaseException as error:
+                merged.put_nowait(error)
+
+        tasks = [asyncio.create_task(run(position)) for position in range(len(children))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            unfinished = [cid for cid, result in zip(child_ids, results, strict=True) if result.finish_reason is None]
+            if unfinished:
+                self.metrics.requests.labels("abort").inc(len(unfinished))
+                if self.client.alive:
+                    await self.client.abort(unfinished)
+
+    async def gather(
+        self,
+        request_id: str,
+        children: Children,
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None,
+        cache_salt: str | None,
+    ) -> list[ChoiceResult]:
+        results = [ChoiceResult() for _ in children]
+        async with aclosing(
+            self.stream(request_id, children, params, kv_transfer_params, cache_salt, results)
+        ) as deltas:
+            async for _ in deltas:
+                pass
+        return results
