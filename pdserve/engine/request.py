@@ -107,6 +107,10 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

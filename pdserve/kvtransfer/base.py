@@ -42,6 +42,11 @@ class ConnectorRequest(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logits are needed (so its prompt must be computed here, not loaded)."""
+        ...
+
 
 @dataclass(slots=True)
 class KVConnectorOutput:

@@ -63,6 +63,10 @@ class DecodeSide:
             )
             self.outbox.pending.releases.append((request.request_id, remote))
             return
+        if request.wants_prompt_logprobs:
+            # Prompt logprobs come from the prompt's logits, which only computing it here gives.
+            self.outbox.pending.releases.append((request.request_id, remote))
+            return
         self._remote[request.request_id] = remote
         self.outbox.pending.tracks.append((request.request_id, remote))
 

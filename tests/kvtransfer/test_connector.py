@@ -232,6 +232,21 @@ def test_mismatched_params_release_at_once_and_never_load(overrides):
     _assert_empty(connector)
 
 
+def test_a_request_asking_for_prompt_logprobs_computes_its_prompt_and_releases_the_remote_blocks():
+    # Prompt logprobs need the prompt's logits: pulled KV has none (a decode leg with echo and
+    # logprobs answered 500 before).
+    connector = _connector()
+    prompt = list(range(40))
+    params = _remote_params(prompt)
+    request = Request("dec", prompt, SamplingParams(prompt_logprobs=2), None, kv_transfer_params=params)
+
+    connector.request_added(request)
+
+    work = _take(connector)
+    assert work.releases == [("dec", parse_remote_prefill(params))] and not work.tracks
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
 @pytest.mark.parametrize(
     "params",
     [
