@@ -18,6 +18,10 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct
 
+# On a decode leg's answer: its kv_transfer_params were not used (the value says why) and the
+# prompt was computed there; the router counts such a request as a fallback, not as disaggregated.
+KV_PARAMS_REJECTED_HEADER = "X-PDServe-KV-Params-Rejected"
+
 # ----- requests ------------------------------------------------------------------------------
 
 

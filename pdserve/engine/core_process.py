@@ -80,6 +80,7 @@ class CoreReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     kv_events_port: int | None = None  # where the core publishes KV-cache events (None: it does not)
     enable_prefix_caching: bool = True
+    kv_compat_hash: str | None = None  # P/D engines pair only with engines of the same hash
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):
@@ -144,6 +145,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                 scheduler_config.max_model_len,
                 publisher.port if publisher else None,
                 scheduler_config.enable_prefix_caching,
+                core.kv_compat_hash,
             )
         )
     )

@@ -4,6 +4,7 @@ one (the offline LLM, the engine-core process of the servers). The engine's role
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from pdserve.kvtransfer.connector import PDConnectorScheduler
 from pdserve.kvtransfer.params import kv_compat_hash
 from pdserve.models.config import ModelConfig, resolve_dtype
 from pdserve.models.demo import ensure_demo_model
+from pdserve.models.fingerprint import weights_fingerprint
 from pdserve.worker.kv_cache import KV_CACHE_LAYOUT, RunnerConfig
 from pdserve.worker.model_runner import ModelRunner
 
@@ -78,13 +80,18 @@ class EngineArgs:
         make_agent = None
         if self.kv_transfer is not None:
             kv_transfer = self.kv_transfer
+            # Exactly what determines a token's KV: the weights, rope and window, the cache's dtype,
+            # block size, shape and layout. Not the tensor-parallel size: engines of one model at
+            # different TP sizes may pair (each rank's head ranges are a handshake matter).
             compat_hash = kv_compat_hash(
+                weights=weights_fingerprint(folder),
                 architecture=model_config.architecture,
+                rope_theta=model_config.rope_theta,
+                rope_scaling=json.dumps(model_config.rope_scaling, sort_keys=True),
+                sliding_window=model_config.sliding_window,
                 layers=model_config.num_layers,
                 kv_heads=model_config.num_kv_heads,
                 head_dim=model_config.head_dim,
-                hidden_size=model_config.hidden_size,
-                vocab_size=model_config.vocab_size,
                 dtype=str(dtype),
                 block_size=self.block_size,
                 layout=KV_CACHE_LAYOUT,

@@ -30,6 +30,11 @@ class EngineCore:
     def config(self) -> SchedulerConfig:
         return self.scheduler.config
 
+    @property
+    def kv_compat_hash(self) -> str | None:
+        """The KV compatibility hash engines pair by (None for an engine that moves no KV)."""
+        return self.scheduler.connector.compat_hash
+
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError if it can never run."""
         self.scheduler.add_request(request)

@@ -80,6 +80,8 @@ class KVConnectorWorker(Protocol):
 class KVConnectorScheduler(ABC):
     # What a failed remote load does: True recomputes the prompt locally, False fails the request.
     recompute_failed_loads: bool = True
+    # What must match for this engine's KV blocks to be valid in another's (None: it moves none).
+    compat_hash: str | None = None
     # Seconds within which the worker side reports every load it was given (landed or failed);
     # past it the scheduler's watchdog fails the load itself. None: loads need no watchdog.
     load_report_timeout: float | None = None

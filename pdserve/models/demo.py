@@ -157,8 +157,9 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     wrapped.save_pretrained(str(path))
 
 
-def write_demo_model(path: str | Path) -> Path:
-    """Write the demo model (config.json, model.safetensors, tokenizer files) into ``path``."""
+def write_demo_model(path: str | Path, seed: int = SEED) -> Path:
+    """Write the demo model (config.json, model.safetensors, tokenizer files) into ``path``.
+    Another ``seed`` gives a checkpoint of the same shape with other weights (a "fine-tune")."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     arch = ARCHITECTURE
@@ -178,7 +179,7 @@ def write_demo_model(path: str | Path) -> Path:
         "eos_token_id": eos_id,
         "torch_dtype": "float32",
     }
-    generator = torch.Generator().manual_seed(SEED)
+    generator = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * config["initializer_range"]

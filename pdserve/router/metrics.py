@@ -36,6 +36,8 @@ ERROR_KINDS = (
     "prefill_5xx",
     "prefill_bad_answer",
     "no_prefill",
+    "no_compatible_prefill",
+    "decode_rejected_params",
     "decode_unreachable",
     "decode_unavailable",
     "no_decode",

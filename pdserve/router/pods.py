@@ -25,6 +25,9 @@ class Pod:
     healthy: bool = True  # optimistic until the first check, so a router serves at once
     in_flight: int = 0  # requests this router has running on the pod (its load, as this replica sees it)
     failures: int = 0  # consecutive failed requests (connection broken, 5xx other than 503)
+    # The engine's KV compatibility hash (from /health): a prefill and a decode pair only when
+    # theirs are equal, so during a rollout old pairs with old and new with new.
+    compat_hash: str | None = None
 
 
 class PodSet:
@@ -99,6 +102,7 @@ class PodSet:
 
 class _Health(msgspec.Struct):
     kv_events_port: int | None = None  # where the engine publishes KV-cache events (None: it does not)
+    kv_compat_hash: str | None = None
 
 
 class HealthChecker:
@@ -148,9 +152,11 @@ class HealthChecker:
             healthy, reason = False, f"/health failed: {type(error).__name__}: {error}"
         if podset.mark(pod, healthy, reason):
             self.on_ejection()
-        if healthy and self.on_health is not None:
+        if healthy:
             try:
-                port = msgspec.json.decode(payload, type=_Health).kv_events_port
+                health = msgspec.json.decode(payload, type=_Health)
             except msgspec.MsgspecError:
-                port = None  # not an engine's JSON (an older engine, a proxy): no events to follow
-            self.on_health(pod, port)
+                health = _Health()  # not an engine's JSON (an older engine, a proxy): no events, no hash
+            pod.compat_hash = health.kv_compat_hash
+            if self.on_health is not None:
+                self.on_health(pod, health.kv_events_port)

@@ -30,7 +30,13 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request
+from pdserve.api.protocol import (
+    KV_PARAMS_REJECTED_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    decode_request,
+)
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pods import Pod, PodSet
@@ -85,6 +91,8 @@ class _Exchange:
     session: str | None = None  # session affinity key
     decode: Choice | None = None  # the decode pod holding the request (counted in its in_flight)
     stream_usage: bool = False  # the decode stream ends with a usage event worth reading
+    # Sent with a prefill leg's params: counted "disagg" once decode's answer shows it used them.
+    disagg_pending: bool = False
 
 
 class _NothingSent(Exception):
@@ -205,7 +213,7 @@ class Proxy:
         if result.params is None:
             self.metrics.paths["decode_only"].inc()
             return await self._decode_leg(exchange, raw)
-        self.metrics.paths["disagg"].inc()
+        exchange.disagg_pending = True
         body["kv_transfer_params"] = result.params
         return await self._decode_leg(exchange, msgspec.json.encode(body))
 
@@ -226,7 +234,16 @@ class Proxy:
 
     async def _prefill_leg(self, exchange: _Exchange, body: dict[str, Any], chat: bool) -> _PrefillResult:
         # No healthy prefill pod: decode can prefill at once, which beats waiting on a pod known to be down.
-        choice = self.chooser.choose(self.prefill, exchange.prompt, exchange.session, healthy_only=True)
+        # Only a prefill engine whose KV the chosen decode engine can use: same compatibility hash.
+        decode_hash = exchange.decode.pod.compat_hash if exchange.decode is not None else None
+        incompatible = [pod for pod in self.prefill.pods if pod.compat_hash != decode_hash]
+        choice = self.chooser.choose(
+            self.prefill, exchange.prompt, exchange.session, exclude=incompatible, healthy_only=True
+        )
+        if choice is None and len(incompatible) == len(self.prefill.pods):
+            # Nothing failed: no prefill engine runs this decode engine's model (mid-rollout, say).
+            self.metrics.errors["no_compatible_prefill"].inc()
+            return _PrefillResult()
         if choice is None:
             self.metrics.errors["no_prefill"].inc()
             return _PrefillResult(failed=True)
@@ -313,11 +330,23 @@ class Proxy:
             if exchange.decode is not None:
                 self.metrics.retries.inc()
         self.metrics.errors["no_decode"].inc()
+        self._count_disagg(exchange, None)
         raise ProtocolError("no decode pod is reachable", 503, error_type="service_unavailable")
+
+    def _count_disagg(self, exchange: _Exchange, rejected: str | None) -> None:
+        """The path of a request sent with P/D params, now that decode said whether it used them."""
+        if exchange.disagg_pending:
+            exchange.disagg_pending = False
+            if rejected is None:
+                self.metrics.paths["disagg"].inc()
+            else:  # decode computed the prompt itself (another model's KV, another prompt's)
+                self.metrics.errors["decode_rejected_params"].inc()
+                self.metrics.paths["fallback"].inc()
 
     async def _relay(self, exchange: _Exchange, choice: Choice, answer: aiohttp.ClientResponse) -> web.StreamResponse:
         """The decode pod's answer to the client: status, content type and bytes as they come."""
         pod = choice.pod
+        self._count_disagg(exchange, answer.headers.get(KV_PARAMS_REJECTED_HEADER))
         content_type = answer.headers.get("Content-Type", "application/json")
         if not content_type.startswith("text/event-stream"):
             try:

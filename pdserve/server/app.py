@@ -102,8 +102,12 @@ class EngineServer:
             return web.json_response({"status": "engine core is not running"}, status=503)
         if self.draining:
             return web.json_response({"status": "shutting down"}, status=503)
-        # Routers learn here where this engine publishes its KV-cache events (pdserve/api/kv_events.py).
-        return web.json_response({"status": "ok", "kv_events_port": self.client.ready.kv_events_port})
+        # Routers learn here where this engine publishes its KV-cache events (pdserve/api/kv_events.py)
+        # and which engines it may pair with (the same KV compatibility hash).
+        ready = self.client.ready
+        return web.json_response(
+            {"status": "ok", "kv_events_port": ready.kv_events_port, "kv_compat_hash": ready.kv_compat_hash}
+        )
 
     async def render_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")

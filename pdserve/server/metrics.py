@@ -101,6 +101,12 @@ class EngineMetrics:
     def __init__(self, stats: Callable[[], SchedulerStats | None], cache_config: dict[str, str]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("pdserve_requests", "Finished requests", ["finish_reason"], registry=self.registry)
+        self.kv_params_rejected = Counter(
+            "pdserve_kv_params_rejected",
+            "Decode legs whose kv_transfer_params could not be used (the prompt was computed here), by reason",
+            ["reason"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",
             "Time to first token",

@@ -109,8 +109,10 @@ class LogprobFormatter:
         return ChatLogprobs(content)
 
 
-async def start_sse(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+async def start_sse(request: web.Request, headers: dict[str, str] | None = None) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **(headers or {})}
+    )
     await response.prepare(request)
     return response
 

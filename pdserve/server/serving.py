@@ -20,6 +20,7 @@ from aiohttp import web
 
 from pdserve.api.http import json_response
 from pdserve.api.protocol import (
+    KV_PARAMS_REJECTED_HEADER,
     SSE_DONE,
     ChatChoice,
     ChatChunkChoice,
@@ -38,7 +39,7 @@ from pdserve.api.protocol import (
 )
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.params import parse_remote_prefill
+from pdserve.kvtransfer.params import parse_remote_prefill, prompt_hash
 from pdserve.kvtransfer.prefill_side import is_prefill_leg, prefill_leg_sampling
 from pdserve.server.choices import ChoiceRunner
 from pdserve.server.core_client import EngineCoreClient
@@ -54,6 +55,15 @@ from pdserve.server.responses import (
 )
 
 MAX_N = 16
+KV_PARAMS_REJECTED_KEY = web.RequestKey("kv_params_rejected", str)
+
+
+def _leg_headers(request: web.Request) -> dict[str, str] | None:
+    """Headers a decode leg's answer carries: why its params were not used, when they were not."""
+    reason = request.get(KV_PARAMS_REJECTED_KEY)
+    return {KV_PARAMS_REJECTED_HEADER: reason} if reason is not None else None
+
+
 # Request fields that become SamplingParams fields of the same name.
 SAMPLING_FIELDS = (
     "n",
@@ -149,6 +159,7 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         children = [(prompt, index * params.n + k) for index, prompt in enumerate(prompts) for k in range(params.n)]
         self._admit(len(children), "n" if params.n > 1 else "prompt")
+        await self._screen_remote_prefill(request, body, prompts, params)
         if body.stream:
             return await self._stream_completion(request, body, request_id, children, params)
         results = await self.choices.gather(request_id, children, params, body.kv_transfer_params, body.cache_salt)
@@ -165,14 +176,15 @@ class OpenAIServing:
                 text = self.processor.tokenizer.decode(prompt) + text
             choices.append(CompletionChoice(index, text, logprobs, result.finish_reason, result.stop_reason))
         return json_response(
-            CompletionResponse(
+            headers=_leg_headers(request),
+            payload=CompletionResponse(
                 id=request_id,
                 created=int(time.time()),
                 model=self.model_name,
                 choices=choices,
                 usage=usage(children, results),
                 kv_transfer_params=results[0].kv_transfer_params,
-            )
+            ),
         )
 
     async def _chat_completions(self, request: web.Request, body: ChatCompletionRequest) -> web.StreamResponse:
@@ -199,6 +211,7 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         children = [(prompt, k) for k in range(params.n)]
         self._admit(len(children), "n")
+        await self._screen_remote_prefill(request, body, [prompt], params)
         if body.stream:
             return await self._stream_chat(request, body, request_id, children, params)
         results = await self.choices.gather(request_id, children, params, body.kv_transfer_params, body.cache_salt)
@@ -213,15 +226,42 @@ class OpenAIServing:
             for (_, index), result in zip(children, results, strict=True)
         ]
         return json_response(
-            ChatCompletionResponse(
+            headers=_leg_headers(request),
+            payload=ChatCompletionResponse(
                 id=request_id,
                 created=int(time.time()),
                 model=self.model_name,
                 choices=choices,
                 usage=usage(children, results),
                 kv_transfer_params=results[0].kv_transfer_params,
-            )
+            ),
         )
+
+    async def _screen_remote_prefill(
+        self, request: web.Request, body: Any, prompts: list[list[int]], params: SamplingParams
+    ) -> None:
+        """A decode leg whose params cannot be used here (another model's KV, another prompt's, or
+        prompt logprobs, which need the prompt's logits) is computed here instead: the prefill
+        engine is told to free, the rejection counted, and the answer says so in a header, so the
+        router does not count it as disaggregated."""
+        remote = parse_remote_prefill(body.kv_transfer_params)  # validated already
+        if remote is None:
+            return
+        prompt = prompts[0]
+        if len(prompts) > 1:
+            reason = "several_prompts"
+        elif remote.compat_hash != self.client.ready.kv_compat_hash:
+            reason = "kv_compat_hash"
+        elif remote.num_tokens != len(prompt) or remote.prompt_hash != prompt_hash(prompt):
+            reason = "prompt"
+        elif params.prompt_logprobs is not None:
+            reason = "prompt_logprobs"
+        else:
+            return
+        await self.client.release_remote_blocks(body.kv_transfer_params)
+        body.kv_transfer_params = None
+        self.metrics.kv_params_rejected.labels(reason).inc()
+        request[KV_PARAMS_REJECTED_KEY] = reason
 
     # ----- admission and validation -------------------------------------------------------------
 
@@ -286,7 +326,7 @@ class OpenAIServing:
     async def _stream_completion(
         self, request: web.Request, body: CompletionRequest, request_id: str, children: Children, params: SamplingParams
     ) -> web.StreamResponse:
-        response = await start_sse(request)
+        response = await start_sse(request, _leg_headers(request))
         results = [ChoiceResult() for _ in children]
         created = int(time.time())
         # aclosing: if the client goes away mid-stream, the choices' cleanup (abort) runs right here.
@@ -332,7 +372,7 @@ class OpenAIServing:
         children: Children,
         params: SamplingParams,
     ) -> web.StreamResponse:
-        response = await start_sse(request)
+        response = await start_sse(request, _leg_headers(request))
         results = [ChoiceResult() for _ in children]
         created = int(time.time())
 

@@ -148,6 +148,7 @@ class Stub:
         self.status = 200
         self.kv_params: dict[str, Any] | None = KV_PARAMS
         self.tokens = 8
+        self.answer_headers: dict[str, str] = {}  # on every 200 answer (a decode engine's rejected-params header)
         self.delay = 0.0
         self.die_after: int | None = None  # decode: drop the connection after this many tokens
         self.cancelled = threading.Event()  # a handler of ours was cancelled or found its client gone
@@ -249,9 +250,10 @@ class Stub:
                 return web.json_response(
                     whole_answer(
                         request.path, "".join(f"t{i} " for i in range(self.tokens)), cached_tokens=self.cached_tokens
-                    )
+                    ),
+                    headers=self.answer_headers,
                 )
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self.answer_headers})
             await response.prepare(request)
             events = stream_bytes(request.path, self.tokens).split(b"\n\n")[:-1]
             if self.cached_tokens is not None and (body.get("stream_options") or {}).get("include_usage"):

@@ -28,6 +28,19 @@ def pd(cluster):
     return prefill, decode, cluster.router([prefill.url], [decode.url])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_that_did_not_use_the_params_is_counted_as_a_fallback_not_disaggregated(loop, pd, stream):
+    _, decode, router = pd
+    decode.answer_headers = {"X-PDServe-KV-Params-Rejected": "kv_compat_hash"}
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 4, "stream": stream}
+    status, _, _ = loop.run(post(router.url + "/v1/completions", body))
+    assert status == 200 and decode.seen[0].body["kv_transfer_params"] == KV_PARAMS
+    text = metrics_text(loop, router)
+    assert metric(text, "pdserve_router_requests_total", path="disagg") == 0
+    assert metric(text, "pdserve_router_requests_total", path="fallback") == 1
+    assert metric(text, "pdserve_router_errors_total", kind="decode_rejected_params") == 1
+
+
 def test_completions_legs_rewritten_and_params_passed_unchanged(loop, pd):
     prefill, decode, router = pd
     body = {
