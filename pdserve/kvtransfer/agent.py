@@ -344,6 +344,9 @@ class TransferAgent:
             self._poller.register(socket, zmq.POLLIN)
             peer = self._peers[address] = _Peer(address, socket)
         peer.last_used = time.monotonic()
+        # Talked to for real work (a pull, renewals): whatever was found dead there before, it is
+        # worth a release again (a restarted engine listens at the same address).
+        self._dead.pop(address, None)
         return peer
 
     def _drop_peer(self, peer: _Peer, dead: bool = True) -> None:
@@ -581,8 +584,7 @@ class TransferAgent:
         for remote in self._tracked.values():
             by_peer.setdefault(remote.address, []).append(remote.request_id)
         for address, request_ids in by_peer.items():
-            if address not in self._peers and self._dead.get(address, 0.0) > time.monotonic():
-                continue  # nothing to renew on a dead engine: those pulls fail at their handshake
+            # Renewed even where an engine was just found dead: a restarted one may hold these now.
             peer = self._peer(address)
             # In slices that stay far below the peer's frame limit, however many requests wait.
             for start in range(0, len(request_ids), RENEWALS_PER_MESSAGE):

@@ -135,11 +135,19 @@ class OpenAIServing:
     async def _releasing_refused(self, kv_transfer_params: dict[str, Any] | None) -> AsyncIterator[None]:
         """A decode request refused here never reaches the scheduler, whose connector would
         otherwise tell the prefill engine to free the request's blocks: say it here, or they stay
-        held until the lease ends."""
+        held until the lease ends. Except when it is refused for now (503: overloaded, draining):
+        the router retries such a refusal on another decode engine with the same params, which must
+        still find the blocks held (if it gives up, the lease frees them)."""
         try:
             yield
-        except (ProtocolError, ValueError):
-            if kv_transfer_params and kv_transfer_params.get("do_remote_prefill") is True and self.client.alive:
+        except (ProtocolError, ValueError) as error:
+            retryable = isinstance(error, ProtocolError) and error.status == 503
+            if (
+                kv_transfer_params
+                and kv_transfer_params.get("do_remote_prefill") is True
+                and not retryable
+                and self.client.alive
+            ):
                 await self.client.release_remote_blocks(kv_transfer_params)
             raise
 

@@ -51,7 +51,8 @@ def pair_of_models(tmp_path_factory):
     processes = {}
     for name, role, folder in (("decode", "decode", model), ("same", "prefill", model), ("other", "prefill", other)):
         port = free_port()
-        argv = engine_argv(role, port, folder, *ENGINE_FLAGS, transport="tcp")
+        # A short lease: the forged read below leaves a hold nobody releases (draining waits for it).
+        argv = engine_argv(role, port, folder, *ENGINE_FLAGS, "--kv-lease-seconds", "5", transport="tcp")
         processes[name] = Process(name, argv, env, port, str(tmp_path / f"{name}.log"))
     try:
         for process in processes.values():
@@ -71,7 +72,7 @@ def pair_of_models(tmp_path_factory):
 
 
 def _post_with_headers(url: str, prompt: str, params: dict) -> tuple[int, dict, dict[str, str]]:
-    body = {"prompt": prompt, "max_tokens": 8, "ignore_eos": True, "kv_transfer_params": params}
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "kv_transfer_params": params}
     request = urllib.request.Request(
         f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
@@ -80,7 +81,8 @@ def _post_with_headers(url: str, prompt: str, params: dict) -> tuple[int, dict, 
 
 
 def _completion(url: str, prompt: str, **extra) -> dict:
-    status, body = post(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 8, "ignore_eos": True, **extra})
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **extra}
+    status, body = post(f"{url}/v1/completions", body)
     assert status == 200, body
     return body
 
