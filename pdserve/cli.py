@@ -233,6 +233,7 @@ async def _run_router(args: argparse.Namespace) -> None:
             prefix_weight=args.prefix_weight,
             load_weight=args.load_weight,
             pd_min_prefill_tokens=args.pd_min_prefill_tokens,
+            prefill_timeout=args.prefill_timeout,
             session_affinity=args.session_affinity,
         ),
         args.host,
@@ -388,6 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="skip the prefill leg when the decode pod lacks fewer prompt tokens (0: never skip)",
+    )
+    router.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=None,
+        help="seconds a prefill leg may take before decode computes the prompt and the pod leaves rotation until "
+        "its health check passes (default: 2 s + 4x what the pod's measured prefill speed says the prompt needs)",
     )
     router.add_argument(
         "--session-affinity",

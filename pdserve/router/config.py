@@ -26,3 +26,7 @@ class RouterConfig:
     pd_min_prefill_tokens: int = 256  # fewer uncached prompt tokens on the decode pod: skip the prefill leg (0: never)
     session_affinity: bool = False  # X-Session-Id header (else body "user") sticks to a pod per role
     failure_threshold: int = 3  # consecutive failed requests that take a pod out until its health probe passes
+    # Seconds a prefill leg may take before decode computes the prompt instead and the prefill pod
+    # leaves rotation until its health probe passes; None: from the prompt's length and the pod's
+    # measured prefill speed (pdserve/router/proxy.py prefill_timeout).
+    prefill_timeout: float | None = None

@@ -36,6 +36,7 @@ ERROR_KINDS = (
     "prefill_5xx",
     "prefill_bad_answer",
     "no_prefill",
+    "prefill_timeout",
     "no_compatible_prefill",
     "decode_rejected_params",
     "decode_unreachable",

@@ -28,6 +28,8 @@ class Pod:
     # The engine's KV compatibility hash (from /health): a prefill and a decode pair only when
     # theirs are equal, so during a rollout old pairs with old and new with new.
     compat_hash: str | None = None
+    # Prompt tokens a second its prefill legs have run at (a moving average; None until measured).
+    prefill_speed: float | None = None
 
 
 class PodSet:

@@ -54,11 +54,28 @@ _REMOTE_DECODE = {"do_remote_decode": True}
 _TAIL_CHUNKS = 3  # a stream's last chunks kept to find its usage event (about 300 bytes; chunks are events)
 
 
+# The prefill-leg timeout without --prefill-timeout: floor + margin x (prompt tokens / pod speed).
+PREFILL_TIMEOUT_FLOOR_S = 2.0
+PREFILL_TIMEOUT_MARGIN = 4.0
+ASSUMED_PREFILL_TOKENS_PER_S = 500.0  # until a pod's legs have been measured (a slow CPU engine's order)
+
+
+def prefill_timeout(config: RouterConfig, pod: Pod, prompt_tokens: int) -> float:
+    """How long a prefill leg may take on ``pod``: ``--prefill-timeout``, else a floor plus a margin
+    over what the pod's measured speed says the prompt needs (an assumed speed until measured), so a
+    short prompt on a hung pod costs a few seconds, not the request timeout."""
+    if config.prefill_timeout is not None:
+        return config.prefill_timeout
+    speed = pod.prefill_speed or ASSUMED_PREFILL_TOKENS_PER_S
+    return min(PREFILL_TIMEOUT_FLOOR_S + PREFILL_TIMEOUT_MARGIN * prompt_tokens / speed, config.request_timeout)
+
+
 class _Details(msgspec.Struct):
     cached_tokens: int = 0
 
 
 class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
     prompt_tokens_details: _Details | None = None
 
 
@@ -255,15 +272,31 @@ class Proxy:
             leg["max_completion_tokens"] = 1
         leg["stream"] = False
         leg["kv_transfer_params"] = _REMOTE_DECODE
+        encoded = msgspec.json.encode(leg)
+        # Without the tokens (no tokenizer), the body's size bounds the prompt's token count from above.
+        prompt_tokens = len(exchange.prompt.token_ids) if exchange.prompt is not None else len(encoded) // 2
+        timeout = prefill_timeout(self.config, pod, prompt_tokens)
+        started = time.perf_counter()
         pod.in_flight += 1
         try:
-            async with self.session.post(
-                pod.url + exchange.request.path, data=msgspec.json.encode(leg), headers=exchange.headers
-            ) as answer:
-                payload = await answer.read()
-                status = answer.status
-                content_type = answer.headers.get("Content-Type", "application/json")
-        except (aiohttp.ClientError, TimeoutError) as error:
+            async with asyncio.timeout(timeout):
+                async with self.session.post(
+                    pod.url + exchange.request.path, data=encoded, headers=exchange.headers
+                ) as answer:
+                    payload = await answer.read()
+                    status = answer.status
+                    content_type = answer.headers.get("Content-Type", "application/json")
+        except TimeoutError:
+            # A hung pod (stopped, wedged) answers nothing: decode computes the prompt, and the pod
+            # stays out of rotation until its health probe answers again. Leaving the leg closes its
+            # connection, so the engine (if it ever runs again) aborts it and frees its blocks.
+            logger.warning(
+                "request %s: prefill pod %s took over %.1f s; decode prefills", exchange.request_id, pod.url, timeout
+            )
+            self.metrics.errors["prefill_timeout"].inc()
+            self.eject(self.prefill, pod, f"a prefill leg took over {timeout:.1f} s")
+            return _PrefillResult(failed=True)
+        except aiohttp.ClientError as error:
             logger.debug("request %s: prefill pod %s failed (%r); decode prefills", exchange.request_id, pod.url, error)
             self.metrics.errors["prefill_unreachable"].inc()
             if isinstance(error, aiohttp.ClientConnectorError):  # nothing listens there: out at once
@@ -292,6 +325,13 @@ class Proxy:
             self.metrics.errors["prefill_bad_answer"].inc()
             return _PrefillResult(failed=True)
         self._observe("prefill", choice, answer_body.usage)
+        usage = answer_body.usage
+        if usage is not None and usage.prompt_tokens:
+            computed = usage.prompt_tokens - (
+                usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+            )
+            speed = max(computed, 1) / max(time.perf_counter() - started, 1e-3)
+            pod.prefill_speed = speed if pod.prefill_speed is None else 0.8 * pod.prefill_speed + 0.2 * speed
         return _PrefillResult(params=answer_body.kv_transfer_params)
 
     async def _decode_leg(self, exchange: _Exchange, body: bytes) -> web.StreamResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from typing import Any
 
 import aiohttp
@@ -149,6 +150,39 @@ def test_decode_only_when_one_prefill_leg_cannot_serve(loop, cluster):
         "/v1/completions", 8
     )
     assert metric(metrics_text(loop, no_prefill), "pdserve_router_requests_total", path="decode_only") == 1
+
+
+def test_a_hung_prefill_costs_its_timeout_then_decode_prefills_and_the_pod_leaves_rotation(loop, cluster):
+    prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
+    prefill.delay = 30.0  # answers nothing in time: a stopped or wedged pod
+    router = cluster.router([prefill.url], [decode.url], prefill_timeout=0.5, health_interval=60.0)
+    body = {"prompt": "hi", "max_tokens": 4}
+    started = time.monotonic()
+    assert loop.run(post(router.url + "/v1/completions", body))[0] == 200
+    assert time.monotonic() - started < 5
+    assert decode.seen[-1].body == body  # decode-only: its own prompt, no params
+    text = metrics_text(loop, router)
+    assert metric(text, "pdserve_router_requests_total", path="fallback") == 1
+    assert metric(text, "pdserve_router_errors_total", kind="prefill_timeout") == 1
+    assert metric(text, "pdserve_router_pod_ejections_total") == 1
+    # Out of rotation until a health probe passes: the next request does not wait on it again.
+    started = time.monotonic()
+    assert loop.run(post(router.url + "/v1/completions", body))[0] == 200
+    assert time.monotonic() - started < 0.4 and len(prefill.seen) == 1
+
+
+def test_the_default_prefill_timeout_follows_the_prompt_and_the_pods_measured_speed():
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.pods import Pod
+    from pdserve.router.proxy import prefill_timeout
+
+    config = RouterConfig([], ["http://d"])
+    pod = Pod("http://p", "prefill")
+    short, long = prefill_timeout(config, pod, 100), prefill_timeout(config, pod, 4000)
+    assert 2 <= short <= 3 < long  # a few seconds at most for a short prompt on an unmeasured pod
+    pod.prefill_speed = 10_000.0
+    assert prefill_timeout(config, pod, 4000) < long
+    assert prefill_timeout(RouterConfig([], ["http://d"], prefill_timeout=7.0), pod, 100) == 7.0
 
 
 def test_fallback_when_prefill_fails_or_is_down(loop, cluster):
