@@ -25,10 +25,11 @@ lint: setup
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" --durations=10
 
+# Long suites: chaos, soak, schemathesis against live servers, the multi-engine P/D scenarios, e2e.
 test-slow: setup
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -m slow --durations=10
 
 bench: setup
 	$(BIN)/pip install --quiet -e '.[bench]'

@@ -87,6 +87,7 @@ def _completion(url: str, prompt: str, **extra) -> dict:
     return body
 
 
+@pytest.mark.slow
 def test_engines_advertise_their_hash_and_it_covers_the_weights(pair_of_models):
     def compat(name: str) -> str:
         with urllib.request.urlopen(f"{pair_of_models[name].url}/health", timeout=5) as answer:
@@ -103,6 +104,7 @@ def _prefill_choices(values: dict[str, float], url: str) -> float:
     )
 
 
+@pytest.mark.slow
 def test_the_router_pairs_only_engines_of_one_hash(pair_of_models):
     router = pair_of_models["router"]
     expected = _completion(pair_of_models["decode"].url, PROMPT)["choices"][0]["text"]  # computed locally
@@ -116,6 +118,7 @@ def test_the_router_pairs_only_engines_of_one_hash(pair_of_models):
     assert metric(values, "pdserve_router_requests_total", path="disagg") == 7
 
 
+@pytest.mark.slow
 def test_a_decode_engine_never_pulls_another_checkpoints_kv(pair_of_models):
     decode = pair_of_models["decode"]
     expected = _completion(decode.url, PROMPT)["choices"][0]["text"]

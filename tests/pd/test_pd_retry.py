@@ -12,7 +12,7 @@ import pytest
 from pdserve.testing.metrics import metric, scrape
 from tests.pd.cluster import Cluster, post, wait_for
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # Each decode engine takes one request at a time; pulls wait 3 s, so a first request keeps one busy.
 DECODE_FLAGS = ("--max-pending-requests", "1")
