@@ -40,27 +40,13 @@ from typing import Any
 import aiohttp
 
 from pdserve.launcher import free_port
-from pdserve.testing.metrics import IDLE_SERIES, idle, scrape
+from pdserve.testing.metrics import IDLE_SERIES, ROUTER_LEG_FAILURES, idle, scrape
 from pdserve.testing.processes import Process, cpu_engine_flags, engine_argv, router_argv, server_env
 
 LEASE_SECONDS = 5
 ENGINE_FLAGS = [*cpu_engine_flags("8MiB"), "--kv-lease-seconds", str(LEASE_SECONDS)]
 CONCURRENCY = 16
 REQUEST_TIMEOUT_S = 180
-# Router error kinds that mean a leg failed (the router may hide them from the client, e.g. a prefill 5xx falls
-# back to decode-only). Client disconnects are expected here; retries of an overloaded pod are not failures.
-ROUTER_LEG_FAILURES = (
-    "prefill_unreachable",
-    "prefill_5xx",
-    "prefill_bad_answer",
-    "no_prefill",
-    "decode_unreachable",
-    "no_decode",
-    "decode_broken",
-    "timeout",
-)
-
-
 # ----- processes ----------------------------------------------------------------------------------------------
 
 
@@ -352,7 +338,9 @@ def main() -> int:
             server.stop()
 
     growth = {name: rss_end[name] - rss_warm[name] for name in rss_warm}
-    leg_failures = {kind: count for kind, count in router_errors.items() if kind in ROUTER_LEG_FAILURES}
+    # A request timeout is a failure here too: the soak bounds every request well below it.
+    failed_kinds = (*ROUTER_LEG_FAILURES, "timeout")
+    leg_failures = {kind: count for kind, count in router_errors.items() if kind in failed_kinds}
     leftover_blocks = int(
         sum(max(state["owned_blocks"], state["pdserve_kv_blocks_held_for_remote"]) for state in final.values())
     )

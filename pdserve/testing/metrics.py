@@ -24,6 +24,21 @@ IDLE_SERIES = (
 )
 
 
+# Router error kinds (pdserve_router_errors_total{kind}) that mean a leg failed. The router hides them
+# from the client (a failed prefill leg falls back to decode-only), so per-answer checks cannot see them;
+# client disconnects, retries of an overloaded pod and request timeouts are not among them.
+ROUTER_LEG_FAILURES = (
+    "prefill_unreachable",
+    "prefill_5xx",
+    "prefill_bad_answer",
+    "prefill_timeout",
+    "no_prefill",
+    "decode_unreachable",
+    "no_decode",
+    "decode_broken",
+)
+
+
 def parse(text: str) -> dict[str, float]:
     """Prometheus text as {series (with labels): value}; comments and lines that are no sample are skipped."""
     values = {}

@@ -12,6 +12,7 @@ import time
 import aiohttp
 import pytest
 
+from pdserve.testing.metrics import ROUTER_LEG_FAILURES
 from pdserve.testing.metrics import scrape as metrics
 from tests.fuzz.openapi_fuzz import RUN_IDS, RUNS, completion_body, get_json, load_schemas, run_operation
 from tests.pd.cluster import Cluster, post, wait_for
@@ -22,17 +23,6 @@ pytestmark = pytest.mark.timeout(600)
 # lease bounds how long blocks of a prefill leg whose decode leg never came stay held.
 LEASE_SECONDS = 5
 FLAGS = ("--max-model-len", "64", "--kv-lease-seconds", str(LEASE_SECONDS))
-# Router error kinds that mean a leg failed. The router hides them from the client (a prefill 5xx falls back to
-# decode-only), so the per-answer checks cannot see them.
-LEG_FAILURES = (
-    "prefill_unreachable",
-    "prefill_5xx",
-    "prefill_bad_answer",
-    "no_prefill",
-    "decode_unreachable",
-    "no_decode",
-    "decode_broken",
-)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +67,7 @@ def test_cluster_healthy_and_idle_after_fuzzing(cluster):
             if name.startswith(("pdserve_router_requests_total", "pdserve_router_errors_total")) and value
         }
     )
-    failures = {kind: router.get(f'pdserve_router_errors_total{{kind="{kind}"}}') for kind in LEG_FAILURES}
+    failures = {kind: router.get(f'pdserve_router_errors_total{{kind="{kind}"}}') for kind in ROUTER_LEG_FAILURES}
     assert not any(failures.values()), failures
     assert router['pdserve_router_requests_total{path="disagg"}'] > 0, "no request went through both legs"
     prefill, decode = cluster.prefills[0].url, cluster.decodes[0].url
