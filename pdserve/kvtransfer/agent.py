@@ -301,6 +301,11 @@ class TransferAgent:
             self._server.send_multipart([identity, messages.encode(messages.BlocksReply(message.request_id, error))])
             return
         data = self.transport.read_local(message.block_ids)
+        if self.generations[message.block_ids].tolist() != message.generations:
+            # Checked after the copy too: bytes copied from blocks freed meanwhile are never sent.
+            error = "block generations changed while the blocks were read"
+            self._server.send_multipart([identity, messages.encode(messages.BlocksReply(message.request_id, error))])
+            return
         checksum = zlib.crc32(data.data)
         if self.faults.corrupt_blocks:
             data.reshape(-1)[len(data.reshape(-1)) // 2] ^= 0xFF

@@ -173,3 +173,20 @@ def test_renewals_of_many_requests_go_in_frames_the_prefill_accepts():
         decode.agent.submit(TransferWork(tracks=[(rid, dataclasses.replace(remote, request_id=rid)) for rid in ids]))
         seen = prefill.quiet_for(1.8)
         assert not seen.num_expired_leases and not seen.finished_sending
+
+
+def test_blocks_whose_generation_changes_while_tcp_copies_them_are_never_sent():
+    with engines({"filled": True}, {"filled": False}) as (prefill, decode):
+        transport = prefill.agent.transport
+        read_local = transport.read_local
+
+        def read_while_freed(block_ids: list[int]) -> np.ndarray:
+            data = read_local(block_ids)
+            prefill.generations[block_ids] += 1  # as if the blocks were freed (and reused) mid-copy
+            return data
+
+        transport.read_local = read_while_freed  # type: ignore[method-assign]
+        prefill.agent.submit(TransferWork(holds=[("p", [1])]))
+        decode.agent.submit(TransferWork(loads=[load("d", prefill.remote("p", [1]), [2])]))
+        decode.wait_for(lambda seen: seen.failed_recving, "the pull to fail")
+        assert not decode.kv_cache[2].any()
