@@ -25,6 +25,8 @@ from pdserve.api.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    KVReleaseRequest,
+    KVReleaseResponse,
     ModelList,
 )
 
@@ -69,19 +71,22 @@ def openapi_document(
     ``limits`` None: the deployment's limits are unknown (a router that has not reached a decode pod yet), and
     the fields they bound are stated without them. ``api_key``: /v1 and /debug need ``Authorization: Bearer``.
     """
-    (completion_req, chat_req, completion_resp, chat_resp, chat_chunk, models, error), components = (
-        msgspec.json.schema_components(
-            [
-                CompletionRequest,
-                ChatCompletionRequest,
-                CompletionResponse,
-                ChatCompletionResponse,
-                ChatCompletionChunk,
-                ModelList,
-                ErrorResponse,
-            ],
-            ref_template=_REF,
-        )
+    (
+        (completion_req, chat_req, completion_resp, chat_resp, chat_chunk, models, error, release_req, release_resp),
+        components,
+    ) = msgspec.json.schema_components(
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            CompletionResponse,
+            ChatCompletionResponse,
+            ChatCompletionChunk,
+            ModelList,
+            ErrorResponse,
+            KVReleaseRequest,
+            KVReleaseResponse,
+        ],
+        ref_template=_REF,
     )
     _constrain_requests(components, limits, server == "engine" and kv_transfer, server == "router")
     router = server == "router"
@@ -147,6 +152,23 @@ def openapi_document(
         paths["/debug/index"] = {"get": _secured(_debug_index(responses), protected)}
     else:
         paths["/debug/cached_blocks"] = {"get": _secured(_debug_cached_blocks(responses), protected)}
+    if kv_transfer and not router:
+        paths["/v1/kv_transfer/release"] = {
+            "post": _secured(
+                {
+                    "summary": "Free the blocks a prefill leg's answer named (no decode leg will pull them)",
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": release_req}}},
+                    "responses": {
+                        "200": {
+                            "description": "The request whose held blocks are freed, if it still held any",
+                            "content": {"application/json": {"schema": release_resp}},
+                        },
+                        **responses.errors(400, 401, 413, 500, 503),
+                    },
+                },
+                protected,
+            )
+        }
     document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},

@@ -248,6 +248,23 @@ class ErrorBody(Struct):
     code: int | None = None
 
 
+class HeldBlocks(Struct):
+    """The part of a prefill leg's ``kv_transfer_params`` that names its held blocks (other fields pass)."""
+
+    remote_request_id: str
+
+
+class KVReleaseRequest(Struct):
+    """POST /v1/kv_transfer/release on a prefill engine: free the blocks a prefill leg's answer named,
+    because no decode leg will pull them (the router's client left between the legs)."""
+
+    kv_transfer_params: HeldBlocks
+
+
+class KVReleaseResponse(Struct):
+    released: str  # the request id whose held blocks are freed (if it still held any)
+
+
 class ErrorResponse(Struct):
     error: ErrorBody
 

@@ -59,6 +59,12 @@ class RouterMetrics:
         errors = Counter("pdserve_router_errors", "Failures the router saw, by kind", ["kind"], registry=self.registry)
         # Children are looked up once here, not per request (labels() costs a lock and a dict lookup).
         self.paths = {path: requests.labels(path) for path in PATHS}
+        self.prefill_releases = Counter(
+            "pdserve_router_prefill_releases",
+            "Held prefill blocks the router asked a prefill pod to free (its client left between the legs), by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.errors = {kind: errors.labels(kind) for kind in ERROR_KINDS}
         self.ejections = Counter(
             "pdserve_router_pod_ejections", "Pods taken out of rotation after failing", registry=self.registry

@@ -58,6 +58,9 @@ _TAIL_CHUNKS = 3  # a stream's last chunks kept to find its usage event (about 3
 PREFILL_TIMEOUT_FLOOR_S = 2.0
 PREFILL_TIMEOUT_MARGIN = 4.0
 ASSUMED_PREFILL_TOKENS_PER_S = 500.0  # until a pod's legs have been measured (a slow CPU engine's order)
+# Where a prefill engine frees a leg's held blocks that no decode will pull (pdserve/server/app.py).
+RELEASE_PATH = "/v1/kv_transfer/release"
+RELEASE_TIMEOUT_S = 5.0
 
 
 def prefill_timeout(config: RouterConfig, pod: Pod, prompt_tokens: int) -> float:
@@ -92,6 +95,7 @@ class _PrefillAnswer(msgspec.Struct):
 @dataclass
 class _PrefillResult:
     params: dict[str, Any] | None = None
+    pod: Pod | None = None  # the prefill pod holding the blocks the params name
     failed: bool = False
     rejection: web.Response | None = None  # a prefill 4xx, returned to the client as is
 
@@ -110,6 +114,7 @@ class _Exchange:
     stream_usage: bool = False  # the decode stream ends with a usage event worth reading
     # Sent with a prefill leg's params: counted "disagg" once decode's answer shows it used them.
     disagg_pending: bool = False
+    decode_answered: bool = False  # a decode pod has answered (so it has the request, and its params)
 
 
 class _NothingSent(Exception):
@@ -133,6 +138,7 @@ class Proxy:
         self.chooser = chooser
         self.prompts = prompts  # None: prompts are not tokenized (no tokenizer, or nothing would use them)
         self._session: aiohttp.ClientSession | None = None  # set on startup: it needs the running loop
+        self._background: set[asyncio.Task[None]] = set()  # releases sent after their request ended
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -232,7 +238,35 @@ class Proxy:
             return await self._decode_leg(exchange, raw)
         exchange.disagg_pending = True
         body["kv_transfer_params"] = result.params
-        return await self._decode_leg(exchange, msgspec.json.encode(body))
+        try:
+            return await self._decode_leg(exchange, msgspec.json.encode(body))
+        except asyncio.CancelledError:
+            # The client left between the legs, or before a decode pod answered: decode may never
+            # have had the params, and only it would tell prefill to free. Release from here (a
+            # second release, if decode sends one too, is harmless).
+            if not exchange.decode_answered and result.pod is not None:
+                self._release_later(result.pod, result.params, exchange.headers)
+            raise
+
+    def _release_later(self, pod: Pod, params: dict[str, Any], headers: dict[str, str]) -> None:
+        task = asyncio.get_running_loop().create_task(self._release(pod, params, headers))
+        self._background.add(task)  # referenced until done: the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, pod: Pod, params: dict[str, Any], headers: dict[str, str]) -> None:
+        """Tell a prefill pod to free a leg's held blocks, best effort (the lease frees them otherwise)."""
+        try:
+            async with self.session.post(
+                pod.url + RELEASE_PATH,
+                data=msgspec.json.encode({"kv_transfer_params": params}),
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S),
+            ) as answer:
+                await answer.read()
+                released = answer.status == 200
+        except (aiohttp.ClientError, TimeoutError, RuntimeError):  # RuntimeError: the router is closing
+            released = False
+        self.metrics.prefill_releases.labels("sent" if released else "failed").inc()
 
     def _hold(self, exchange: _Exchange, choice: Choice | None) -> None:
         """Make ``choice`` the request's decode pod (counted in flight there), instead of any previous one."""
@@ -325,6 +359,7 @@ class Proxy:
             self.metrics.errors["prefill_bad_answer"].inc()
             return _PrefillResult(failed=True)
         self._observe("prefill", choice, answer_body.usage)
+        result = _PrefillResult(params=answer_body.kv_transfer_params, pod=pod)
         usage = answer_body.usage
         if usage is not None and usage.prompt_tokens:
             computed = usage.prompt_tokens - (
@@ -332,7 +367,7 @@ class Proxy:
             )
             speed = max(computed, 1) / max(time.perf_counter() - started, 1e-3)
             pod.prefill_speed = speed if pod.prefill_speed is None else 0.8 * pod.prefill_speed + 0.2 * speed
-        return _PrefillResult(params=answer_body.kv_transfer_params)
+        return result
 
     async def _decode_leg(self, exchange: _Exchange, body: bytes) -> web.StreamResponse:
         tried: list[Pod] = []
@@ -386,6 +421,7 @@ class Proxy:
     async def _relay(self, exchange: _Exchange, choice: Choice, answer: aiohttp.ClientResponse) -> web.StreamResponse:
         """The decode pod's answer to the client: status, content type and bytes as they come."""
         pod = choice.pod
+        exchange.decode_answered = True
         self._count_disagg(exchange, answer.headers.get(KV_PARAMS_REJECTED_HEADER))
         content_type = answer.headers.get("Content-Type", "application/json")
         if not content_type.startswith("text/event-stream"):

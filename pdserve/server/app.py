@@ -21,7 +21,14 @@ from aiohttp import web
 
 from pdserve.api.http import api_key_middleware, error_middleware, json_response, start_app
 from pdserve.api.openapi import MAX_BODY_BYTES, ApiLimits, openapi_document
-from pdserve.api.protocol import ModelCard, ModelList, ProtocolError
+from pdserve.api.protocol import (
+    KVReleaseRequest,
+    KVReleaseResponse,
+    ModelCard,
+    ModelList,
+    ProtocolError,
+    decode_request,
+)
 from pdserve.api.roles import engine_role
 from pdserve.api.tokenizer import load_tokenizer
 from pdserve.engine.engine_args import EngineArgs
@@ -91,7 +98,18 @@ class EngineServer:
         app.router.add_get("/metrics", self.render_metrics)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/debug/cached_blocks", self.debug_cached_blocks)
+        if self.serving.kv_transfer:
+            app.router.add_post("/v1/kv_transfer/release", self.release_held_blocks)
         return app
+
+    async def release_held_blocks(self, request: web.Request) -> web.Response:
+        """Free the blocks a prefill leg of this engine holds (the router says no decode will pull
+        them). Its request finished already; aborting it ends the hold at once instead of by lease.
+        An unknown or already released id is a no-op: releasing twice is harmless."""
+        body = decode_request(await request.read(), KVReleaseRequest)
+        request_id = body.kv_transfer_params.remote_request_id
+        await self.client.abort([request_id])
+        return json_response(KVReleaseResponse(released=request_id))
 
     async def models(self, request: web.Request) -> web.Response:
         card = ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)

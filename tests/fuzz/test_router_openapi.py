@@ -1,7 +1,7 @@
 """Schemathesis against a live router in front of a real 1P1D cluster (`pdserve prefill|decode|router`
 processes): the same runs and checks as the engine's, through both legs; afterwards every process is healthy, the
 router saw no failing leg, and no KV block is left held or owned. Also the P/D findings of the fuzzing and of the
-soak (bench/soak.py): regression tests for the fixed ones, a non-strict xfail for an open race."""
+soak (bench/soak.py): regression tests for the fixed ones."""
 
 from __future__ import annotations
 
@@ -107,8 +107,7 @@ def test_refused_decode_leg_releases_prefill_blocks(cluster):
             )
             assert status == 400, answer
 
-    # Not zero: a release can still lose the open race of the xfail below (a loaded machine shows it), but without
-    # the release every one of these holds would expire.
+    # Without the decode engine's release every one of these holds would expire.
     assert _lease_expiries(cluster.prefills[0].url, refuse) < len(refused)
 
 
@@ -123,18 +122,11 @@ async def _leave_after(url: str, body: dict, seconds: float) -> None:
             await asyncio.wait_for(read(), seconds)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    raises=AssertionError,
-    reason=(
-        "open, now and then: a client leaving just after the prefill leg can still leave its blocks to the lease: the "
-        "router, cancelled between its legs, never sends the decode leg, and only the decode engine could tell the "
-        "prefill engine to free (an early release that beat its hold is no longer dropped)"
-    ),
-)
 def test_client_leaving_during_the_prefill_leg_frees_prefill_blocks(cluster):
     # An abort reaching the prefill engine's core just after the leg finished (blocks held for the remote decode)
-    # used to be ignored (scheduler.finish_requests skipped finished requests): held until the lease expired.
+    # used to be ignored (scheduler.finish_requests skipped finished requests): held until the lease expired. And a
+    # client leaving between the legs left them to the lease too (decode never had the params): the router now
+    # tells the prefill engine to free them (POST /v1/kv_transfer/release).
     def leave() -> None:
         # Several moments, so that some fall inside the prefill leg however fast this machine is.
         for index, seconds in enumerate((0.002, 0.005, 0.01, 0.02, 0.04, 0.08)):

@@ -149,6 +149,8 @@ class Stub:
         self.kv_params: dict[str, Any] | None = KV_PARAMS
         self.tokens = 8
         self.answer_headers: dict[str, str] = {}  # on every 200 answer (a decode engine's rejected-params header)
+        self.released: list[str] = []  # request ids of held blocks the router asked to free
+        self.wait_before_answer = 0.0  # seconds before any answer (headers included)
         self.delay = 0.0
         self.die_after: int | None = None  # decode: drop the connection after this many tokens
         self.cancelled = threading.Event()  # a handler of ours was cancelled or found its client gone
@@ -161,6 +163,7 @@ class Stub:
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_post("/v1/kv_transfer/release", self.release)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -226,10 +229,16 @@ class Stub:
             {"object": "list", "data": [{"id": "demo", "object": "model", "created": 1, "owned_by": "pdserve"}]}
         )
 
+    async def release(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.released.append(body["kv_transfer_params"]["remote_request_id"])
+        return web.json_response({"released": body["kv_transfer_params"]["remote_request_id"]})
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(Seen(request.path, body, CIMultiDict(request.headers)))
         try:
+            await asyncio.sleep(self.wait_before_answer)
             if self.status != 200:
                 return web.json_response(
                     {

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from typing import Any
@@ -183,6 +184,23 @@ def test_the_default_prefill_timeout_follows_the_prompt_and_the_pods_measured_sp
     pod.prefill_speed = 10_000.0
     assert prefill_timeout(config, pod, 4000) < long
     assert prefill_timeout(RouterConfig([], ["http://d"], prefill_timeout=7.0), pod, 100) == 7.0
+
+
+def test_a_client_leaving_between_the_legs_makes_the_router_free_the_prefill_blocks(loop, pd):
+    # Decode never answers before the client leaves, so it may never have had the params: only the
+    # router can tell prefill to free (before, the blocks waited for the lease).
+    prefill, decode, router = pd
+    decode.wait_before_answer = 5.0
+
+    async def leave() -> None:
+        async with aiohttp.ClientSession() as session:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await session.post(router.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+
+    loop.run(leave())
+    assert settles(lambda: prefill.released == [KV_PARAMS["remote_request_id"]])
+    assert metric(metrics_text(loop, router), "pdserve_router_prefill_releases_total", outcome="sent") == 1
 
 
 def test_fallback_when_prefill_fails_or_is_down(loop, cluster):
