@@ -55,6 +55,9 @@ DEAD_PEER_MEMORY_S = 30.0
 MAX_DEAD_PEERS = 1024
 # Messages queued per peer socket before sends fail instead of blocking the agent thread.
 PEER_SEND_HWM = 1000
+# A hold outlives at most this many leases however often it is renewed: a decode queue that never
+# drains (or a peer renewing forever) cannot pin prefill memory without bound.
+MAX_RENEWED_LEASES = 10
 # Request ids per RenewLeases frame: ~40 bytes each, so a frame stays far below MAX_MESSAGE_BYTES.
 RENEWALS_PER_MESSAGE = 4096
 
@@ -104,7 +107,8 @@ class TransferAgent:
         self._results = KVConnectorOutput()
         self._stop = threading.Event()
         # Prefill side: request id -> (held block ids, lease deadline).
-        self._held: dict[str, tuple[list[int], float]] = {}
+        # (held block ids, lease deadline, the latest any renewal may push it to).
+        self._held: dict[str, tuple[list[int], float, float]] = {}
         # TCP reads that came before their hold: (give up at, peer identity, message).
         self._early_reads: list[tuple[float, bytes, messages.ReadBlocks]] = []
         # Recent releases (bounded, oldest dropped): a read of these is late, not early; and a release
@@ -212,7 +216,8 @@ class TransferAgent:
             except queue.Empty:
                 return
             for request_id, block_ids in work.holds:
-                self._held[request_id] = (block_ids, now + self.config.lease_seconds)
+                lease = self.config.lease_seconds
+                self._held[request_id] = (block_ids, now + lease, now + MAX_RENEWED_LEASES * lease)
                 if request_id in self._released:
                     self._release(request_id)
             for request_id in work.unholds:  # after the holds: a hold and its cancel may come together
@@ -252,8 +257,9 @@ class TransferAgent:
             elif isinstance(message, messages.RenewLeases):
                 deadline = time.monotonic() + self.config.lease_seconds
                 for request_id in message.request_ids:
-                    if request_id in self._held:
-                        self._held[request_id] = (self._held[request_id][0], deadline)
+                    held = self._held.get(request_id)
+                    if held is not None:  # renewed, but never past the hold's own bound
+                        self._held[request_id] = (held[0], min(deadline, held[2]), held[2])
             elif isinstance(message, messages.ReleaseBlocks):
                 for request_id in message.request_ids:
                     self._release(request_id)
@@ -343,7 +349,10 @@ class TransferAgent:
                 self._reap_idle_peers(time.monotonic(), keep=MAX_PEER_SOCKETS - 1)
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.MAXMSGSIZE, -1)  # block data: bounded by what we asked for, checked on arrival
+            # A reply is at most the blocks one pull asks for, and no pull asks for more than this
+            # engine's whole cache (its length is then checked against what that pull asked).
+            max_reply = self.transport.num_blocks * self.transport.block_bytes + messages.MAX_MESSAGE_BYTES
+            socket.setsockopt(zmq.MAXMSGSIZE, max_reply)
             socket.setsockopt(zmq.SNDHWM, PEER_SEND_HWM)
             socket.connect(f"tcp://{address[0]}:{address[1]}")
             self._poller.register(socket, zmq.POLLIN)
@@ -562,7 +571,7 @@ class TransferAgent:
                 self._results.num_failed_releases += 1
 
     def _check_deadlines(self, now: float) -> None:
-        expired = [rid for rid, (_, deadline) in self._held.items() if deadline <= now]
+        expired = [rid for rid, (_, deadline, _) in self._held.items() if deadline <= now]
         for request_id in expired:
             logger.warning("request %s: KV lease expired before a decode engine took the blocks", request_id)
             self._release(request_id)

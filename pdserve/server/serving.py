@@ -39,7 +39,7 @@ from pdserve.api.protocol import (
 )
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.params import parse_remote_prefill, prompt_hash
+from pdserve.kvtransfer.params import parse_remote_prefill, prompt_hash, wants_remote_decode
 from pdserve.kvtransfer.prefill_side import is_prefill_leg, prefill_leg_sampling
 from pdserve.server.choices import ChoiceRunner
 from pdserve.server.core_client import EngineCoreClient
@@ -164,6 +164,10 @@ class OpenAIServing:
         )
         for prompt in prompts:
             self.processor.check_max_tokens(prompt, params.max_tokens)
+        if len(prompts) > 1 and wants_remote_decode(body.kv_transfer_params):
+            # One prefill leg hands one prompt's blocks to one decode engine; the others would stay
+            # held, unnamed, until their leases ended.
+            raise InputError("prompt", "a prefill leg (kv_transfer_params.do_remote_decode) takes one prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         children = [(prompt, index * params.n + k) for index, prompt in enumerate(prompts) for k in range(params.n)]
         self._admit(len(children), "n" if params.n > 1 else "prompt")

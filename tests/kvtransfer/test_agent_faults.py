@@ -190,3 +190,14 @@ def test_blocks_whose_generation_changes_while_tcp_copies_them_are_never_sent():
         decode.agent.submit(TransferWork(loads=[load("d", prefill.remote("p", [1]), [2])]))
         decode.wait_for(lambda seen: seen.failed_recving, "the pull to fail")
         assert not decode.kv_cache[2].any()
+
+
+def test_renewals_keep_a_hold_only_up_to_its_bound():
+    lease = 0.3
+    with engines({"filled": True, "lease_seconds": lease}, {"filled": False}) as (prefill, decode):
+        prefill.agent.submit(TransferWork(holds=[("p", [1])]))
+        decode.agent.submit(TransferWork(tracks=[("d", prefill.remote("p", [1], lease_seconds=lease))]))
+        assert not prefill.quiet_for(4 * lease).num_expired_leases  # renewed well past one lease
+        took = prefill.wait_for(lambda seen: seen.num_expired_leases, "the hold's bound", timeout=10 * lease + 3)
+        bound = agent_module.MAX_RENEWED_LEASES * lease
+        assert 4 * lease + took >= bound * 0.9 and prefill.seen.finished_sending == {"p"}

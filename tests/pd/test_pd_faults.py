@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from pdserve.testing.metrics import scrape
+from pdserve.testing.metrics import metric, scrape
 from tests.pd.cluster import Cluster, post, wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -59,7 +59,7 @@ def _reference(cluster: Cluster, prompt: str) -> str:
 
 
 def _held(cluster: Cluster) -> float:
-    return scrape(cluster.prefills[0].url)["pdserve_kv_blocks_held_for_remote"]
+    return metric(scrape(cluster.prefills[0].url), "pdserve_kv_blocks_held_for_remote")
 
 
 def _prompt(tag: str) -> str:
@@ -153,6 +153,17 @@ def test_prefill_killed_while_requests_wait_then_restarted(cluster):
     decode = scrape(cluster.decodes[0].url)
     assert decode["pdserve_kv_transfer_bytes_total"] > bytes_before
     assert decode["pdserve_kv_transfer_failures_total"] == failures_before + len(prompts)
+
+
+def test_a_prefill_leg_with_several_prompts_is_refused(cluster):
+    # It would hold every prompt's blocks but hand out the params of one: the rest held, unnamed, until their leases.
+    held_before = _held(cluster)
+    status, answer = post(
+        cluster.prefills[0].url + "/v1/completions",
+        _body(["first prompt", "second prompt"], kv_transfer_params={"do_remote_decode": True}),
+    )
+    assert status == 400 and answer["error"]["param"] == "prompt", answer
+    assert _held(cluster) <= held_before  # nothing new held
 
 
 def test_sigterm_drains_prefill_after_its_held_blocks_are_pulled_and_decode_after_its_streams(cluster):
