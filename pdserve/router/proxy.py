@@ -227,7 +227,15 @@ class Proxy:
             self.metrics.paths["decode_only"].inc()
             return await self._decode_leg(exchange, raw)
         body = msgspec.json.decode(raw)  # the client's object, unknown fields included
-        result = await self._prefill_leg(exchange, body, chat)
+        # Shielded: a client that leaves mid-leg must not cut the leg off after the prefill engine has
+        # answered (its blocks then held under an id only the answer names); the leg finishes in the
+        # background and its blocks are released.
+        leg = asyncio.ensure_future(self._prefill_leg(exchange, body, chat))
+        try:
+            result = await asyncio.shield(leg)
+        except asyncio.CancelledError:
+            leg.add_done_callback(lambda done: self._release_abandoned_leg(done, exchange.headers))
+            raise
         if result.rejection is not None:
             return result.rejection
         if result.failed:
@@ -247,6 +255,14 @@ class Proxy:
             if not exchange.decode_answered and result.pod is not None:
                 self._release_later(result.pod, result.params, exchange.headers)
             raise
+
+    def _release_abandoned_leg(self, leg: asyncio.Future[_PrefillResult], headers: dict[str, str]) -> None:
+        """A prefill leg whose client left before it ended: free what it holds, if anything."""
+        if leg.cancelled() or leg.exception() is not None:
+            return
+        result = leg.result()
+        if result.params is not None and result.pod is not None:
+            self._release_later(result.pod, result.params, headers)
 
     def _release_later(self, pod: Pod, params: dict[str, Any], headers: dict[str, str]) -> None:
         task = asyncio.get_running_loop().create_task(self._release(pod, params, headers))
