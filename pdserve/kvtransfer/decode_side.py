@@ -36,6 +36,21 @@ from pdserve.kvtransfer.work import LoadSpec, WorkOrders
 logger = logging.getLogger(__name__)
 
 
+def unusable_reason(
+    remote: RemotePrefill, prompt_token_ids: list[int], compat_hash: str | None, wants_prompt_logprobs: bool
+) -> str | None:
+    """Why a decode leg's remote blocks cannot serve this request (None: they can). Computing the
+    prompt here is then the only correct answer: blocks of another model or layout, or of another
+    text, would generate from the wrong KV; prompt logprobs need the prompt's logits."""
+    if remote.compat_hash != compat_hash:
+        return "kv_compat_hash"
+    if remote.num_tokens != len(prompt_token_ids) or remote.prompt_hash != prompt_hash(prompt_token_ids):
+        return "prompt"
+    if wants_prompt_logprobs:
+        return "prompt_logprobs"
+    return None
+
+
 class DecodeSide:
     def __init__(self, compat_hash: str, block_size: int, outbox: WorkOrders) -> None:
         self.compat_hash = compat_hash
@@ -52,19 +67,10 @@ class DecodeSide:
             return
         if remote is None:
             return
-        if (
-            remote.compat_hash != self.compat_hash
-            or remote.num_tokens != len(request.prompt_token_ids)
-            or remote.prompt_hash != prompt_hash(request.prompt_token_ids)
-        ):
-            # Blocks of another model, layout or text: computing locally is the only correct answer.
-            logger.warning(
-                "request %s: remote KV does not match this engine or prompt; prefilling locally", request.request_id
-            )
-            self.outbox.pending.releases.append((request.request_id, remote))
-            return
-        if request.wants_prompt_logprobs:
-            # Prompt logprobs come from the prompt's logits, which only computing it here gives.
+        # The API process screens these first (and counts them); a direct caller may not have.
+        reason = unusable_reason(remote, request.prompt_token_ids, self.compat_hash, request.wants_prompt_logprobs)
+        if reason is not None:
+            logger.warning("request %s: remote KV unusable (%s); prefilling locally", request.request_id, reason)
             self.outbox.pending.releases.append((request.request_id, remote))
             return
         self._remote[request.request_id] = remote

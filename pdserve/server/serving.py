@@ -39,7 +39,8 @@ from pdserve.api.protocol import (
 )
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.params import parse_remote_prefill, prompt_hash, wants_remote_decode
+from pdserve.kvtransfer.decode_side import unusable_reason
+from pdserve.kvtransfer.params import parse_remote_prefill, wants_remote_decode
 from pdserve.kvtransfer.prefill_side import is_prefill_leg, prefill_leg_sampling
 from pdserve.server.choices import ChoiceRunner
 from pdserve.server.core_client import EngineCoreClient
@@ -259,16 +260,12 @@ class OpenAIServing:
         remote = parse_remote_prefill(body.kv_transfer_params)  # validated already
         if remote is None:
             return
-        prompt = prompts[0]
         if len(prompts) > 1:
-            reason = "several_prompts"
-        elif remote.compat_hash != self.client.ready.kv_compat_hash:
-            reason = "kv_compat_hash"
-        elif remote.num_tokens != len(prompt) or remote.prompt_hash != prompt_hash(prompt):
-            reason = "prompt"
-        elif params.prompt_logprobs is not None:
-            reason = "prompt_logprobs"
+            reason: str | None = "several_prompts"
         else:
+            ready = self.client.ready
+            reason = unusable_reason(remote, prompts[0], ready.kv_compat_hash, params.prompt_logprobs is not None)
+        if reason is None:
             return
         await self.client.release_remote_blocks(body.kv_transfer_params)
         body.kv_transfer_params = None
