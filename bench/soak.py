@@ -12,9 +12,14 @@ and again at the end. At the end (waiting up to the KV lease + 10 s, so holds of
 never came may expire) it checks that the prefill holds no blocks for remote decodes, that no engine owns a KV
 block, and that nothing is running, waiting or waiting for remote KV.
 
+With --stop-cycles N the prefill engine (its API process and engine core) is stopped with SIGSTOP N times during
+the run, --stop-seconds each, then resumed with SIGCONT: a peer that keeps its sockets open and answers nothing.
+Prefill legs then time out and decode computes those prompts; failed prefill legs are expected there, nothing
+else is. The cluster runs with a cluster secret, as `pdserve serve` and the operator run it.
+
 ok is true when: every process is alive and healthy, no request failed (anything but a 200 read to its end or a
-deliberate disconnect; the router saw no failing leg), nothing leaked, and no process's RSS grew by more than
-64 MiB (--rss-bound-mib) between the warm-up and the end. Exit code 1 otherwise.
+deliberate disconnect; the router saw no failing leg but those stops cause), nothing leaked, and no process's RSS
+grew by more than 64 MiB (--rss-bound-mib) between the warm-up and the end. Exit code 1 otherwise.
 
 Prints a report; the last line is JSON. On a 2-core CPU machine it runs 15-30 s for --requests 200 and 30-50 s
 for --requests 1000 (startup ~10 s and the final wait for idle, at most the lease + 10 s, included).
@@ -29,8 +34,10 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -39,6 +46,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.api.auth import SECRET_ENV, new_secret
 from pdserve.launcher import free_port
 from pdserve.testing.metrics import IDLE_SERIES, ROUTER_LEG_FAILURES, idle, scrape
 from pdserve.testing.processes import Process, cpu_engine_flags, engine_argv, router_argv, server_env
@@ -47,6 +55,11 @@ LEASE_SECONDS = 5
 ENGINE_FLAGS = [*cpu_engine_flags("8MiB"), "--kv-lease-seconds", str(LEASE_SECONDS)]
 CONCURRENCY = 16
 REQUEST_TIMEOUT_S = 180
+# Router leg failures a stopped prefill causes (its legs time out or find no healthy prefill pod): expected
+# with --stop-cycles, as long as every request still ends well.
+STOPPED_PREFILL_FAILURES = ("prefill_timeout", "prefill_unreachable", "no_prefill")
+FIRST_STOP_AFTER_S = 5.0
+BETWEEN_STOPS_S = 8.0
 # ----- processes ----------------------------------------------------------------------------------------------
 
 
@@ -55,7 +68,7 @@ def start_cluster(log_dir: Path, transport: str) -> tuple[Process, Process, Proc
 
     model = str(ensure_demo_model())
     # One OpenMP thread each and passive waits: two engines share a small machine without spinning on each other.
-    env = server_env()
+    env = dict(server_env(), **{SECRET_ENV: new_secret()})
     engines = []
     for role in ("prefill", "decode"):
         port = free_port()
@@ -153,6 +166,27 @@ def wait_idle(engines: list[Process], timeout: float) -> tuple[dict[str, dict[st
         if all(idle(state) for state in states.values()) or waited > timeout:
             return states, waited
         time.sleep(0.25)
+
+
+def stop_cycles(process: Process, cycles: int, seconds: float, done: threading.Event) -> list[float]:
+    """SIGSTOP ``process`` and its descendants ``cycles`` times for ``seconds``, then SIGCONT; the first stop
+    FIRST_STOP_AFTER_S into the run, BETWEEN_STOPS_S apart; stops early once ``done`` is set. The stops' times."""
+    stops: list[float] = []
+    if done.wait(FIRST_STOP_AFTER_S):
+        return stops
+    for _ in range(cycles):
+        pids = [process.process.pid, *_children(process.process.pid)]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        stops.append(time.monotonic())
+        try:
+            done.wait(seconds)
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        if done.wait(BETWEEN_STOPS_S):
+            break
+    return stops
 
 
 # ----- the workload -------------------------------------------------------------------------------------------
@@ -311,6 +345,10 @@ def main() -> int:
         help="largest RSS growth allowed per process (engine: API + core) after the warm-up",
     )
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder, kept on failure)")
+    parser.add_argument(
+        "--stop-cycles", type=int, default=0, help="SIGSTOP/SIGCONT the prefill engine this many times during the run"
+    )
+    parser.add_argument("--stop-seconds", type=float, default=3.0, help="how long each stop lasts")
     args = parser.parse_args()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-soak-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -326,7 +364,19 @@ def main() -> int:
         asyncio.run(run_plans(router.url, plans[:warmup_count], outcomes))
         wait_idle(engines, LEASE_SECONDS + 10)
         rss_warm = {server.name: tree_rss_mib(server.process.pid) for server in servers}
-        asyncio.run(run_plans(router.url, plans[warmup_count:], outcomes))
+        run_ended = threading.Event()
+        stops: list[float] = []
+        stopper = threading.Thread(
+            target=lambda: stops.extend(stop_cycles(prefill, args.stop_cycles, args.stop_seconds, run_ended))
+        )
+        if args.stop_cycles:
+            stopper.start()
+        try:
+            asyncio.run(run_plans(router.url, plans[warmup_count:], outcomes))
+        finally:
+            run_ended.set()
+            if args.stop_cycles:
+                stopper.join()
         run_seconds = time.monotonic() - run_started
         final, idle_after = wait_idle(engines, LEASE_SECONDS + 10)
         expirations = scrape(prefill.url).get("pdserve_kv_lease_expirations_total", 0)
@@ -340,6 +390,8 @@ def main() -> int:
     growth = {name: rss_end[name] - rss_warm[name] for name in rss_warm}
     # A request timeout is a failure here too: the soak bounds every request well below it.
     failed_kinds = (*ROUTER_LEG_FAILURES, "timeout")
+    if args.stop_cycles:
+        failed_kinds = tuple(kind for kind in failed_kinds if kind not in STOPPED_PREFILL_FAILURES)
     leg_failures = {kind: count for kind, count in router_errors.items() if kind in failed_kinds}
     leftover_blocks = int(
         sum(max(state["owned_blocks"], state["pdserve_kv_blocks_held_for_remote"]) for state in final.values())
@@ -365,6 +417,8 @@ def main() -> int:
     for kind, count in outcomes.errors.most_common():
         print(f"    {kind}: {count}  e.g. {outcomes.samples[kind]}")
     print(f"  router paths {paths}; router errors {router_errors}")
+    if args.stop_cycles:
+        print(f"  prefill stopped {len(stops)} times for {args.stop_seconds:g} s")
     for name in rss_warm:
         print(
             f"  RSS {name:<8} warm-up {rss_warm[name]:7.1f} MiB  end {rss_end[name]:7.1f} MiB  "
@@ -391,6 +445,7 @@ def main() -> int:
                 "left": outcomes.disconnected + outcomes.aborted,
                 "errors": errors,
                 "rss_growth_mib": round(max(growth.values()), 1),
+                "prefill_stops": len(stops),
                 "leftover_blocks": leftover_blocks,
                 "ok": ok,
             }

@@ -15,6 +15,7 @@ import re
 import signal
 import sys
 
+from pdserve.api.auth import SECRET_ENV
 from pdserve.api.roles import COLOCATED, POOL_ROLES, ROUTER, ROUTER_PORT, Role, engine_role
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -75,6 +76,42 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_secret_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-secret-file",
+        default=None,
+        metavar="PATH",
+        help=f"the cluster secret that authenticates the KV side channel, the router's P/D legs and KV events "
+        f"(default: env {SECRET_ENV})",
+    )
+    parser.add_argument(
+        "--kv-insecure",
+        action="store_true",
+        help="run without a secret on a non-loopback address, and take P/D params from any client "
+        "(vLLM's proxy): only where the network itself keeps strangers out",
+    )
+
+
+def _cluster_secret(args: argparse.Namespace, component: str, hosts: list[str]) -> bytes | None:
+    """The secret from --kv-secret-file or the environment; exits when there is none but there must be."""
+    from pdserve.api.auth import SecretError, exposure_problem, read_secret
+
+    try:
+        secret = read_secret(args.kv_secret_file)
+    except SecretError as error:
+        raise SystemExit(f"pdserve {component}: {error}") from None
+    problem = exposure_problem(f"pdserve {component}", hosts, secret, args.kv_insecure)
+    if problem is not None:
+        raise SystemExit(problem)
+    if secret is None:
+        logging.getLogger("pdserve").warning(
+            "pdserve %s: no KV secret: the KV side channel, P/D params and KV events are not authenticated (%s)",
+            component,
+            "--kv-insecure" if args.kv_insecure else "loopback addresses only",
+        )
+    return secret
+
+
 def _add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-transfer",
@@ -104,11 +141,19 @@ def _add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
         help="what a failed or expired pull does: recompute the prompt locally, or fail the request",
     )
     parser.add_argument(
+        "--kv-max-held-fraction",
+        type=float,
+        default=0.5,
+        help="share of the KV cache a prefill engine holds for decode engines at once; beyond it a prefill leg "
+        "answers without params and its decode computes the prompt",
+    )
+    parser.add_argument(
         "--kv-events-port",
         type=int,
         default=0,
         help="where the engine publishes KV-cache events for routers (0: a free port, advertised in /health; -1: none)",
     )
+    _add_secret_flags(parser)
 
 
 # The engine flags `pdserve serve` forwards to its children (dest -> flag).
@@ -129,6 +174,7 @@ _FORWARDED_ENGINE_FLAGS = (
     "kv_lease_seconds",
     "kv_transfer_timeout",
     "kv_load_failure",
+    "kv_max_held_fraction",
     "max_pending_requests",
     "request_timeout",
     "drain_timeout",
@@ -148,7 +194,7 @@ def _forwarded_argv(args: argparse.Namespace, names: tuple[str, ...]) -> list[st
     return argv
 
 
-def _engine_args(args: argparse.Namespace, role: Role):  # -> EngineArgs (imported lazily)
+def _engine_args(args: argparse.Namespace, role: Role, secret: bytes | None):  # -> EngineArgs (imported lazily)
     from pdserve.engine.engine_args import EngineArgs
 
     kv_transfer = None
@@ -156,12 +202,14 @@ def _engine_args(args: argparse.Namespace, role: Role):  # -> EngineArgs (import
         from pdserve.kvtransfer.config import KVTransferConfig
 
         kv_transfer = KVTransferConfig(
+            secret=secret,
             transport=args.kv_transfer,
             host=args.kv_side_channel_host or args.host,
             side_channel_port=args.kv_side_channel_port,
             lease_seconds=args.kv_lease_seconds,
             transfer_timeout=args.kv_transfer_timeout,
             load_failure=args.kv_load_failure,
+            max_held_fraction=args.kv_max_held_fraction,
         )
     return EngineArgs(
         model=args.model,
@@ -195,8 +243,16 @@ async def _run_engine(args: argparse.Namespace, role: Role) -> None:
     from pdserve.server.serving import ServerLimits
 
     limits = ServerLimits(max_in_flight=args.max_pending_requests, request_timeout=args.request_timeout)
+    secret = None
+    verifier = None
+    if role.kv_transfer:  # a colocated engine has no side channel and takes no P/D params
+        secret = _cluster_secret(args, role.name, [args.host, args.kv_side_channel_host or args.host])
+        if secret is not None and not args.kv_insecure:
+            from pdserve.api.auth import RequestVerifier
+
+            verifier = RequestVerifier(secret)
     running = await start_engine_server(
-        _engine_args(args, role), args.host, args.port, args.served_model_name, args.api_key, limits
+        _engine_args(args, role, secret), args.host, args.port, args.served_model_name, args.api_key, limits, verifier
     )
     print(f"pdserve {role.name} engine serving {running.server.model_name} at {running.url}/v1", flush=True)
     await _wait_for_signal()
@@ -220,6 +276,7 @@ async def _run_router(args: argparse.Namespace) -> None:
 
     if args.discovery == "static" and not args.decode:
         raise SystemExit("pdserve router: --decode URL ... is required with --discovery static")
+    secret = _cluster_secret(args, ROUTER, [args.host])
     running = await start_router(
         RouterConfig(
             prefill_urls=args.prefill,
@@ -235,6 +292,7 @@ async def _run_router(args: argparse.Namespace) -> None:
             pd_min_prefill_tokens=args.pd_min_prefill_tokens,
             prefill_timeout=args.prefill_timeout,
             session_affinity=args.session_affinity,
+            kv_secret=secret,
         ),
         args.host,
         args.port,
@@ -271,10 +329,16 @@ def _serve(args: argparse.Namespace) -> int:
         args.model = str(ensure_demo_model())  # built once here, not raced by every child
     if args.api_key:  # children read it from the environment: a command line is visible to every user
         os.environ["PDSERVE_API_KEY"] = args.api_key
-    router_argv = [*_forwarded_argv(args, ("log_level",)), "--tokenizer", args.tokenizer or args.model]
-    return run_disaggregated(
-        args.host, args.port, args.prefill, args.decode, _forwarded_argv(args, _FORWARDED_ENGINE_FLAGS), router_argv
-    )
+    # The children share one secret: the one given, else a fresh one in their environment.
+    if args.kv_secret_file is None and not os.environ.get(SECRET_ENV, "").strip():
+        from pdserve.api.auth import new_secret
+
+        os.environ[SECRET_ENV] = new_secret()
+    trust = ["--kv-secret-file", args.kv_secret_file] if args.kv_secret_file else []
+    trust += ["--kv-insecure"] if args.kv_insecure else []
+    router_argv = [*_forwarded_argv(args, ("log_level",)), "--tokenizer", args.tokenizer or args.model, *trust]
+    engine_argv = [*_forwarded_argv(args, _FORWARDED_ENGINE_FLAGS), *trust]
+    return run_disaggregated(args.host, args.port, args.prefill, args.decode, engine_argv, router_argv)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -352,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
         engine.set_defaults(handler=_engine)
     router = commands.add_parser(ROUTER, help="run the router: prefill leg, then decode leg streamed back")
     _add_server_flags(router, ROUTER_PORT)
+    _add_secret_flags(router)
     router.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill engine URLs (without /v1)")
     router.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode engine URLs (without /v1)")
     router.add_argument(

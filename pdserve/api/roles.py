@@ -10,10 +10,12 @@ not a code tree of its own:
 - ``decode``: pulls a prompt's KV from a prefill engine, then generates
   (``pdserve.kvtransfer.decode_side``).
 
-Both P/D roles run the KV connector with both of its sides, as vLLM's ``kv_both`` does: the
-router decides per request which leg an engine serves (``do_remote_decode`` makes a prefill leg,
-``do_remote_prefill`` a decode leg). The roles differ in their default port and pod label, which
-the CLI, ``pdserve serve``, the operator and the router's Kubernetes discovery all read from here.
+Both P/D roles run the KV connector; the router decides per request which leg an engine serves
+(``do_remote_decode`` makes a prefill leg, ``do_remote_prefill`` a decode leg). Only a prefill
+engine hands its blocks to peers: a decode engine only pulls, so it refuses prefill legs and tells
+no peer where its memory is (with NIXL, a peer holding an engine's agent metadata could read and
+write all of it). The roles differ besides in their default port and pod label, which the CLI,
+``pdserve serve``, the operator and the router's Kubernetes discovery all read from here.
 The router is not an engine role, but its port and label live here too.
 """
 
@@ -27,10 +29,11 @@ class Role:
     name: str
     default_port: int  # of `pdserve <name>` and of the role's pods' containers
     kv_transfer: bool  # takes part in P/D KV transfers (runs the KV connector and transfer agent)
+    serves_blocks: bool = False  # holds its blocks for peers to pull (serves prefill legs)
 
 
 COLOCATED = Role("colocated", 8000, kv_transfer=False)
-PREFILL = Role("prefill", 8100, kv_transfer=True)
+PREFILL = Role("prefill", 8100, kv_transfer=True, serves_blocks=True)
 DECODE = Role("decode", 8200, kv_transfer=True)
 ENGINE_ROLES = {role.name: role for role in (COLOCATED, PREFILL, DECODE)}
 # The engine roles that run as separate pools behind a router.

@@ -136,7 +136,8 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     publisher = None
     if args.kv_events_port is not None:
         engine_id = args.kv_transfer.engine_id if args.kv_transfer is not None else uuid.uuid4().hex
-        publisher = KVEventPublisher(context, core, engine_id, args.kv_events_host, args.kv_events_port)
+        secret = args.kv_transfer.secret if args.kv_transfer is not None else None
+        publisher = KVEventPublisher(context, core, engine_id, args.kv_events_host, args.kv_events_port, secret)
     outputs.send(
         encode(
             CoreReady(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,6 +52,8 @@ class EngineArgs:
             self.kv_transfer = KVTransferConfig()
         elif not role.kv_transfer and self.kv_transfer is not None:
             raise ValueError(f"the {role.name} role moves no KV blocks: kv_transfer settings need a P/D role")
+        if self.kv_transfer is not None:  # the role says whether peers may read this engine's blocks
+            self.kv_transfer = replace(self.kv_transfer, serves_blocks=role.serves_blocks)
 
     def resolved_model(self) -> str:
         return self.model or str(ensure_demo_model())

@@ -12,7 +12,7 @@ import time
 
 import zmq
 
-from pdserve.api.kv_events import SNAPSHOT_INTERVAL_S, EngineLoad, KVEventBatch, encode_batch
+from pdserve.api.kv_events import SNAPSHOT_INTERVAL_S, EngineLoad, EventSigner, KVEventBatch, encode_batch
 from pdserve.engine.engine_core import EngineCore
 
 IDLE_PUBLISH_INTERVAL_S = 1.0
@@ -20,9 +20,16 @@ IDLE_PUBLISH_INTERVAL_S = 1.0
 
 class KVEventPublisher:
     def __init__(
-        self, context: zmq.Context[zmq.Socket[bytes]], core: EngineCore, engine_id: str, host: str, port: int
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        core: EngineCore,
+        engine_id: str,
+        host: str,
+        port: int,
+        secret: bytes | None = None,
     ) -> None:
         self.core = core
+        self.signer = EventSigner(secret) if secret is not None else None
         core.record_cache_events()
         self.engine_id = engine_id
         self.socket = context.socket(zmq.PUB)
@@ -60,7 +67,9 @@ class KVEventPublisher:
             load,
             self.core.cached_block_hashes() if snapshot_due else None,
         )
-        self.socket.send(encode_batch(batch))  # PUB drops, never blocks, at a full subscriber: it resyncs
+        frame = encode_batch(batch)
+        # PUB drops, never blocks, at a full subscriber: it resyncs.
+        self.socket.send_multipart(self.signer.frames(frame) if self.signer is not None else [frame])
         self._seq += 1
         self._last_publish = now
         if snapshot_due:

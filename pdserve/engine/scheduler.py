@@ -75,7 +75,10 @@ class SchedulerStats:
     kv_lease_expirations: int = 0
     kv_transfer_seconds: list[float] = field(default_factory=list)
     kv_release_failures: int = 0  # "free these blocks" messages the worker side could not send
+    # Side-channel frames the transfer agent refused, by reason (cumulative).
+    kv_side_channel_rejected: dict[str, int] = field(default_factory=dict)
     kv_loads_abandoned: int = 0  # loads the watchdog ended because the worker side never reported them
+    kv_holds_refused: int = 0  # finished prefill legs not held: the held share of the cache was at its cap
     num_blocks_quarantined: int = 0  # blocks of abandoned loads, kept out of use until no write can land
 
 
@@ -99,6 +102,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.held_for_remote: dict[str, Request] = {}
+        self._num_held_blocks = 0  # owned by held_for_remote's requests
+        self.max_held_blocks = int(self.connector.max_held_fraction * config.num_blocks)
+        self.kv_holds_refused = 0
         self.aborted_while_loading: dict[str, Request] = {}
         self.finished_recving: set[str] = set()
         self._finished_since_last_step: set[str] = set()
@@ -107,6 +113,7 @@ class Scheduler:
         self.kv_transfer_failures = 0
         self.kv_lease_expirations = 0
         self.kv_release_failures = 0
+        self.kv_side_channel_rejected: dict[str, int] = {}
         self.kv_loads_abandoned = 0
         self._kv_transfer_seconds: list[float] = []
         # The watchdog: loads handed to the connector must be reported by these times; blocks of
@@ -148,7 +155,7 @@ class Scheduler:
                 if request_id in self.held_for_remote and status == RequestStatus.FINISHED_ABORTED:
                     # Its caller left before it could hand the transfer params on: nobody will pull
                     # these blocks, so they need not wait for the lease.
-                    del self.held_for_remote[request_id]
+                    self._end_hold(request_id)
                     self.connector.hold_cancelled(request_id)
                     self._drop(request)
                 continue
@@ -172,10 +179,25 @@ class Scheduler:
             # another request's KV be overwritten. They are freed when the load drains.
             self.aborted_while_loading[request_id] = request
         elif hold:
+            num_blocks = self.kv_cache_manager.num_owned_blocks(request_id)
+            if self._num_held_blocks + num_blocks > self.max_held_blocks:
+                # Holding more for remote readers would starve this engine's own requests: this one
+                # hands nothing over (its answer has no params; its decode computes the prompt).
+                self.connector.hold_cancelled(request_id)
+                self.kv_holds_refused += 1
+                self._drop(request)
+                return None
             self.held_for_remote[request_id] = request
+            self._num_held_blocks += num_blocks
         else:
             self._drop(request)
         return kv_transfer_params
+
+    def _end_hold(self, request_id: str) -> Request | None:
+        request = self.held_for_remote.pop(request_id, None)
+        if request is not None:
+            self._num_held_blocks -= self.kv_cache_manager.num_owned_blocks(request_id)
+        return request
 
     def _drop(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -421,17 +443,26 @@ class Scheduler:
         self.kv_transfer_failures += connector_output.num_failed_transfers
         self.kv_lease_expirations += connector_output.num_expired_leases
         self.kv_release_failures += connector_output.num_failed_releases
+        for reason, count in connector_output.rejected_messages.items():
+            self.kv_side_channel_rejected[reason] = self.kv_side_channel_rejected.get(reason, 0) + count
         for request_id in connector_output.finished_sending:
-            request = self.held_for_remote.pop(request_id, None)
+            request = self._end_hold(request_id)
             if request is not None:
                 self._drop(request)
+        now = time.monotonic()
+        for request_id in connector_output.failed_recving_in_flight:
+            # Failed, but a write into its blocks may still land: quarantined until the worker side
+            # says it drained (reported below, now or later), or the quarantine's bound.
+            self._load_deadlines.pop(request_id, None)
+            if self._quarantine_load(request_id, now, outputs):
+                logger.warning("request %s: its KV load failed while still writing; its blocks quarantined", request_id)
         for request_id in connector_output.finished_recving:
             if self._load_reported(request_id):
                 continue
             request = self.aborted_while_loading.pop(request_id, None)
             if request is not None:
                 self._drop(request)
-            elif request_id in self.requests:
+            elif self._loading(request_id):
                 self.finished_recving.add(request_id)
         for request_id in connector_output.failed_recving:
             if self._load_reported(request_id):
@@ -439,8 +470,13 @@ class Scheduler:
             request = self.aborted_while_loading.pop(request_id, None)
             if request is not None:
                 self._drop(request)
-            elif request_id in self.requests:
+            elif self._loading(request_id):
                 self._load_failed(self.requests[request_id], outputs)
+
+    def _loading(self, request_id: str) -> bool:
+        """The request waits for its load (a report about any other is late: it changes nothing)."""
+        request = self.requests.get(request_id)
+        return request is not None and request.status == _WAITING_FOR_REMOTE_KVS
 
     def _load_reported(self, request_id: str) -> bool:
         """A load's end came in; True if the watchdog had abandoned it already (its report now only
@@ -465,6 +501,19 @@ class Scheduler:
                 self._abandon_load(request_id, now)
 
     def _abandon_load(self, request_id: str, now: float) -> None:
+        if self._quarantine_load(request_id, now, self._watchdog_outputs):
+            logger.warning(
+                "request %s: its KV load was not reported within %.0f s; failed, its blocks quarantined",
+                request_id,
+                self.connector.load_report_timeout,
+            )
+            self.kv_transfer_failures += 1
+            self.kv_loads_abandoned += 1
+
+    def _quarantine_load(self, request_id: str, now: float, outputs: list[EngineCoreOutput]) -> bool:
+        """Fail a load whose blocks a write may still reach: the blocks leave the request for the
+        quarantine (until the load is reported, at the latest ``quarantine_seconds`` from now), and the
+        request recomputes or fails. False if the request no longer waits for that load."""
         kv = self.kv_cache_manager
         request = self.aborted_while_loading.pop(request_id, None)
         if request is not None:
@@ -473,17 +522,11 @@ class Scheduler:
         else:
             request = self.requests.get(request_id)
             if request is None or request.status != _WAITING_FOR_REMOTE_KVS or request_id in self.finished_recving:
-                return
+                return False
             kv.quarantine(request)
-            self._load_failed(request, self._watchdog_outputs)
-        logger.warning(
-            "request %s: its KV load was not reported within %.0f s; failed, its blocks quarantined",
-            request_id,
-            self.connector.load_report_timeout,
-        )
-        self.kv_transfer_failures += 1
-        self.kv_loads_abandoned += 1
+            self._load_failed(request, outputs)
         self._quarantine_deadlines[request_id] = now + self.connector.quarantine_seconds
+        return True
 
     def _load_failed(self, request: Request, outputs: list[EngineCoreOutput]) -> None:
         """A remote load failed: recompute the prompt here, or finish the request with an error.
@@ -512,7 +555,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_waiting_for_remote_kvs=sum(1 for r in self.waiting if r.status == _WAITING_FOR_REMOTE_KVS),
-            num_blocks_held_for_remote=sum(kv.num_owned_blocks(rid) for rid in self.held_for_remote),
+            num_blocks_held_for_remote=self._num_held_blocks,
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -522,6 +565,8 @@ class Scheduler:
             kv_lease_expirations=self.kv_lease_expirations,
             kv_transfer_seconds=transfer_seconds,
             kv_release_failures=self.kv_release_failures,
+            kv_side_channel_rejected=dict(self.kv_side_channel_rejected),
             kv_loads_abandoned=self.kv_loads_abandoned,
+            kv_holds_refused=self.kv_holds_refused,
             num_blocks_quarantined=kv.num_quarantined_blocks,
         )

@@ -4,7 +4,9 @@ on the network.
 It owns every piece of transfer state, and only this thread touches it:
 
 - the side channel (a ZMQ ROUTER on ``host:port``) where decode engines hand-shake, renew
-  leases, release blocks and (TCP transport) read them;
+  leases, release blocks and (TCP transport) read them. Every message in and out is sealed
+  (:class:`messages.Seal`): with the cluster secret, a peer that cannot seal gets no answer at all,
+  and only a prefill engine's handshake says where its memory is;
 - the blocks this engine holds for remote decodes, with their lease deadlines: a release, a
   completed pull or an expired lease ends a hold, reported as ``finished_sending`` (the
   scheduler frees the blocks, which bumps their generations, so a later read is detected);
@@ -60,6 +62,8 @@ PEER_SEND_HWM = 1000
 MAX_RENEWED_LEASES = 10
 # Request ids per RenewLeases frame: ~40 bytes each, so a frame stays far below MAX_MESSAGE_BYTES.
 RENEWALS_PER_MESSAGE = 4096
+# Refused side-channel frames are counted each; a warning is logged per reason at most this often.
+REJECTION_LOG_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -69,6 +73,7 @@ class _Peer:
     address: tuple[str, int]
     socket: zmq.Socket[bytes]
     engine_id: str | None = None  # set once the handshake succeeded
+    incarnation: int | None = None  # of that engine: a reply from any other is not from it
     handshake_deadline: float | None = None  # set while a handshake is in flight
     waiting: list[Pull] = field(default_factory=list)  # pulls waiting for the handshake
     last_used: float = 0.0
@@ -85,7 +90,9 @@ class TransferAgent:
         self.compat_hash = compat_hash
         self.faults = config.faults
         self.generations = generations
-        self.transport: Transport = make_transport(config, kv_cache, generations)
+        self.incarnation = time.time_ns()
+        self.seal = messages.Seal(config.engine_id, self.incarnation, config.secret)
+        self.transport: Transport = make_transport(config, kv_cache, generations, self.seal)
         self._context = zmq.Context()
         self._server = self._context.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
@@ -122,15 +129,17 @@ class TransferAgent:
         self._tracked: dict[str, RemotePrefill] = {}  # leases to renew
         self._delayed: list[Pull] = []  # fault hook: pulls not started yet
         self._next_renewal = 0.0
+        self._rejection_logged: dict[str, float] = {}
         self._poller = zmq.Poller()
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-agent", daemon=True)
         self._thread.start()
         logger.info(
-            "KV transfer agent %s: %s transport, side channel %s:%d, lease %.0f s",
+            "KV transfer agent %s: %s transport, side channel %s:%d (%s), lease %.0f s",
             config.engine_id[:8],
             self.transport.name,
             config.host,
             self.port,
+            "authenticated" if self.seal.authenticated else "NOT authenticated",
             config.lease_seconds,
         )
 
@@ -150,10 +159,12 @@ class TransferAgent:
                 results.finished_sending
                 or results.finished_recving
                 or results.failed_recving
+                or results.failed_recving_in_flight
                 or results.transfers
                 or results.num_failed_transfers
                 or results.num_expired_leases
                 or results.num_failed_releases
+                or results.rejected_messages
             ):
                 return None
             self._results = KVConnectorOutput()
@@ -251,9 +262,13 @@ class TransferAgent:
             if len(frames) != 2:
                 continue
             identity, frame = frames
-            message = messages.decode(frame)
+            opened = self.seal.open(frame)
+            if isinstance(opened, str):
+                self._rejected(opened, "a peer")  # no answer: a stranger learns nothing, not even an error
+                continue
+            message = opened.message
             if isinstance(message, messages.Handshake):
-                self._server.send_multipart([identity, messages.encode(self._handshake_reply())])
+                self._reply(identity, self._handshake_reply())
             elif isinstance(message, messages.RenewLeases):
                 deadline = time.monotonic() + self.config.lease_seconds
                 for request_id in message.request_ids:
@@ -270,16 +285,35 @@ class TransferAgent:
 
     def _handshake_reply(self) -> messages.HandshakeReply:
         config = self.config
-        error = "handshake refused (fault injection)" if self.faults.fail_handshake else None
+        error = None
+        if not config.serves_blocks:
+            error = "this engine hands its blocks to no peer (it only pulls: decode role)"
+        elif self.faults.fail_handshake:
+            error = "handshake refused (fault injection)"
+        # Where this engine's memory is (NIXL metadata, addresses) only when it serves reads: with
+        # them, a peer could read and write the whole cache.
         return messages.HandshakeReply(
             config.engine_id,
             self.compat_hash,
             self.transport.name,
             self.transport.block_bytes,
             self.transport.num_blocks,
-            self.transport.local_info(),
+            self.transport.local_info() if error is None else {},
             error,
         )
+
+    def _reply(self, identity: bytes, message: messages.SideChannelMessage, *data: memoryview) -> None:
+        """Answer a peer (a ROUTER drops, never blocks, when that peer's queue is full)."""
+        self._server.send_multipart([identity, self.seal.seal(message), *data], copy=False)
+
+    def _rejected(self, reason: str, source: str) -> None:
+        with self._results_lock:
+            rejected = self._results.rejected_messages
+            rejected[reason] = rejected.get(reason, 0) + 1
+        now = time.monotonic()
+        if now >= self._rejection_logged.get(reason, 0.0):
+            self._rejection_logged[reason] = now + REJECTION_LOG_INTERVAL_S
+            logger.warning("side channel: refused a frame from %s (%s)", source, reason.replace("_", " "))
 
     def _serve_read(self, identity: bytes, message: messages.ReadBlocks, retried: bool = False) -> None:
         held = self._held.get(message.request_id)
@@ -304,21 +338,20 @@ class TransferAgent:
         elif self.generations[message.block_ids].tolist() != message.generations:
             error = "block generations changed"
         if error is not None:
-            self._server.send_multipart([identity, messages.encode(messages.BlocksReply(message.request_id, error))])
+            self._reply(identity, messages.BlocksReply(message.request_id, error))
             return
         data = self.transport.read_local(message.block_ids)
         if self.generations[message.block_ids].tolist() != message.generations:
             # Checked after the copy too: bytes copied from blocks freed meanwhile are never sent.
             error = "block generations changed while the blocks were read"
-            self._server.send_multipart([identity, messages.encode(messages.BlocksReply(message.request_id, error))])
+            self._reply(identity, messages.BlocksReply(message.request_id, error))
             return
         checksum = zlib.crc32(data.data)
         if self.faults.corrupt_blocks:
             data.reshape(-1)[len(data.reshape(-1)) // 2] ^= 0xFF
         if self.faults.truncate_blocks:
             data = data.reshape(-1)[:-1]
-        reply = messages.BlocksReply(message.request_id, checksum=checksum)
-        self._server.send_multipart([identity, messages.encode(reply), data.data], copy=False)
+        self._reply(identity, messages.BlocksReply(message.request_id, checksum=checksum), data.data)
         if message.release:
             self._release(message.request_id)
 
@@ -403,7 +436,7 @@ class TransferAgent:
         """Send without blocking; the error if the connection cannot take it now (its queue is full:
         the peer is dead or hung)."""
         try:
-            peer.socket.send(messages.encode(message), zmq.NOBLOCK)
+            peer.socket.send(self.seal.seal(message), zmq.NOBLOCK)
         except zmq.ZMQError as error:
             return f"the side channel to {peer.address[0]}:{peer.address[1]} is not taking messages ({error})"
         return None
@@ -430,22 +463,23 @@ class TransferAgent:
                     self._handshake_failed(peer, error)
         except Exception as error:
             logger.exception("request %s: starting a KV pull", pull.spec.request_id)
-            self._forget_pull(pull)
-            self._pull_done(pull, f"the pull could not start: {type(error).__name__}: {error}")
+            in_flight = self._forget_pull(pull)
+            self._pull_done(pull, f"the pull could not start: {type(error).__name__}: {error}", in_flight=in_flight)
 
     def _transfer(self, pull: Pull, peer: _Peer) -> None:
         pull.connection = peer
         pull.deadline = time.monotonic() + self.config.transfer_timeout
         self.transport.start_pull(pull, peer.socket)
 
-    def _forget_pull(self, pull: Pull) -> None:
-        """Take a pull out of every queue it may sit in (it is about to be reported)."""
+    def _forget_pull(self, pull: Pull) -> bool:
+        """Take a pull out of every queue it may sit in (it is about to be reported); True if a
+        write into its blocks may still land."""
         for peer in self._peers.values():
             if pull in peer.waiting:
                 peer.waiting.remove(pull)
         if pull in self._delayed:
             self._delayed.remove(pull)
-        self.transport.discard(pull)
+        return self.transport.discard(pull)
 
     def _handshake_failed(self, peer: _Peer, error: str, dead: bool = True) -> None:
         """``dead``: the engine did not answer (as opposed to answering with a refusal)."""
@@ -482,17 +516,34 @@ class TransferAgent:
                 frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            message = messages.decode(frames[0].bytes)
+            source = f"{peer.address[0]}:{peer.address[1]}"
+            opened = self.seal.open(frames[0].bytes)
+            if isinstance(opened, str):
+                self._rejected(opened, source)
+                continue
+            message = opened.message
+            if peer.engine_id is not None and (opened.sender, opened.incarnation) != (peer.engine_id, peer.incarnation):
+                # Another engine (or a restart of it) answers on this connection, which ZMQ reconnected
+                # underneath: nothing it says is about what this connection asked. Its pulls fail now.
+                self._rejected(messages.REJECT_OLD_INCARNATION, source)
+                peer.suspect = True
+                if isinstance(message, messages.BlocksReply):
+                    restarted = "the prefill engine restarted (another incarnation answered)"
+                    self.transport.on_blocks_reply(messages.BlocksReply(message.request_id, restarted), None, peer)
+                continue
             if isinstance(message, messages.HandshakeReply) and peer.handshake_deadline is not None:
-                self._on_handshake(peer, message)
+                if opened.sender != message.engine_id:
+                    self._rejected(messages.REJECT_MALFORMED, source)
+                    continue
+                self._on_handshake(peer, message, opened.incarnation)
             elif isinstance(message, messages.BlocksReply):
                 # Matched against the pulls sent on this connection only: another engine's reply
                 # can never land in a pull meant for this one.
                 self.transport.on_blocks_reply(message, frames[1].buffer if len(frames) > 1 else None, peer)
             else:
-                logger.warning("side channel: dropped a malformed or unexpected reply from %s:%d", *peer.address)
+                logger.warning("side channel: dropped an unexpected reply from %s", source)
 
-    def _on_handshake(self, peer: _Peer, reply: messages.HandshakeReply) -> None:
+    def _on_handshake(self, peer: _Peer, reply: messages.HandshakeReply, incarnation: int) -> None:
         peer.handshake_deadline = None
         waiting, peer.waiting = peer.waiting, []
         error = reply.error
@@ -510,6 +561,7 @@ class TransferAgent:
             self._handshake_failed(peer, error, dead=False)
             return
         peer.engine_id = reply.engine_id
+        peer.incarnation = incarnation
         logger.info("handshake with engine %s at %s:%d (%s)", reply.engine_id[:8], *peer.address, reply.transport)
         for pull in waiting:
             if pull.spec.remote.engine_id != reply.engine_id:
@@ -517,9 +569,11 @@ class TransferAgent:
             else:
                 self._start_pull(pull)
 
-    def _pull_done(self, pull: Pull, error: str | None, cancelled: bool = False) -> None:
+    def _pull_done(self, pull: Pull, error: str | None, cancelled: bool = False, in_flight: bool = False) -> None:
         """Report a pull's end; a failed or cancelled one also tells prefill to free (if nothing did).
-        Never raises: the report is made first, and nothing after it can lose it."""
+        ``in_flight``: it failed while a write into its blocks may still land (reported so, and again
+        once the transport says it drained). Never raises: the report is made first, and nothing after
+        it can lose it."""
         spec: LoadSpec = pull.spec
         self._tracked.pop(spec.request_id, None)
         if error is None and self.faults.fail_load:
@@ -529,7 +583,8 @@ class TransferAgent:
                 self._results.finished_recving.add(spec.request_id)
                 self._results.transfers.append((pull.num_bytes, time.monotonic() - pull.started))
             else:
-                self._results.failed_recving.add(spec.request_id)
+                failed = self._results.failed_recving_in_flight if in_flight else self._results.failed_recving
+                failed.add(spec.request_id)
                 self._results.num_failed_transfers += not cancelled
         if error is not None and not cancelled:
             logger.warning("request %s: KV pull from %s:%d failed: %s", spec.request_id, *spec.remote.address, error)
@@ -581,8 +636,12 @@ class TransferAgent:
         for peer in list(self._peers.values()):
             if peer.handshake_deadline is not None and peer.handshake_deadline <= now:
                 self._handshake_failed(peer, "timed out")
-        for pull in self.transport.expire(now):
-            self._pull_done(pull, "transfer timed out")
+        for pull, in_flight in self.transport.expire(now):
+            self._pull_done(pull, "transfer timed out", in_flight=in_flight)
+        drained = self.transport.drained()
+        if drained:  # no write into these blocks can land any more: their quarantine may end
+            with self._results_lock:
+                self._results.failed_recving.update(pull.spec.request_id for pull in drained)
         if self._tracked and now >= self._next_renewal and not self.faults.no_renew:
             # Three renewals per lease of the shortest lease asked for: one lost message is harmless.
             self._next_renewal = now + min(remote.lease_seconds for remote in self._tracked.values()) / 3

@@ -54,13 +54,20 @@ class KVConnectorOutput:
 
     finished_sending: set[str] = field(default_factory=set)  # held blocks that may now be freed
     finished_recving: set[str] = field(default_factory=set)  # remote loads that have landed
-    # Remote loads that failed (no write into their blocks is in flight any more).
+    # Remote loads that failed (no write into their blocks is in flight any more). For a load
+    # reported in ``failed_recving_in_flight`` before, this is the later word that its write drained.
     failed_recving: set[str] = field(default_factory=set)
+    # Remote loads that failed while a write into their blocks may still land (a NIXL read that
+    # timed out and could not be cancelled): the blocks stay quarantined until the load is reported
+    # again in ``failed_recving`` (the read ended, or its peer's connection was torn down).
+    failed_recving_in_flight: set[str] = field(default_factory=set)
     # Completed pulls as (bytes, seconds), and counts of failed pulls and expired leases.
     transfers: list[tuple[int, float]] = field(default_factory=list)
     num_failed_transfers: int = 0
     num_expired_leases: int = 0
     num_failed_releases: int = 0  # "free these blocks" messages that could not be sent (the lease frees them)
+    # Side-channel frames refused (unauthenticated, replayed, from an old incarnation, malformed), by reason.
+    rejected_messages: dict[str, int] = field(default_factory=dict)
 
 
 class KVConnectorWorker(Protocol):
@@ -88,6 +95,9 @@ class KVConnectorScheduler(ABC):
     # How long the watchdog keeps an abandoned load's blocks out of use if the worker side never
     # reports that load at all (a write into them might still land until then).
     quarantine_seconds: float = 0.0
+    # The share of the KV cache that may be held for remote readers at once; a hold beyond it is
+    # refused (the request's answer carries no params, so the decode computes the prompt itself).
+    max_held_fraction: float = 1.0
 
     def request_added(self, request: ConnectorRequest) -> None:
         """A request entered the scheduler's queue."""

@@ -60,7 +60,14 @@ class KVTransferConfig:
     lease_seconds: float = 30.0
     transfer_timeout: float = 10.0  # bounds a handshake and each transfer
     load_failure: str = "recompute"  # recompute | fail
+    max_held_fraction: float = 0.5  # of the KV cache, held for remote readers at once (beyond: no hold)
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # The cluster secret (pdserve/api/auth.py): with one, the side channel accepts only messages
+    # sealed with it, and hands its memory's whereabouts only to peers that prove they have it.
+    secret: bytes | None = field(default=None, repr=False)
+    # Hands this engine's blocks (and, with NIXL, its agent metadata and addresses) to peers that
+    # ask: the prefill role. A decode-role engine only pulls, so it tells no peer where its memory is.
+    serves_blocks: bool = True
     faults: KVFaults = field(default_factory=KVFaults.from_env)
 
     def __post_init__(self) -> None:
@@ -72,3 +79,5 @@ class KVTransferConfig:
             )
         if self.lease_seconds <= 0 or self.transfer_timeout <= 0:
             raise ValueError("kv lease and transfer timeout must be positive")
+        if not 0 < self.max_held_fraction <= 1:
+            raise ValueError(f"the held KV fraction must be in (0, 1], got {self.max_held_fraction}")

@@ -37,6 +37,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         # a load still unreported well after that was lost, and the watchdog ends it.
         self.load_report_timeout = 2 * config.transfer_timeout + config.faults.delay_load + LOAD_REPORT_SLACK_S
         self.quarantine_seconds = 3 * config.transfer_timeout
+        self.max_held_fraction = config.max_held_fraction
         self.outbox = WorkOrders()
         self.prefill = PrefillSide(config, compat_hash, block_size, advertised_port, block_generations, self.outbox)
         self.decode = DecodeSide(compat_hash, block_size, self.outbox)

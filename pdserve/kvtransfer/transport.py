@@ -68,11 +68,13 @@ class Transport(ABC):
         """Whether any pull is in flight on this connection."""
         return any(pull.connection is connection for pull in self._pulls)
 
-    def discard(self, pull: Pull) -> None:
-        """Stop tracking a pull that is reported elsewhere (it failed to start)."""
+    def discard(self, pull: Pull) -> bool:
+        """Stop tracking a pull that is reported elsewhere (it failed to start); True if a write into
+        its blocks may still land (see ``drained``)."""
         if pull in self._pulls:
             self._pulls.remove(pull)
-            self._cancel(pull)
+            return self._cancel(pull)
+        return False
 
     def local_info(self) -> dict[str, Any]:
         """What a peer needs, besides the handshake's common fields, to pull from this engine."""
@@ -92,17 +94,24 @@ class Transport(ABC):
     def progress(self, now: float) -> list[tuple[Pull, str | None]]:
         """Pulls that ended since the last call, with an error message for the failed ones."""
 
-    def expire(self, now: float) -> list[Pull]:
-        """Pulls past their deadline, cancelled: nothing more is written into their blocks."""
+    def expire(self, now: float) -> list[tuple[Pull, bool]]:
+        """Pulls past their deadline, cancelled where the transport can, each with whether a write
+        into its blocks may still land (it is then reported by ``drained`` once none can)."""
         expired = [pull for pull in self._pulls if pull.deadline <= now]
+        results = []
         for pull in expired:
             self._pulls.remove(pull)
             pull.peer_failed = True
-            self._cancel(pull)
-        return expired
+            results.append((pull, self._cancel(pull)))
+        return results
 
-    def _cancel(self, pull: Pull) -> None:
-        return None
+    def _cancel(self, pull: Pull) -> bool:
+        """Stop a pull; True if a write into its blocks may still land."""
+        return False
+
+    def drained(self) -> list[Pull]:
+        """Cancelled pulls that were still writing, and now no longer can."""
+        return []
 
     def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None, connection: object) -> None:
         logger.warning("side channel: unexpected block data for %s", reply.request_id)
@@ -129,14 +138,15 @@ class Transport(ABC):
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
+    def __init__(self, kv_cache: torch.Tensor, seal: messages.Seal) -> None:
         super().__init__(kv_cache)
+        self.seal = seal
         self._done: list[tuple[Pull, str | None]] = []
 
     def start_pull(self, pull: Pull, socket: zmq.Socket[bytes]) -> None:
         spec = pull.spec
         read = messages.ReadBlocks(spec.remote.request_id, spec.remote_block_ids, spec.generations, release=True)
-        socket.send(messages.encode(read), zmq.NOBLOCK)  # raises if the connection takes no more: the pull fails
+        socket.send(self.seal.seal(read), zmq.NOBLOCK)  # raises if the connection takes no more: the pull fails
         self._pulls.append(pull)
 
     def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None, connection: object) -> None:
@@ -205,6 +215,10 @@ class NixlTransport(Transport):
             ),
         ]
         self._peers: dict[tuple[str, int], _NixlPeer] = {}
+        # Timed-out reads NIXL still ran when they were given up: their handles are kept (releasing
+        # a running one is not a cancel) until they end or their peer is removed.
+        self._draining: list[Pull] = []
+        self._drained: list[Pull] = []
 
     def local_info(self) -> dict[str, Any]:
         return {
@@ -232,6 +246,12 @@ class NixlTransport(Transport):
         # decode pods crashed (vllm#49238); drop it before anything else talks to that address.
         peer = self._peers.pop(address, None)
         if peer is not None:
+            # Reads still draining from that peer end with its connection: their handles go first
+            # (removing the agent under them frees them in newer NIXL), then nothing can land.
+            for pull in [pull for pull in self._draining if pull.state[2] is peer]:
+                self._draining.remove(pull)
+                self._release_handle(pull.state[1])
+                self._drained.append(pull)
             try:
                 self.agent.remove_remote_agent(peer.agent_name)
             except Exception as error:  # already gone on NIXL's side
@@ -328,10 +348,32 @@ class NixlTransport(Transport):
             logger.debug("releasing a NIXL transfer handle: %s", error)
             return False
 
-    def _cancel(self, pull: Pull) -> None:
-        if pull.state[1] is not None and not self._release_handle(pull.state[1]):
-            # UCX could still write into these blocks; nothing better is possible than saying so.
-            logger.error("could not cancel a timed-out NIXL read for %s", pull.spec.request_id)
+    def _cancel(self, pull: Pull) -> bool:
+        handle = pull.state[1] if pull.state is not None else None
+        if handle is None:
+            return False
+        if self._state(handle) == "PROC":
+            # Still running: UCX may write into the blocks until it ends. Kept until it does.
+            self._draining.append(pull)
+            return True
+        self._release_handle(handle)
+        return False
+
+    def _state(self, handle: Any) -> str:
+        try:
+            return str(self.agent.check_xfer_state(handle))
+        except Exception as error:  # a failed peer surfaces here: the read is over
+            logger.debug("checking a NIXL transfer: %s", error)
+            return "ERR"
+
+    def drained(self) -> list[Pull]:
+        drained, self._drained = self._drained, []
+        for pull in list(self._draining):
+            if self._state(pull.state[1]) != "PROC":
+                self._draining.remove(pull)
+                self._release_handle(pull.state[1])
+                drained.append(pull)
+        return drained
 
     def poll_releases(self) -> list[str]:
         released: list[str] = []
@@ -354,7 +396,9 @@ class NixlTransport(Transport):
                 logger.debug("NIXL deregistration: %s", error)
 
 
-def make_transport(config: KVTransferConfig, kv_cache: torch.Tensor, generations: np.ndarray) -> Transport:
+def make_transport(
+    config: KVTransferConfig, kv_cache: torch.Tensor, generations: np.ndarray, seal: messages.Seal
+) -> Transport:
     if config.transport == "tcp":
-        return TcpTransport(kv_cache)
+        return TcpTransport(kv_cache, seal)
     return NixlTransport(config, kv_cache, generations)

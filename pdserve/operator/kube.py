@@ -20,9 +20,11 @@ MERGE_PATCH = "application/merge-patch+json"
 _BUILTIN = {
     "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment"),
     "Service": (kubernetes.client.CoreV1Api, "namespaced_service"),
+    "Secret": (kubernetes.client.CoreV1Api, "namespaced_secret"),
     "ServiceAccount": (kubernetes.client.CoreV1Api, "namespaced_service_account"),
     "Role": (kubernetes.client.RbacAuthorizationV1Api, "namespaced_role"),
     "RoleBinding": (kubernetes.client.RbacAuthorizationV1Api, "namespaced_role_binding"),
+    "NetworkPolicy": (kubernetes.client.NetworkingV1Api, "namespaced_network_policy"),
 }
 _CUSTOM = {"PDService": PDSERVICES, "PDPool": PDPOOLS}
 

@@ -1,21 +1,32 @@
 """The objects one PDService owns, built as plain dicts (pure functions; the handlers apply them).
 
 Per PDService N: PDPools N-prefill and N-decode, Deployments and Services N-router, N-prefill,
-N-decode, and the router's ServiceAccount, Role and RoleBinding N-router. Owner references are
-not set here: the handlers adopt the objects into the live PDService.
+N-decode, the router's ServiceAccount, Role and RoleBinding N-router, the NetworkPolicy N-engines
+on the engine pods, and (unless spec.kvTransfer.secretName names the user's own) the Secret
+N-kv-secret that the pods share. Owner references are not set here: the handlers adopt the
+objects into the live PDService.
 """
 
+import base64
 from typing import Any
 
 from pdserve.operator.names import (
     API_VERSION,
     ENGINE_ROLES,
+    ENGINES,
+    KV_SECRET,
+    KV_SECRET_KEY,
     KV_SIDE_CHANNEL_PORT,
+    LABEL_ROLE,
+    LABEL_SERVICE,
     PORTS,
     ROUTER,
+    engines_policy_name,
+    kv_secret_name,
     labels,
     object_name,
     selector,
+    service_labels,
 )
 from pdserve.operator.pods import engine_pod, router_pod
 
@@ -36,6 +47,29 @@ def pool(service: str, namespace: str, role: str, replicas: int) -> dict[str, An
 
 # kubectl scale and HPAs own a PDPool's size once it exists; the operator never writes it again.
 POOL_CREATE_ONLY = (("spec", "replicas"),)
+
+
+def kv_secret(service: str, namespace: str, spec: dict[str, Any], value: str) -> dict[str, Any] | None:
+    """The Secret holding `value` as the PDService's KV secret (see `KV_SECRET_CREATE_ONLY`), or None
+    when spec.kvTransfer.secretName names a Secret of the user's, which the operator never writes."""
+    if spec["kvTransfer"].get("secretName"):
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": kv_secret_name(service),
+            "namespace": namespace,
+            "labels": service_labels(service, KV_SECRET),
+        },
+        "type": "Opaque",
+        "data": {KV_SECRET_KEY: base64.b64encode(value.encode()).decode()},
+    }
+
+
+# The value is the user's to rotate once the Secret exists, so the operator writes it at creation
+# only; `type` cannot change after creation (a patch of it would fail on every pass).
+KV_SECRET_CREATE_ONLY = (("data",), ("type",))
 
 
 def deployment(service: str, namespace: str, role: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
@@ -86,15 +120,43 @@ def router_rbac(service: str, namespace: str) -> list[dict[str, Any]]:
     ]
 
 
+def engines_policy(service: str, namespace: str) -> dict[str, Any]:
+    """Ingress to the engine pods: their HTTP ports from anywhere (router, Prometheus, probes), every
+    port (KV side channel, KV events, UCX) from this PDService's own pods only."""
+    own_pods = {LABEL_SERVICE: service}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": engines_policy_name(service),
+            "namespace": namespace,
+            "labels": service_labels(service, ENGINES),
+        },
+        "spec": {
+            "podSelector": {
+                "matchLabels": own_pods,
+                "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": list(ENGINE_ROLES)}],
+            },
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"protocol": "TCP", "port": PORTS[role]} for role in ENGINE_ROLES]},
+                # A pod selector without a namespace selector: pods of the policy's namespace only.
+                {"from": [{"podSelector": {"matchLabels": dict(own_pods)}}]},
+            ],
+        },
+    }
+
+
 def owned_objects(
     service_name: str, namespace: str, spec: dict[str, Any], pool_replicas: dict[str, int]
 ) -> list[dict[str, Any]]:
-    """Everything but the PDPools, in creation order (RBAC before the router that needs it).
+    """Everything but the PDPools and the KV Secret, in creation order (the NetworkPolicy before
+    any engine runs, RBAC before the router that needs it).
 
     `spec` has its defaults filled (`spec.with_defaults`); `pool_replicas` maps each engine role
     to its PDPool's spec.replicas, the authoritative size of that pool.
     """
-    objects = router_rbac(service_name, namespace)
+    objects = [engines_policy(service_name, namespace), *router_rbac(service_name, namespace)]
     for role in (ROUTER, *ENGINE_ROLES):
         objects.append(service(service_name, namespace, role))
     objects.append(

@@ -24,6 +24,15 @@ PORTS = {ROUTER: roles.ROUTER_PORT, **{role.name: role.default_port for role in 
 KV_SIDE_CHANNEL_PORT = roles.POD_KV_SIDE_CHANNEL_PORT
 MODEL_DIR = "/models/model"
 
+# The PDService's shared secret (authenticates the KV side channel, router legs and KV events):
+# the Secret's name suffix and component, its one key, and where the pods read it.
+KV_SECRET = "kv-secret"
+KV_SECRET_KEY = "kv-secret"
+KV_SECRET_DIR = "/etc/pdserve/kv-secret"
+KV_SECRET_FILE = f"{KV_SECRET_DIR}/{KV_SECRET_KEY}"
+# The NetworkPolicy on the engine pods: its name suffix and component.
+ENGINES = "engines"
+
 OPERATOR = "pdserve-operator"
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -38,16 +47,31 @@ def object_name(service: str, role: str) -> str:
     return f"{service}-{role}"
 
 
-def labels(service: str, role: str) -> dict[str, str]:
-    """The labels every object of one role carries, pods included."""
+def kv_secret_name(service: str) -> str:
+    """The Secret the operator creates when spec.kvTransfer.secretName names none: `<service>-kv-secret`."""
+    return f"{service}-{KV_SECRET}"
+
+
+def engines_policy_name(service: str) -> str:
+    """The NetworkPolicy on the engine pods: `<service>-engines`."""
+    return f"{service}-{ENGINES}"
+
+
+def service_labels(service: str, component: str) -> dict[str, str]:
+    """The labels of an object of the whole PDService rather than of one role (the KV Secret, the
+    NetworkPolicy): those of `labels` but the role."""
     return {
         LABEL_NAME: "pdserve",
         LABEL_INSTANCE: service,
-        LABEL_COMPONENT: role,
+        LABEL_COMPONENT: component,
         LABEL_MANAGED_BY: OPERATOR,
-        LABEL_ROLE: role,
         LABEL_SERVICE: service,
     }
+
+
+def labels(service: str, role: str) -> dict[str, str]:
+    """The labels every object of one role carries, pods included."""
+    return {**service_labels(service, role), LABEL_ROLE: role}
 
 
 def selector(service: str, role: str) -> dict[str, str]:

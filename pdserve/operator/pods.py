@@ -1,13 +1,25 @@
 """Pod templates of the router and the engine pools of one PDService (pure functions of the spec).
 
 Owns what runs in the pods: the `pdserve router|prefill|decode` command lines (flags: docs/contracts.md),
-environment, ports, probes, resources, the model volume and the security context.
+environment, ports, probes, resources, the model and KV-secret volumes and the security context.
 """
 
 import math
 from typing import Any
 
-from pdserve.operator.names import KV_SIDE_CHANNEL_PORT, MODEL_DIR, PORTS, ROUTER, labels, object_name
+from pdserve.operator.names import (
+    KV_SECRET,
+    KV_SECRET_DIR,
+    KV_SECRET_FILE,
+    KV_SECRET_KEY,
+    KV_SIDE_CHANNEL_PORT,
+    MODEL_DIR,
+    PORTS,
+    ROUTER,
+    kv_secret_name,
+    labels,
+    object_name,
+)
 
 # The image's non-root user (its HOME is writable: Triton and CPU kernel caches); /tmp is an
 # emptyDir so scratch files stay off the container's writable layer.
@@ -66,6 +78,8 @@ def engine_command(service: str, role: str, spec: dict[str, Any]) -> list[str]:
         number(kv["transferTimeoutSeconds"]),
         "--kv-load-failure",
         kv["loadFailure"],
+        "--kv-secret-file",
+        KV_SECRET_FILE,
         *spec[role].get("engineArgs", []),
     ]
 
@@ -84,6 +98,8 @@ def router_command(service: str, namespace: str, spec: dict[str, Any]) -> list[s
         namespace,
         "--selector",
         f"app.kubernetes.io/instance={service}",
+        "--kv-secret-file",
+        KV_SECRET_FILE,
         *(["--tokenizer", _model_dir(spec["model"])] if _router_reads_model(spec["model"]) else []),
         *spec[ROUTER].get("args", []),
     ]
@@ -122,6 +138,21 @@ def _model_volume(model: dict[str, Any]) -> dict[str, Any]:
     return {"name": "model", "emptyDir": {}}
 
 
+def _kv_secret_volume(service: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The PDService's shared secret: the user's Secret named in spec.kvTransfer.secretName, else the
+    operator's. Mode 0400, which the kubelet makes root:fsGroup 0440: readable by the pod's user only."""
+    secret = {
+        "secretName": spec["kvTransfer"].get("secretName") or kv_secret_name(service),
+        "defaultMode": 0o400,
+        "items": [{"key": KV_SECRET_KEY, "path": KV_SECRET_KEY}],
+    }
+    return {"name": KV_SECRET, "secret": secret}
+
+
+def _kv_secret_mount() -> dict[str, Any]:
+    return {"name": KV_SECRET, "mountPath": KV_SECRET_DIR, "readOnly": True}
+
+
 def _model_download(spec: dict[str, Any], security: dict[str, Any]) -> dict[str, Any]:
     model = spec["model"]
     return {
@@ -141,6 +172,9 @@ def _pod_security() -> dict[str, Any]:
         "runAsNonRoot": True,
         "runAsUser": USER_ID,
         "runAsGroup": USER_ID,
+        # Secret volumes belong to root: without fsGroup uid 1000 could not read the 0400 KV secret.
+        # (The model volume is mounted read-only, so the kubelet never re-owns the model files.)
+        "fsGroup": USER_ID,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
@@ -175,6 +209,7 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
         "volumeMounts": [
             {"name": "model", "mountPath": MODEL_DIR, "readOnly": True},
             {"name": "scratch", "mountPath": SCRATCH_DIR},
+            _kv_secret_mount(),
         ],
         "securityContext": _container_security(),
         **_probes(ENGINE_STARTUP_FAILURES),
@@ -184,7 +219,11 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
         "initContainers": [_model_download(spec, _container_security())]
         if spec["model"]["source"] == "huggingface"
         else None,
-        "volumes": [_model_volume(spec["model"]), {"name": "scratch", "emptyDir": {}}],
+        "volumes": [
+            _model_volume(spec["model"]),
+            {"name": "scratch", "emptyDir": {}},
+            _kv_secret_volume(service, spec),
+        ],
         "securityContext": _pod_security(),
         "automountServiceAccountToken": False,
         # Prefill drains: blocks held for decode peers stay readable until their lease ends.
@@ -209,11 +248,11 @@ def router_pod(service: str, namespace: str, spec: dict[str, Any]) -> dict[str, 
         ],
         "ports": [{"name": "http", "containerPort": PORTS[ROUTER], "protocol": "TCP"}],
         "resources": dict(spec[ROUTER].get("resources") or {}),
-        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH_DIR}],
+        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH_DIR}, _kv_secret_mount()],
         "securityContext": _container_security(),
         **_probes(ROUTER_STARTUP_FAILURES),
     }
-    volumes = [{"name": "scratch", "emptyDir": {}}]
+    volumes = [{"name": "scratch", "emptyDir": {}}, _kv_secret_volume(service, spec)]
     if _router_reads_model(spec["model"]):
         container["volumeMounts"].append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
         volumes.append(_model_volume(spec["model"]))

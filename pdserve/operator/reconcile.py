@@ -1,11 +1,13 @@
 """What the operator does for one PDService, whatever woke it up (the handlers only decide when).
 
-`ensure_objects` creates or patches everything a valid PDService owns. `sync` is level-based and
-safe to call any number of times: it makes each engine Deployment's size follow its PDPool (the one
-authoritative count) and writes the PDPool and PDService statuses from the Deployments.
+`ensure_objects` creates or patches everything a valid PDService owns (the PDPool sizes and the
+KV secret's value are written at creation only). `sync` is level-based and safe to call any
+number of times: it makes each engine Deployment's size follow its PDPool (the one authoritative
+count) and writes the PDPool and PDService statuses from the Deployments.
 """
 
 import collections
+import secrets
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -24,7 +26,8 @@ _locks_lock = threading.Lock()
 
 
 def ensure_objects(kube: Kube, body: kopf.Body) -> None:
-    """Create or patch the PDPools, Deployments, Services and router RBAC of a valid PDService."""
+    """Create or patch the PDPools, KV Secret, NetworkPolicy, Deployments, Services and router RBAC
+    of a valid PDService."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     spec = with_defaults(body["spec"])
     replicas = {}
@@ -32,6 +35,12 @@ def ensure_objects(kube: Kube, body: kopf.Body) -> None:
         pool = manifests.pool(name, namespace, role, spec[role]["replicas"])
         kopf.adopt(pool, owner=body)
         replicas[role] = kube.apply(pool, create_only=manifests.POOL_CREATE_ONLY)["spec"]["replicas"]
+    # A fresh value every pass: it is written only if the Secret does not exist yet. Before the
+    # Deployments, so that no pod waits for its secret volume.
+    secret = manifests.kv_secret(name, namespace, spec, secrets.token_hex(32))
+    if secret is not None:
+        kopf.adopt(secret, owner=body)
+        kube.apply(secret, create_only=manifests.KV_SECRET_CREATE_ONLY)
     objects = manifests.owned_objects(name, namespace, spec, replicas)
     kopf.adopt(objects, owner=body)
     for obj in objects:

@@ -30,12 +30,27 @@ RESERVED_ENGINE_FLAGS = (
     "--kv-lease-seconds",
     "--kv-transfer-timeout",
     "--kv-load-failure",
+    "--kv-secret-file",
+    "--kv-insecure",
 )
-RESERVED_ROUTER_FLAGS = ("--host", "--port", "--discovery", "--namespace", "--selector", "--prefill", "--decode")
+RESERVED_ROUTER_FLAGS = (
+    "--host",
+    "--port",
+    "--discovery",
+    "--namespace",
+    "--selector",
+    "--prefill",
+    "--decode",
+    "--kv-secret-file",
+    "--kv-insecure",
+)
 
 # `<name>-prefill` must still be a DNS-1035 label (Services), so the name leaves room for the suffix.
 MAX_NAME_LENGTH = 63 - len("-prefill")
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# A Secret's name: a DNS-1123 subdomain.
+MAX_SECRET_NAME_LENGTH = 253
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 def plain(value: Any) -> Any:
@@ -120,6 +135,14 @@ def _kv_problems(kv: dict[str, Any]) -> list[str]:
             found.append(f"spec.kvTransfer.{key} must be a number >= 1")
     if not isinstance(kv["ucxTransports"], str) or not kv["ucxTransports"]:
         found.append("spec.kvTransfer.ucxTransports must be a non-empty string")
+    secret = kv.get("secretName")
+    if "secretName" in kv and (
+        not isinstance(secret, str) or not _SECRET_NAME.fullmatch(secret) or len(secret) > MAX_SECRET_NAME_LENGTH
+    ):
+        found.append(
+            f"spec.kvTransfer.secretName must be a Secret's name (a DNS-1123 subdomain of at most "
+            f"{MAX_SECRET_NAME_LENGTH} characters)"
+        )
     return found
 
 

@@ -8,6 +8,8 @@ so several routers can live in one process (tests) without clashing.
 - ``decode_unavailable``: a decode pod answered 503 (overloaded or draining); the request went to another;
 - ``no_decode``: no decode pod could take the request (503);
 - ``decode_broken``: a decode pod failed mid-answer;
+- ``decode_hung``: a decode pod left rotation (its health probe failed) before its first byte; the request
+  went to another;
 - ``timeout``: request_timeout expired; ``client_disconnect``: the client left before the end.
 
 Routing series: ``pdserve_router_choices_total{role,pod,policy}`` (policy: the routing that decided, or
@@ -43,6 +45,7 @@ ERROR_KINDS = (
     "decode_unavailable",
     "no_decode",
     "decode_broken",
+    "decode_hung",
     "timeout",
     "client_disconnect",
 )
@@ -106,7 +109,7 @@ class RouterMetrics:
         )
         self.malformed_events = Counter(
             "pdserve_router_kv_events_malformed",
-            "KV-event frames dropped as malformed or oversized",
+            "KV-event frames dropped as malformed, oversized or not signed with the cluster secret",
             registry=self.registry,
         )
         if index is not None:

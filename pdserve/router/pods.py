@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
@@ -30,6 +30,9 @@ class Pod:
     compat_hash: str | None = None
     # Prompt tokens a second its prefill legs have run at (a moving average; None until measured).
     prefill_speed: float | None = None
+    # Set when the pod leaves rotation (a new one when it is back): legs waiting on it for a first byte
+    # give up then, since a pod that stopped answering its health probe may never answer them.
+    left_rotation: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class PodSet:
@@ -94,7 +97,10 @@ class PodSet:
         if pod.healthy == healthy:
             return False
         pod.healthy = healthy
+        if not healthy:
+            pod.left_rotation.set()
         if healthy:
+            pod.left_rotation = asyncio.Event()
             pod.failures = 0
             logger.info("%s pod %s is back", pod.role, pod.url)
             return False

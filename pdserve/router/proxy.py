@@ -30,6 +30,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from pdserve.api.auth import ROUTER, ROUTER_AUTH_HEADER, Signer, sign_request
 from pdserve.api.protocol import (
     KV_PARAMS_REJECTED_HEADER,
     ChatCompletionRequest,
@@ -121,6 +122,32 @@ class _NothingSent(Exception):
     """The decode pod's stream broke before its first byte: another pod may still serve the request."""
 
 
+class _LeftRotation(Exception):
+    """The decode pod left rotation (its health probe failed) before its first byte: it may be hung."""
+
+
+async def _unless_left_rotation(awaitable: Any, left_rotation: asyncio.Event | None) -> Any:
+    """``awaitable``'s result, unless ``left_rotation`` is set first (then it is cancelled and
+    :class:`_LeftRotation` raised). None: no race (the pod was out of rotation when chosen)."""
+    if left_rotation is None:
+        return await awaitable
+    work = asyncio.ensure_future(awaitable)
+    if not left_rotation.is_set():
+        watch = asyncio.ensure_future(left_rotation.wait())
+        try:
+            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+        result = await work  # finished meanwhile after all: release what it holds
+        if isinstance(result, aiohttp.ClientResponse):
+            result.release()
+    raise _LeftRotation()
+
+
 class Proxy:
     def __init__(
         self,
@@ -139,6 +166,8 @@ class Proxy:
         self.prompts = prompts  # None: prompts are not tokenized (no tokenizer, or nothing would use them)
         self._session: aiohttp.ClientSession | None = None  # set on startup: it needs the running loop
         self._background: set[asyncio.Task[None]] = set()  # releases sent after their request ended
+        # Engines take P/D params and releases only from the router: it signs every leg it sends.
+        self._signer = Signer(config.kv_secret, ROUTER) if config.kv_secret is not None else None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -150,6 +179,12 @@ class Proxy:
     @session.setter
     def session(self, session: aiohttp.ClientSession) -> None:
         self._session = session
+
+    def _post(self, url: str, path: str, body: bytes, headers: dict[str, str], **options: Any) -> Any:
+        """POST one leg (or release) to an engine, signed with the router's credential when there is a secret."""
+        if self._signer is not None:
+            headers = {**headers, ROUTER_AUTH_HEADER: sign_request(self._signer, "POST", path, body)}
+        return self.session.post(url + path, data=body, headers=headers, **options)
 
     def eject(self, podset: PodSet, pod: Pod, reason: str) -> None:
         if podset.mark(pod, False, reason):
@@ -272,10 +307,11 @@ class Proxy:
     async def _release(self, pod: Pod, params: dict[str, Any], headers: dict[str, str]) -> None:
         """Tell a prefill pod to free a leg's held blocks, best effort (the lease frees them otherwise)."""
         try:
-            async with self.session.post(
-                pod.url + RELEASE_PATH,
-                data=msgspec.json.encode({"kv_transfer_params": params}),
-                headers=headers,
+            async with self._post(
+                pod.url,
+                RELEASE_PATH,
+                msgspec.json.encode({"kv_transfer_params": params}),
+                headers,
                 timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S),
             ) as answer:
                 await answer.read()
@@ -330,9 +366,7 @@ class Proxy:
         pod.in_flight += 1
         try:
             async with asyncio.timeout(timeout):
-                async with self.session.post(
-                    pod.url + exchange.request.path, data=encoded, headers=exchange.headers
-                ) as answer:
+                async with self._post(pod.url, exchange.request.path, encoded, exchange.headers) as answer:
                     payload = await answer.read()
                     status = answer.status
                     content_type = answer.headers.get("Content-Type", "application/json")
@@ -393,8 +427,15 @@ class Proxy:
             pod = choice.pod
             self.metrics.chose("decode", pod.url, choice.policy)
             last = len(tried) + 1 >= attempts
+            # Until its first byte the request may go elsewhere if the pod leaves rotation (hung: its health
+            # probe times out) - unless it was out of rotation already when chosen (nothing better was left).
+            left_rotation = pod.left_rotation if pod.healthy else None
             try:
-                answer = await self.session.post(pod.url + exchange.request.path, data=body, headers=exchange.headers)
+                answer = await _unless_left_rotation(
+                    self._post(pod.url, exchange.request.path, body, exchange.headers), left_rotation
+                )
+            except _LeftRotation:
+                self.metrics.errors["decode_hung"].inc()
             except aiohttp.ClientConnectionError as error:
                 self.metrics.errors["decode_unreachable"].inc()
                 if isinstance(error, aiohttp.ClientConnectorError):  # nothing listens there: out at once
@@ -407,10 +448,12 @@ class Proxy:
                         # Overloaded or draining: nothing was generated, so another pod may take it.
                         self.metrics.errors["decode_unavailable"].inc()
                     else:
-                        return await self._relay(exchange, choice, answer)
+                        return await self._relay(exchange, choice, answer, left_rotation)
                 except _NothingSent as error:
                     self.metrics.errors["decode_unreachable"].inc()
                     self._failed(self.decode, pod, f"stream broke before its first byte: {error.__cause__!r}")
+                except _LeftRotation:
+                    self.metrics.errors["decode_hung"].inc()
                 finally:
                     # Unread content makes release() close the connection: the engine then aborts the request.
                     answer.release()
@@ -434,15 +477,22 @@ class Proxy:
                 self.metrics.errors["decode_rejected_params"].inc()
                 self.metrics.paths["fallback"].inc()
 
-    async def _relay(self, exchange: _Exchange, choice: Choice, answer: aiohttp.ClientResponse) -> web.StreamResponse:
-        """The decode pod's answer to the client: status, content type and bytes as they come."""
+    async def _relay(
+        self,
+        exchange: _Exchange,
+        choice: Choice,
+        answer: aiohttp.ClientResponse,
+        left_rotation: asyncio.Event | None = None,
+    ) -> web.StreamResponse:
+        """The decode pod's answer to the client: status, content type and bytes as they come. Until the
+        first byte reaches the client, ``left_rotation`` being set abandons it (:class:`_LeftRotation`)."""
         pod = choice.pod
         exchange.decode_answered = True
         self._count_disagg(exchange, answer.headers.get(KV_PARAMS_REJECTED_HEADER))
         content_type = answer.headers.get("Content-Type", "application/json")
         if not content_type.startswith("text/event-stream"):
             try:
-                payload = await answer.read()
+                payload = await _unless_left_rotation(answer.read(), left_rotation)
             except aiohttp.ClientError as error:
                 self.metrics.errors["decode_broken"].inc()
                 self._failed(self.decode, pod, f"answer broken: {type(error).__name__}")
@@ -460,7 +510,7 @@ class Proxy:
         chunks = answer.content.iter_any()
         # The client's answer starts with the first byte from decode, so until then another pod can take over.
         try:
-            first = await chunks.__anext__()
+            first = await _unless_left_rotation(chunks.__anext__(), left_rotation)
         except StopAsyncIteration:
             first = b""
         except aiohttp.ClientError as error:

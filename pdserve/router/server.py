@@ -60,7 +60,9 @@ class Router:
         self.proxy = Proxy(config, self.prefill, self.decode, self.metrics, self.chooser, prompts)
         # The engines' KV-cache events matter only to prefix routing.
         self.subscriber = (
-            KVSubscriber(self.index, self.metrics.malformed_events.inc) if self.chooser.prefix_aware else None
+            KVSubscriber(self.index, self.metrics.malformed_events.inc, config.kv_secret)
+            if self.chooser.prefix_aware
+            else None
         )
         self._health: HealthChecker | None = None
         self._probe: asyncio.Task[None] | None = None

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from pdserve.api.kv_events import MAX_BATCH_BYTES, decode_batch
+from pdserve.api.kv_events import MAX_BATCH_BYTES, EventSigner, decode_batch
 from pdserve.router.kv_index import KVIndex
 
 logger = logging.getLogger(__name__)
@@ -34,9 +34,13 @@ def events_endpoint(pod_url: str, port: int) -> str:
 
 
 class KVSubscriber:
-    def __init__(self, index: KVIndex, on_malformed: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, index: KVIndex, on_malformed: Callable[[], None] | None = None, secret: bytes | None = None
+    ) -> None:
+        """``on_malformed``: called for each message dropped (malformed, or not signed with ``secret``)."""
         self.index = index
         self.on_malformed = on_malformed
+        self.signer = EventSigner(secret) if secret is not None else None
         self._context: zmq.asyncio.Context | None = None
         self._tasks: dict[str, tuple[str, asyncio.Task[None]]] = {}  # pod URL -> (endpoint, reader)
 
@@ -95,7 +99,11 @@ class KVSubscriber:
             index = self.index
             while True:
                 frames = await socket.recv_multipart()
-                batch = decode_batch(frames[0]) if len(frames) == 1 else None
+                if self.signer is not None:
+                    frame = self.signer.batch(frames)
+                else:
+                    frame = frames[0] if len(frames) == 1 else None
+                batch = decode_batch(frame) if frame is not None else None
                 if batch is None:
                     if self.on_malformed is not None:
                         self.on_malformed()

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from pdserve.api.auth import RequestVerifier
 from pdserve.api.http import api_key_middleware, error_middleware, json_response, start_app
 from pdserve.api.openapi import MAX_BODY_BYTES, ApiLimits, openapi_document
 from pdserve.api.protocol import (
@@ -61,6 +62,8 @@ class EngineServer:
         api_key: str | None = None,
         limits: ServerLimits | None = None,
         kv_transfer: bool = False,
+        serves_blocks: bool = False,
+        router_verifier: RequestVerifier | None = None,
     ) -> None:
         self.client = client
         self.api_key = api_key
@@ -77,7 +80,14 @@ class EngineServer:
         client.on_stats = self.metrics.observe_stats
         self.processor = InputProcessor(tokenizer, len(tokenizer), self.max_model_len, eos_token_ids)
         self.serving = OpenAIServing(
-            client, self.processor, model_name, self.metrics, limits or ServerLimits(), kv_transfer
+            client,
+            self.processor,
+            model_name,
+            self.metrics,
+            limits or ServerLimits(),
+            kv_transfer,
+            serves_blocks,
+            router_verifier,
         )
         self.created = int(time.time())
         self._openapi: bytes | None = None
@@ -105,8 +115,11 @@ class EngineServer:
     async def release_held_blocks(self, request: web.Request) -> web.Response:
         """Free the blocks a prefill leg of this engine holds (the router says no decode will pull
         them). Its request finished already; aborting it ends the hold at once instead of by lease.
-        An unknown or already released id is a no-op: releasing twice is harmless."""
-        body = decode_request(await request.read(), KVReleaseRequest)
+        An unknown or already released id is a no-op: releasing twice is harmless. Like P/D params,
+        taken only from the router when there is a cluster secret."""
+        raw = await request.read()
+        body = decode_request(raw, KVReleaseRequest)
+        self.serving.verify_router(request, raw)
         request_id = body.kv_transfer_params.remote_request_id
         await self.client.abort([request_id])
         return json_response(KVReleaseResponse(released=request_id))
@@ -192,8 +205,10 @@ async def start_engine_server(
     served_model_name: str | None = None,
     api_key: str | None = None,
     limits: ServerLimits | None = None,
+    router_verifier: RequestVerifier | None = None,
 ) -> RunningServer:
-    """Start the core process and the HTTP server; ``port`` 0 picks a free port."""
+    """Start the core process and the HTTP server; ``port`` 0 picks a free port. ``router_verifier``:
+    P/D params and releases are taken only with the router's signature (None: from any client)."""
     folder = args.resolved_model()
     client = await EngineCoreClient.start(args)
     try:
@@ -209,6 +224,8 @@ async def start_engine_server(
             api_key,
             limits,
             kv_transfer=engine_role(args.role).kv_transfer,
+            serves_blocks=engine_role(args.role).serves_blocks,
+            router_verifier=router_verifier,
         )
         runner, url = await start_app(server.app(), host, port)
     except BaseException:

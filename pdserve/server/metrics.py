@@ -87,6 +87,10 @@ class _SchedulerCollector:
                 "Release notifications to prefill engines that could not be sent (their leases free the blocks)",
                 stats.kv_release_failures,
             ),
+            "pdserve_kv_holds_refused": (
+                "Finished prefill legs whose blocks were not held (the held share was at --kv-max-held-fraction)",
+                stats.kv_holds_refused,
+            ),
             "pdserve_kv_loads_abandoned": (
                 "KV loads the scheduler's watchdog failed because the transfer agent never reported them",
                 stats.kv_loads_abandoned,
@@ -94,6 +98,14 @@ class _SchedulerCollector:
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(name, documentation, value=value)
+        rejected = CounterMetricFamily(
+            "pdserve_kv_side_channel_rejected",
+            "Side-channel frames refused (unauthenticated, replayed, from an old incarnation, malformed), by reason",
+            labels=["reason"],
+        )
+        for reason, count in sorted(stats.kv_side_channel_rejected.items()):
+            rejected.add_metric([reason], count)
+        yield rejected
         yield InfoMetricFamily("vllm:cache_config", "KV cache configuration (vLLM name)", value=self._cache_config)
 
 

@@ -4,6 +4,11 @@ response or streamed as SSE events.
 
 A P/D decode leg refused at the door (bad value, overload, draining) tells its prefill engine to
 free the blocks it holds for it.
+
+P/D params (``do_remote_decode``, ``do_remote_prefill``) make this engine hold KV for others or
+connect to a peer the params name, so with a cluster secret they are taken only from the router:
+its signed ``X-PDServe-Router-Auth`` header (pdserve/api/auth.py), checked before anything else
+(a forged decode leg must not even make this engine release the blocks it names).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.api.auth import ROUTER_AUTH_HEADER, RequestVerifier
 from pdserve.api.http import json_response
 from pdserve.api.protocol import (
     KV_PARAMS_REJECTED_HEADER,
@@ -103,6 +109,8 @@ class OpenAIServing:
         metrics: EngineMetrics,
         limits: ServerLimits,
         kv_transfer: bool = False,
+        serves_blocks: bool = False,
+        router_verifier: RequestVerifier | None = None,
     ) -> None:
         self.client = client
         self.processor = processor
@@ -115,22 +123,54 @@ class OpenAIServing:
         # A P/D role's engine speaks the P/D protocol; any other ignores kv_transfer_params (as vLLM does
         # without a KV connector): no prefill leg, no blocks to pull, nothing to check.
         self.kv_transfer = kv_transfer
+        self.serves_blocks = serves_blocks  # takes prefill legs (holds blocks for peers): the prefill role
+        # Checks that P/D params come from the router; None: taken from any client (no secret, or --kv-insecure).
+        self.router_verifier = router_verifier
 
     # ----- endpoints ----------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = decode_request(await request.read(), CompletionRequest)
+        raw = await request.read()
+        body = decode_request(raw, CompletionRequest)
         if not self.kv_transfer:
             body.kv_transfer_params = None
+        self.check_pd_params(request, raw, body.kv_transfer_params)
         async with self._releasing_refused(body.kv_transfer_params):
             return await self._completions(request, body)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = decode_request(await request.read(), ChatCompletionRequest)
+        raw = await request.read()
+        body = decode_request(raw, ChatCompletionRequest)
         if not self.kv_transfer:
             body.kv_transfer_params = None
+        self.check_pd_params(request, raw, body.kv_transfer_params)
         async with self._releasing_refused(body.kv_transfer_params):
             return await self._chat_completions(request, body)
+
+    def check_pd_params(self, request: web.Request, raw: bytes, kv_transfer_params: dict[str, Any] | None) -> None:
+        """Refuse P/D params this engine must not act on: not from the router (403), or a prefill
+        leg on an engine that hands its blocks to no peer (400)."""
+        if not kv_transfer_params:
+            return
+        self.verify_router(request, raw)
+        if wants_remote_decode(kv_transfer_params) and not self.serves_blocks:
+            raise InputError(
+                "kv_transfer_params", "this engine hands its KV to no peer (decode role): send prefill legs to prefill"
+            )
+
+    def verify_router(self, request: web.Request, raw: bytes) -> None:
+        """403 unless the router signed this request (or nothing needs its signature)."""
+        if self.router_verifier is None:
+            return
+        header = request.headers.get(ROUTER_AUTH_HEADER)
+        problem = self.router_verifier.problem(header, request.method, request.path, raw)
+        if problem is not None:
+            raise ProtocolError(
+                f"kv_transfer_params are taken only from the router (its {ROUTER_AUTH_HEADER} header: {problem})",
+                403,
+                param="kv_transfer_params",
+                error_type="permission_denied",
+            )
 
     @contextlib.asynccontextmanager
     async def _releasing_refused(self, kv_transfer_params: dict[str, Any] | None) -> AsyncIterator[None]:

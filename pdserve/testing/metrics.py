@@ -14,12 +14,13 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{.*\})?)\s+(\S+)(?:\s+-?\d+)?$")
 
 
 # An engine is idle when all of these are 0: nothing runs, nothing waits (for the scheduler or for remote KV), no
-# blocks are held for remote decodes, none is owned by a request.
+# blocks are held for remote decodes or quarantined, none is owned by a request.
 IDLE_SERIES = (
     "pdserve_num_requests_running",
     "pdserve_num_requests_waiting",
     "pdserve_num_requests_waiting_for_remote_kv",
     "pdserve_kv_blocks_held_for_remote",
+    "pdserve_kv_blocks_quarantined",
     "pdserve_kv_cache_usage_ratio",
 )
 
@@ -36,6 +37,7 @@ ROUTER_LEG_FAILURES = (
     "decode_unreachable",
     "no_decode",
     "decode_broken",
+    "decode_hung",
 )
 
 

@@ -74,6 +74,8 @@ def check_invariants(scheduler: Scheduler) -> None:
         assert kv.req_to_block_ids[request_id] == [b.block_id for b in blocks]
         assert len(set(kv.req_to_block_ids[request_id])) == len(blocks), "a block appears twice in a table"
 
+    held = sum(kv.num_owned_blocks(request_id) for request_id in scheduler.held_for_remote)
+    assert scheduler._num_held_blocks == held <= scheduler.max_held_blocks
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
     for request in scheduler.running:
         assert request.status == RequestStatus.RUNNING
@@ -114,6 +116,7 @@ class _Transfer:
     start: int = 0
     token_ids: list[int] | None = None
     fail: bool = False
+    late_write: int | None = None  # fails "in flight", then writes wrong KV this many steps later
 
 
 class FakeRemoteWorker:
@@ -130,6 +133,14 @@ class FakeRemoteWorker:
             if transfer.steps_left > 0:
                 transfer.steps_left -= 1
                 still_in_flight.append(transfer)
+            elif transfer.kind == "load" and transfer.late_write is not None:
+                # A read given up while still running (a NIXL timeout): failed now, written later.
+                output.failed_recving_in_flight.add(transfer.request_id)
+                transfer.kind, transfer.steps_left = "drain", transfer.late_write
+                still_in_flight.append(transfer)
+            elif transfer.kind == "drain":
+                runner.write_tokens(transfer.block_ids, transfer.start, [(t + 1) % VOCAB for t in transfer.token_ids])
+                output.failed_recving.add(transfer.request_id)
             elif transfer.kind == "load" and transfer.fail:
                 # A transfer that broke half way: wrong KV in the blocks, reported as failed.
                 runner.write_tokens(transfer.block_ids, transfer.start, [(t + 1) % VOCAB for t in transfer.token_ids])
@@ -146,7 +157,8 @@ class FakeRemoteWorker:
 class FakeRemoteConnector(KVConnectorScheduler):
     """kv_transfer_params {"do_remote_prefill": True, "delay": k}: the prompt's uncached tokens
     are loaded asynchronously, landing k steps later (with "fail": True, the load writes wrong KV
-    and fails). {"do_remote_decode": True, "delay": k}: on a length-capped finish the blocks are
+    and fails; with "late_write": j, it fails while still in flight and writes wrong KV j steps
+    later). {"do_remote_decode": True, "delay": k}: on a length-capped finish the blocks are
     held for k steps, then released."""
 
     def __init__(self, recompute_failed_loads: bool = True) -> None:
@@ -180,6 +192,7 @@ class FakeRemoteConnector(KVConnectorScheduler):
                     start,
                     list(request.prompt_token_ids[start:]),
                     bool(params.get("fail")),
+                    params.get("late_write"),
                 )
             )
 

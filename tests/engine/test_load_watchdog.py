@@ -106,3 +106,45 @@ def test_reported_loads_are_not_watched_any_more():
     stats = engine.make_stats()
     assert stats.kv_loads_abandoned == 0 and stats.kv_transfer_failures == 0
     assert request.output_token_ids == expected_output(request)[0]
+
+
+def test_a_load_failed_while_still_writing_is_recomputed_and_its_late_write_lands_only_in_quarantine():
+    # A NIXL read that timed out and could not be cancelled: reported failed at once (the request does not wait
+    # for the watchdog), its blocks quarantined until the worker says the read ended; the read then writes wrong
+    # KV into those old blocks, never into the recomputed request's.
+    engine = make_engine(_watched(report_timeout=60.0, quarantine=60.0), num_blocks=16, block_size=4, max_model_len=64)
+    request = make_request(
+        "r",
+        prompt_of(10, seed=6),
+        {"do_remote_prefill": True, "delay": 1, "late_write": 8},
+        max_tokens=20,
+        ignore_eos=True,
+    )
+    engine.add_request(request)
+    for _ in range(3):
+        engine.step()
+    stats = engine.make_stats()
+    assert stats.num_blocks_quarantined == 3 and stats.kv_loads_abandoned == 0
+    assert request.status != RequestStatus.WAITING_FOR_REMOTE_KVS  # recomputing, not waiting for the watchdog
+    _run(engine)  # would take the 60 s quarantine if the drained report did not end it
+    assert request.output_token_ids == expected_output(request)[0]
+    assert_nothing_leaks(engine.scheduler)
+
+
+def test_a_report_after_the_quarantine_ended_changes_nothing():
+    # The quarantine bound passed before the load's last report: the report must not fail the running request.
+    engine = make_engine(_watched(report_timeout=60.0, quarantine=0.01), num_blocks=16, block_size=4, max_model_len=64)
+    request = make_request(
+        "r",
+        prompt_of(10, seed=7),
+        {"do_remote_prefill": True, "delay": 1, "late_write": 6},
+        max_tokens=30,
+        ignore_eos=True,
+    )
+    engine.add_request(request)
+    for _ in range(3):
+        engine.step()
+    time.sleep(0.02)
+    assert _run(engine) == {"r": "length"}
+    assert request.output_token_ids == expected_output(request)[0]
+    assert_nothing_leaks(engine.scheduler)

@@ -213,6 +213,24 @@ def test_aborting_a_finished_held_request_frees_its_blocks_at_once():
     assert_nothing_leaks(engine.scheduler)
 
 
+def test_holds_beyond_the_held_share_are_refused_and_their_blocks_freed():
+    # 16 blocks, at most a quarter held for remote readers: one leg of 3 blocks fits, a second does not.
+    connector = FakeRemoteConnector()
+    connector.max_held_fraction = 0.25
+    engine = make_engine(connector, num_blocks=16, block_size=4, max_model_len=32)
+    engine.add_request(make_request("a", prompt_of(9, seed=1), {"do_remote_decode": True, "delay": 50}, max_tokens=1))
+    _, _, outputs = _step(engine)
+    assert outputs[0].kv_transfer_params == {"remote_block_ids": [0, 1, 2]}
+    engine.add_request(make_request("b", prompt_of(9, seed=2), {"do_remote_decode": True, "delay": 50}, max_tokens=1))
+    _, _, outputs = _step(engine)
+    assert outputs[0].finish_reason == "length" and outputs[0].kv_transfer_params is None
+    stats = engine.scheduler.make_stats()
+    assert stats.num_blocks_held_for_remote == 3 and stats.kv_holds_refused == 1
+    assert engine.scheduler.kv_cache_manager.num_owned_blocks("b") == 0  # freed at once, not held
+    run_to_completion(engine)
+    assert_nothing_leaks(engine.scheduler)
+
+
 def test_a_failed_remote_load_is_recomputed_from_scratch():
     engine = make_engine(FakeRemoteConnector(), num_blocks=16, block_size=4, max_model_len=64)
     request = make_request(

@@ -1,7 +1,9 @@
 """Fuzzing a prefill engine's KV side channel (the ZMQ ROUTER its transfer agent serves to decode engines): a few
 hundred random, malformed, mistyped, semantically wrong, deeply nested, multipart and oversized frames from
-DEALER peers, while the engine holds one request's blocks. Afterwards the engine must still answer a proper
-handshake, still hold those blocks and serve them to a well-formed TCP read, and be healthy over HTTP."""
+DEALER peers, while the engine holds one request's blocks. Most go inside a well-formed envelope (the engine
+runs without a secret on loopback, so an unsigned envelope is opened), so the messages themselves are fuzzed
+too. Afterwards the engine must still answer a proper handshake, still hold those blocks and serve them to a
+well-formed TCP read, and be healthy over HTTP."""
 
 from __future__ import annotations
 
@@ -133,17 +135,34 @@ def _junk_frames(rng: random.Random, held: dict[str, Any]) -> list[list[bytes]]:
                     )
                 ]
             )
-    return frames
+    # Most inside an envelope the engine opens, so the message decoder meets them; the rest meet the envelope's.
+    seal = messages.Seal("fuzzer", time.time_ns(), None)
+    return [[_enveloped(seal, parts[0]) if rng.random() < 0.7 else parts[0], *parts[1:]] for parts in frames]
+
+
+def _enveloped(seal: messages.Seal, body: bytes) -> bytes:
+    """``body`` in an unsigned envelope, as a peer without a secret sends."""
+    envelope = messages.Envelope(seal.engine_id, seal.incarnation, time.time(), b"", body, b"")
+    return msgspec.msgpack.encode(envelope)
+
+
+PEER_SEAL = messages.Seal("fuzz-peer", time.time_ns(), None)
+
+
+def _open(frame: bytes) -> Any:
+    opened = PEER_SEAL.open(frame)
+    assert not isinstance(opened, str), f"the engine's reply was refused: {opened}"
+    return opened.message
 
 
 def _request(socket: zmq.Socket, message: Any, until: Any, timeout_ms: int = 10000) -> list[bytes]:
     """Send ``message`` and return the first reply for which ``until(decoded, parts)`` holds (earlier replies, to
     junk sent before on the same socket, are skipped)."""
-    socket.send(messages.encode(message))
+    socket.send(PEER_SEAL.seal(message))
     while True:
         assert socket.poll(timeout_ms), f"no answer to {message!r}"
         parts = socket.recv_multipart()
-        if until(messages.decode(parts[0]), parts):
+        if until(_open(parts[0]), parts):
             return parts
 
 
@@ -159,7 +178,7 @@ def _await_hold(socket: zmq.Socket, held: dict[str, Any]) -> None:
             messages.ReadBlocks(request_id, blocks, wrong, False),
             lambda answer, _: isinstance(answer, messages.BlocksReply) and answer.request_id == request_id,
         )
-        if "not held" not in (messages.decode(parts[0]).error or ""):
+        if "not held" not in (_open(parts[0]).error or ""):
             return
         time.sleep(0.05)
     raise AssertionError("the agent never registered the hold")
@@ -196,7 +215,7 @@ def test_side_channel_survives_junk(prefill):
         peer = context.socket(zmq.DEALER)
         peer.setsockopt(zmq.LINGER, 0)
         peer.connect(_side_channel(prefill))
-        reply = messages.decode(_request(peer, messages.Handshake(engine_id="x"), lambda *_: True)[0])
+        reply = _open(_request(peer, messages.Handshake(engine_id="x"), lambda *_: True)[0])
         assert isinstance(reply, messages.HandshakeReply), reply
         assert reply.error is None and reply.transport == "tcp" and reply.engine_id and reply.block_bytes > 0, reply
         # The junk neither released nor corrupted the hold: a proper read gets every block's bytes.
@@ -207,7 +226,7 @@ def test_side_channel_survives_junk(prefill):
             ),
             lambda answer, _: isinstance(answer, messages.BlocksReply),
         )
-        answer = messages.decode(parts[0])
+        answer = _open(parts[0])
         assert answer.error is None, answer
         assert len(parts) == 2 and len(parts[1]) == reply.block_bytes * len(held["remote_block_ids"])
     finally:
@@ -232,7 +251,7 @@ def test_side_channel_read_is_bounded_by_the_held_blocks(prefill):
         peer = context.socket(zmq.DEALER)
         peer.setsockopt(zmq.LINGER, 0)
         peer.connect(_side_channel(prefill))
-        block_bytes = messages.decode(_request(peer, messages.Handshake("x"), lambda *_: True)[0]).block_bytes
+        block_bytes = _open(_request(peer, messages.Handshake("x"), lambda *_: True)[0]).block_bytes
         _await_hold(peer, held)
         repeat = 4  # small on purpose: the reply holds repeat x the held bytes
         parts = _request(
@@ -260,5 +279,5 @@ def test_side_channel_read_is_bounded_by_the_held_blocks(prefill):
     assert served <= block_bytes * len(held["remote_block_ids"]), (
         f"{served} bytes served for a hold of {len(held['remote_block_ids'])} blocks of {block_bytes}"
     )
-    assert messages.decode(proper[0]).error is None and len(proper[1]) == block_bytes * len(held["remote_block_ids"])
+    assert _open(proper[0]).error is None and len(proper[1]) == block_bytes * len(held["remote_block_ids"])
     wait_for(lambda: metrics(prefill.url).get("pdserve_kv_blocks_held_for_remote") == 0, 10, "blocks still held")

@@ -49,6 +49,8 @@ OPERATOR_RULES = {
     ("", "serviceaccounts"): {"get", "create", "patch"},
     ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch"},
+    ("", "secrets"): {"get", "create", "patch"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch"},
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create"},
 }

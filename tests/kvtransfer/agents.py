@@ -1,4 +1,4 @@
-"""Transfer agents in this process for tests: a real TransferAgent over the TCP transport on
+"""Transfer agents in this process for tests: a real TransferAgent over the TCP transport (or NIXL) on
 127.0.0.1 with a small KV cache and generation array, and everything it has reported."""
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class Engine:
 
     def __init__(self, *, filled: bool, compat: str = COMPAT, faults: KVFaults | None = None, **config: Any) -> None:
         config.setdefault("transfer_timeout", 3.0)
-        self.config = KVTransferConfig(transport="tcp", faults=faults or KVFaults(), **config)
+        config.setdefault("transport", "tcp")
+        self.config = KVTransferConfig(faults=faults or KVFaults(), **config)
         self.kv_cache = _kv_cache(filled)
         self.initial = self.kv_cache.clone()
         self.generations = np.zeros(NUM_BLOCKS, dtype=np.int64)
@@ -47,7 +48,7 @@ class Engine:
     def poll(self) -> KVConnectorOutput:
         output = self.agent.collect()
         if output is not None:
-            for name in ("finished_sending", "finished_recving", "failed_recving"):
+            for name in ("finished_sending", "finished_recving", "failed_recving", "failed_recving_in_flight"):
                 new, seen = getattr(output, name), getattr(self.seen, name)
                 assert not new & seen, f"{name} reported {new & seen} twice"
                 seen |= new
@@ -55,6 +56,8 @@ class Engine:
             self.seen.num_failed_transfers += output.num_failed_transfers
             self.seen.num_expired_leases += output.num_expired_leases
             self.seen.num_failed_releases += output.num_failed_releases
+            for reason, count in output.rejected_messages.items():
+                self.seen.rejected_messages[reason] = self.seen.rejected_messages.get(reason, 0) + count
         return self.seen
 
     def wait_for(self, done: Callable[[KVConnectorOutput], bool], what: str, timeout: float = WAIT_S) -> float:

@@ -35,6 +35,7 @@ class StandInPrefill:
         self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.reads: dict[str, tuple[bytes, messages.ReadBlocks]] = {}
         self.released: list[str] = []
+        self.seal = messages.Seal("stand-in", time.time_ns(), None)
 
     def pump(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -42,10 +43,12 @@ class StandInPrefill:
             if not self.socket.poll(10):
                 continue
             identity, frame = self.socket.recv_multipart()
-            message = messages.decode(frame)
+            opened = self.seal.open(frame)
+            assert not isinstance(opened, str), opened
+            message = opened.message
             if isinstance(message, messages.Handshake):
                 reply = messages.HandshakeReply("stand-in", COMPAT, "tcp", BLOCK_BYTES, NUM_BLOCKS, {})
-                self.socket.send_multipart([identity, messages.encode(reply)])
+                self.socket.send_multipart([identity, self.seal.seal(reply)])
             elif isinstance(message, messages.ReadBlocks):
                 self.reads[message.request_id] = (identity, message)
             elif isinstance(message, messages.ReleaseBlocks):
@@ -55,7 +58,7 @@ class StandInPrefill:
         identity, read = self.reads.pop(request_id)
         data = bytes([7]) * (BLOCK_BYTES * len(read.block_ids))
         reply = messages.BlocksReply(request_id, checksum=zlib.crc32(data))
-        self.socket.send_multipart([identity, messages.encode(reply), data])
+        self.socket.send_multipart([identity, self.seal.seal(reply), data])
 
     def close(self) -> None:
         self.socket.close(linger=0)

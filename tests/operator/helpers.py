@@ -10,6 +10,8 @@ PDSERVICES = "pdserve.io/v1alpha1/pdservices"
 PDPOOLS = "pdserve.io/v1alpha1/pdpools"
 DEPLOYMENTS = "apps/v1/deployments"
 SERVICES = "v1/services"
+SECRETS = "v1/secrets"
+NETWORK_POLICIES = "networking.k8s.io/v1/networkpolicies"
 
 
 @contextlib.contextmanager

@@ -44,6 +44,7 @@ BUILTINS = [
     ("discovery.k8s.io/v1/endpointslices", "EndpointSlice", True, set()),
     ("rbac.authorization.k8s.io/v1/roles", "Role", True, set()),
     ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True, set()),
+    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, set()),
     ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, {"status"}),
     ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, {"status"}),
 ]

@@ -1,12 +1,14 @@
 """Create-or-patch against the emulated API server: creates once, writes only what differs."""
 
+import base64
+
 import kubernetes
 import pytest
 
 from pdserve.operator import manifests
 from pdserve.operator.kube import Kube, is_subset, without_nulls
 from pdserve.operator.spec import with_defaults
-from tests.operator.helpers import DEPLOYMENTS, PDPOOLS, spec
+from tests.operator.helpers import DEPLOYMENTS, PDPOOLS, SECRETS, spec
 
 
 def test_is_subset_ignores_server_defaults_and_reads_null_as_absent():
@@ -58,6 +60,25 @@ def test_create_only_fields_are_never_patched(kube, kube_cluster, kube_namespace
     stored = kube.apply(pool, create_only=manifests.POOL_CREATE_ONLY)
     assert stored["spec"]["replicas"] == 4
     assert stored["metadata"]["labels"]["extra"] == "yes"
+
+
+def test_the_kv_secrets_value_is_never_patched(kube, kube_cluster, kube_namespace):
+    def apply(value):
+        secret = manifests.kv_secret("llm", kube_namespace, with_defaults(spec()), value)
+        return kube.apply(secret, create_only=manifests.KV_SECRET_CREATE_ONLY)
+
+    created = apply("a" * 64)
+    assert base64.b64decode(created["data"]["kv-secret"]) == b"a" * 64
+    writes = len(kube_cluster.requests())
+    assert apply("b" * 64)["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"]
+    assert [method for method, _ in kube_cluster.requests()[writes:]] == ["GET"]
+    # The user rotates it; the operator keeps their value and still maintains the labels.
+    rotated = base64.b64encode(b"c" * 64).decode()
+    kube_cluster.patch(SECRETS, "llm-kv-secret", {"data": {"kv-secret": rotated}}, kube_namespace)
+    kube_cluster.patch(SECRETS, "llm-kv-secret", {"metadata": {"labels": {"pdserve.io/service": None}}}, kube_namespace)
+    stored = apply("d" * 64)
+    assert stored["data"] == {"kv-secret": rotated}
+    assert stored["metadata"]["labels"]["pdserve.io/service"] == "llm"
 
 
 def test_get_returns_none_for_missing_objects(kube, kube_namespace):

@@ -1,5 +1,7 @@
-"""The manifest builders: commands, environment, probes, resources, volumes, labels, RBAC."""
+"""The manifest builders: commands, environment, probes, resources, volumes, labels, RBAC, the KV
+Secret and the engines' NetworkPolicy."""
 
+import base64
 import pathlib
 
 import jsonschema
@@ -22,6 +24,7 @@ LABELS = {
     "pdserve.io/role": "prefill",
     "pdserve.io/service": "llm",
 }
+SERVICE_LABELS = {key: value for key, value in LABELS.items() if key != "pdserve.io/role"}
 
 
 def full(**fields):
@@ -68,6 +71,8 @@ def test_engine_command_has_the_cli_flags_then_the_users():
         "10",
         "--kv-load-failure",
         "fail",
+        "--kv-secret-file",
+        "/etc/pdserve/kv-secret/kv-secret",
         "--max-model-len",
         "8192",
     ]
@@ -91,6 +96,8 @@ def test_router_command_discovers_its_own_pods():
         "ns",
         "--selector",
         "app.kubernetes.io/instance=llm",
+        "--kv-secret-file",
+        "/etc/pdserve/kv-secret/kv-secret",
         "--tokenizer",
         "/models/model",
         "--routing",
@@ -179,13 +186,87 @@ def test_pods_run_as_non_root_without_privilege_escalation():
         assert container(pod)["securityContext"]["allowPrivilegeEscalation"] is False
 
 
+def all_pods(**fields):
+    return {
+        "router": router_pod("llm", "ns", full(**fields)),
+        **{role: engine_pod("llm", role, full(**fields)) for role in ("prefill", "decode")},
+    }
+
+
+@pytest.mark.parametrize("fields", [{}, {"model": {"source": "huggingface", "repo": "Qwen/Qwen3-0.6B"}}])
+def test_every_pod_reads_the_kv_secret_from_its_secret_volume(fields):
+    for role, pod in all_pods(**fields).items():
+        command = container(pod)["command"]
+        assert command[command.index("--kv-secret-file") + 1] == "/etc/pdserve/kv-secret/kv-secret", role
+        mount = {"name": "kv-secret", "mountPath": "/etc/pdserve/kv-secret", "readOnly": True}
+        assert mount in container(pod)["volumeMounts"], role
+        secret = {
+            "secretName": "llm-kv-secret",
+            "defaultMode": 0o400,
+            "items": [{"key": "kv-secret", "path": "kv-secret"}],
+        }
+        assert {"name": "kv-secret", "secret": secret} in pod["spec"]["volumes"], role
+        # Secret volumes belong to root; fsGroup makes the 0400 file readable by the pod's user (1000).
+        assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsUser"] == 1000
+
+
+def test_the_operators_kv_secret():
+    value = "0123456789abcdef" * 4
+    secret = manifests.kv_secret("llm", "ns", full(), value)
+    assert secret == {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": "llm-kv-secret",
+            "namespace": "ns",
+            "labels": SERVICE_LABELS | {"app.kubernetes.io/component": "kv-secret"},
+        },
+        "type": "Opaque",
+        "data": {"kv-secret": base64.b64encode(value.encode()).decode()},
+    }
+    # Applied apart, create-only: rotating it is the user's (test_kube.py, test_operator.py).
+    assert "Secret" not in [obj["kind"] for obj in objects()]
+
+
+def test_a_named_secret_replaces_the_operators():
+    fields = {"kvTransfer": {"secretName": "team-kv.v2"}}
+    assert manifests.kv_secret("llm", "ns", full(**fields), "0" * 64) is None
+    for role, pod in all_pods(**fields).items():
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "kv-secret"]
+        assert volume["secret"]["secretName"] == "team-kv.v2", role
+        assert volume["secret"]["items"] == [{"key": "kv-secret", "path": "kv-secret"}], role
+
+
+def test_the_engines_network_policy():
+    policy = by_kind_name(objects())["NetworkPolicy", "llm-engines"]
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert policy["metadata"]["labels"] == SERVICE_LABELS | {"app.kubernetes.io/component": "engines"}
+    assert policy["spec"] == {
+        "podSelector": {
+            "matchLabels": {"pdserve.io/service": "llm"},
+            "matchExpressions": [{"key": "pdserve.io/role", "operator": "In", "values": ["prefill", "decode"]}],
+        },
+        "policyTypes": ["Ingress"],
+        "ingress": [
+            # The engines' HTTP ports from anywhere: router, Prometheus, kubelet probes.
+            {"ports": [{"protocol": "TCP", "port": 8100}, {"protocol": "TCP", "port": 8200}]},
+            # Every port (side channel, KV events, UCX) from this PDService's pods, in its namespace.
+            {"from": [{"podSelector": {"matchLabels": {"pdserve.io/service": "llm"}}}]},
+        ],
+    }
+    kinds = [obj["kind"] for obj in objects()]
+    assert kinds.index("NetworkPolicy") < kinds.index("Deployment")  # no engine runs unprotected
+
+
 def test_every_object_is_labelled_and_selects_its_own_pods():
     objs = objects()
-    assert len(objs) == 9
+    assert len(objs) == 10
     for obj in objs:
+        assert obj["metadata"]["namespace"] == "ns"
+        if obj["kind"] == "NetworkPolicy":
+            continue  # of the whole PDService, no role (test_the_engines_network_policy)
         role = obj["metadata"]["name"].removeprefix("llm-")
         assert obj["metadata"]["labels"] == {**LABELS, "app.kubernetes.io/component": role, "pdserve.io/role": role}
-        assert obj["metadata"]["namespace"] == "ns"
         if obj["kind"] == "Deployment":
             selector = obj["spec"]["selector"]["matchLabels"]
             assert selector == {"app.kubernetes.io/instance": "llm", "pdserve.io/role": role}
@@ -234,7 +315,8 @@ def test_objects_pass_the_kubernetes_schemas():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     model = {"source": "huggingface", "repo": "Qwen/Qwen3-0.6B"}
     fields = {"model": model, "prefill": {"nodeSelector": {"a": "b"}, "tolerations": [{"operator": "Exists"}]}}
-    for obj in objects(**fields) + objects():
+    secret = manifests.kv_secret("llm", "ns", full(), "0" * 64)
+    for obj in [*objects(**fields), *objects(), secret]:
         kubernetes_validate.validate(without_nulls(obj), "1.30", strict=True)
 
 
@@ -259,5 +341,7 @@ def test_pod_commands_parse_with_the_real_cli():
             5600,
         )
         assert args.kv_lease_seconds == 2.5
+        assert args.kv_secret_file == "/etc/pdserve/kv-secret/kv-secret"
     args = parser.parse_args(container(router_pod("llm", "ns", full()))["command"][1:])
     assert (args.discovery, args.namespace, args.selector) == ("kubernetes", "ns", "app.kubernetes.io/instance=llm")
+    assert args.kv_secret_file == "/etc/pdserve/kv-secret/kv-secret"

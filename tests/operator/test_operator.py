@@ -4,10 +4,21 @@ The emulator runs no controllers and no garbage collector: Deployment readiness 
 its status here, and deletion is checked through owner references.
 """
 
+import base64
+import re
 import socket
 import urllib.request
 
-from tests.operator.helpers import DEPLOYMENTS, PDPOOLS, PDSERVICES, SERVICES, pdservice, running_operator
+from tests.operator.helpers import (
+    DEPLOYMENTS,
+    NETWORK_POLICIES,
+    PDPOOLS,
+    PDSERVICES,
+    SECRETS,
+    SERVICES,
+    pdservice,
+    running_operator,
+)
 from tests.operator.kmock_cluster import CRD_DIR, KubeCluster, wait_for
 
 ROLES = ("router", "prefill", "decode")
@@ -20,6 +31,8 @@ OWNED = (
         ("v1/serviceaccounts", "llm-router"),
         ("rbac.authorization.k8s.io/v1/roles", "llm-router"),
         ("rbac.authorization.k8s.io/v1/rolebindings", "llm-router"),
+        (SECRETS, "llm-kv-secret"),
+        (NETWORK_POLICIES, "llm-engines"),
     ]
 )
 
@@ -54,8 +67,9 @@ def test_create_makes_every_object_owned_by_the_pdservice(kube_cluster, kube_nam
                 "blockOwnerDeletion": True,
             }
         ], name
-        role = name.removeprefix("llm-")
-        assert obj["metadata"]["labels"]["pdserve.io/role"] == role
+        component = name.removeprefix("llm-")
+        assert obj["metadata"]["labels"]["app.kubernetes.io/component"] == component
+        assert obj["metadata"]["labels"].get("pdserve.io/role") == (component if component in ROLES else None)
         assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pdserve-operator"
     assert kube_cluster.get(PDPOOLS, "llm-prefill", kube_namespace)["spec"] == {
         "service": "llm",
@@ -63,6 +77,11 @@ def test_create_makes_every_object_owned_by_the_pdservice(kube_cluster, kube_nam
         "replicas": 2,
     }
     assert [replicas(kube_cluster, kube_namespace, role) for role in ROLES] == [1, 2, 1]
+    secret = kube_cluster.get(SECRETS, "llm-kv-secret", kube_namespace)
+    assert secret["type"] == "Opaque"
+    assert re.fullmatch("[0-9a-f]{64}", base64.b64decode(secret["data"]["kv-secret"]).decode())
+    policy = kube_cluster.get(NETWORK_POLICIES, "llm-engines", kube_namespace)
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"pdserve.io/service": "llm"}
     prefill = kube_cluster.get(DEPLOYMENTS, "llm-prefill", kube_namespace)["spec"]["template"]["spec"]
     assert prefill["containers"][0]["command"][:2] == ["pdserve", "prefill"]
     assert prefill["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
@@ -114,6 +133,40 @@ def test_spec_change_updates_deployments_but_never_pool_sizes(kube_cluster, kube
     assert replicas(kube_cluster, kube_namespace, "router") == 3
     assert replicas(kube_cluster, kube_namespace, "decode") == 2  # the PDPool's, not spec.decode's 5
     assert kube_cluster.get(PDPOOLS, "llm-decode", kube_namespace)["spec"]["replicas"] == 2
+
+
+def test_reconciling_again_keeps_the_kv_secret_and_a_users_rotation(kube_cluster, kube_namespace, operator):
+    deploy(kube_cluster, kube_namespace)
+
+    def value():
+        return kube_cluster.get(SECRETS, "llm-kv-secret", kube_namespace)["data"]["kv-secret"]
+
+    def image():  # of the decode Deployment, the last object a reconcile applies
+        pod = kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace)["spec"]["template"]["spec"]
+        return pod["containers"][0]["image"]
+
+    first = value()
+    kube_cluster.patch(PDSERVICES, "llm", {"spec": {"image": "pdserve:2"}}, kube_namespace)
+    wait_for(lambda: image() == "pdserve:2")  # a second reconcile ran
+    assert value() == first
+    # A user rotates it: the next reconcile keeps their value (pods read it at start: restart them).
+    rotated = base64.b64encode(b"f" * 64).decode()
+    kube_cluster.patch(SECRETS, "llm-kv-secret", {"data": {"kv-secret": rotated}}, kube_namespace)
+    kube_cluster.patch(PDSERVICES, "llm", {"spec": {"image": "pdserve:3"}}, kube_namespace)
+    wait_for(lambda: image() == "pdserve:3")
+    assert value() == rotated
+
+
+def test_a_named_secret_is_used_and_none_is_created(kube_cluster, kube_namespace, operator):
+    kube_cluster.create(PDSERVICES, pdservice(kvTransfer={"secretName": "team-kv"}), kube_namespace)
+    wait_for(lambda: all(kube_cluster.get(DEPLOYMENTS, f"llm-{role}", kube_namespace) for role in ROLES))
+    assert kube_cluster.get(NETWORK_POLICIES, "llm-engines", kube_namespace)
+    kube_cluster.wait_idle()
+    assert kube_cluster.list(SECRETS, kube_namespace) == []
+    for role in ROLES:
+        pod = kube_cluster.get(DEPLOYMENTS, f"llm-{role}", kube_namespace)["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "kv-secret"]
+        assert volume["secret"]["secretName"] == "team-kv"
 
 
 def test_invalid_spec_creates_nothing_and_says_why(kube_cluster, kube_namespace, operator):

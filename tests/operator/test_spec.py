@@ -1,6 +1,7 @@
 """PDService spec defaults (kept equal to the CRD's) and the validation the schema cannot do."""
 
 import pathlib
+import re
 
 import pytest
 import yaml
@@ -17,7 +18,10 @@ def spec_schema() -> dict:
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 
 
-@pytest.mark.parametrize("fields", [{}, {"prefill": {"replicas": 3}, "kvTransfer": {"backend": "tcp"}}])
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"prefill": {"replicas": 3}, "kvTransfer": {"backend": "tcp"}}, {"kvTransfer": {"secretName": "kv"}}],
+)
 def test_defaults_are_the_crds(fields):
     expected = spec(**fields)
     apply_defaults(spec_schema(), expected)
@@ -35,6 +39,7 @@ def test_a_valid_spec_has_no_problems():
     assert problems("llm", spec(model={"source": "huggingface", "repo": "Qwen/Qwen3-0.6B"})) == []
     assert problems("llm", spec(model={"source": "hostPath", "hostPath": "/data/m", "path": "qwen/v1"})) == []
     assert problems("llm", spec(prefill={"engineArgs": ["--max-model-len", "8192", "--kv-events-port=0"]})) == []
+    assert problems("llm", spec(kvTransfer={"secretName": "team-kv.v2"})) == []
 
 
 @pytest.mark.parametrize(
@@ -52,6 +57,10 @@ def test_a_valid_spec_has_no_problems():
         ({"decode": {"engineArgs": ["--mod", "/x"]}}, "must not set --model"),  # argparse prefix
         ({"decode": {"engineArgs": ["--kv-lease-seconds", "5"]}}, "must not set --kv-lease-seconds"),
         ({"decode": {"engineArgs": "--port 1"}}, "must be a list of strings"),
+        ({"prefill": {"engineArgs": ["--kv-secret-file", "/x"]}}, "must not set --kv-secret-file"),
+        ({"decode": {"engineArgs": ["--kv-insecure"]}}, "must not set --kv-insecure"),
+        ({"router": {"args": ["--kv-secret-file=/x"]}}, "spec.router.args must not set --kv-secret-file"),
+        ({"router": {"args": ["--kv-insecure"]}}, "spec.router.args must not set --kv-insecure"),
         ({"router": {"args": ["--selector", "x=y"]}}, "spec.router.args must not set --selector"),
         ({"router": {"replicas": -1}}, "spec.router.replicas must be an integer >= 0"),
         ({"prefill": {"gpus": True}}, "spec.prefill.gpus must be an integer >= 0"),
@@ -66,6 +75,35 @@ def test_a_valid_spec_has_no_problems():
 def test_problems_name_the_field(fields, fragment):
     found = problems("llm", spec(**fields))
     assert any(fragment in problem for problem in found), found
+
+
+SECRET_NAMES = [
+    ("kv", True),
+    ("team-kv.v2", True),
+    ("0kv", True),
+    ("a" * 253, True),
+    ("a" * 254, False),
+    ("", False),
+    ("Team-KV", False),
+    ("kv_secret", False),
+    ("-kv", False),
+    ("kv.", False),
+    ("kv..v2", False),
+]
+
+
+@pytest.mark.parametrize(("name", "valid"), SECRET_NAMES)
+def test_secret_names_must_be_dns_subdomains_in_the_crd_and_the_operator(name, valid):
+    found = problems("llm", spec(kvTransfer={"secretName": name}))
+    assert (found == []) is valid, found
+    if not valid:
+        assert "spec.kvTransfer.secretName must be a Secret's name" in found[0]
+    schema = spec_schema()["properties"]["kvTransfer"]["properties"]["secretName"]
+    assert (re.search(schema["pattern"], name) is not None and len(name) <= schema["maxLength"]) is valid
+
+
+def test_a_secret_name_must_be_a_string():
+    assert "spec.kvTransfer.secretName" in problems("llm", spec(kvTransfer={"secretName": 5}))[0]
 
 
 @pytest.mark.parametrize("name", ["Llm", "llm.v1", "1llm", "x" * 56])

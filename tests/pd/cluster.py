@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from pdserve.api.auth import SECRET_ENV
 from pdserve.launcher import free_port
 from pdserve.models.demo import ensure_demo_model
 from pdserve.testing.metrics import scrape as metrics  # noqa: F401 - tests/fuzz still import it from here
@@ -34,9 +35,12 @@ class Cluster:
         decode_flags: tuple[str, ...] = (),
         decode_faults: str = "",
         with_router: bool = True,
+        secret: str | None = None,
+        router_flags: tuple[str, ...] = (),
     ) -> Cluster:
+        """``secret``: the cluster secret every process gets (in its environment); None: none (loopback only)."""
         model = str(ensure_demo_model())
-        env = server_env()
+        env = server_env() if secret is None else dict(server_env(), **{SECRET_ENV: secret})
         cluster = cls()
         for role, count, flags in (("prefill", num_prefill, prefill_flags), ("decode", num_decode, decode_flags)):
             role_env = dict(env, PDSERVE_KV_FAULTS=decode_faults) if role == "decode" and decode_faults else env
@@ -52,7 +56,9 @@ class Cluster:
                 process.wait_healthy()
             if with_router:
                 port = free_port()
-                argv = router_argv(port, [p.url for p in cluster.prefills], [d.url for d in cluster.decodes])
+                argv = router_argv(
+                    port, [p.url for p in cluster.prefills], [d.url for d in cluster.decodes], *router_flags
+                )
                 cluster.router = Process("router", argv, env, port, str(tmp_path / "router.log"))
                 cluster.router.start()
                 cluster.router.wait_healthy()

@@ -151,6 +151,7 @@ class Stub:
         self.answer_headers: dict[str, str] = {}  # on every 200 answer (a decode engine's rejected-params header)
         self.released: list[str] = []  # request ids of held blocks the router asked to free
         self.wait_before_answer = 0.0  # seconds before any answer (headers included)
+        self.hung = False  # /health answers nothing (with wait_before_answer: a stopped process)
         self.delay = 0.0
         self.die_after: int | None = None  # decode: drop the connection after this many tokens
         self.cancelled = threading.Event()  # a handler of ours was cancelled or found its client gone
@@ -220,6 +221,8 @@ class Stub:
         await self._publisher.send_multipart(list(frames))
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.hung:
+            await asyncio.sleep(60)
         if self.kv_events_port is None:
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "ok", "kv_events_port": self.kv_events_port})

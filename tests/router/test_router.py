@@ -172,6 +172,24 @@ def test_a_hung_prefill_costs_its_timeout_then_decode_prefills_and_the_pod_leave
     assert time.monotonic() - started < 0.4 and len(prefill.seen) == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_pod_hung_before_its_first_byte_loses_the_request_to_another_once_its_probe_fails(
+    loop, cluster, stream
+):
+    hung, live = cluster.stub("decode"), cluster.stub("decode")
+    router = cluster.router([], [hung.url, live.url], routing="round-robin", health_interval=0.3)
+    hung.wait_before_answer, hung.hung = 60.0, True  # stopped after the router saw it: accepts, answers nothing
+    body = {"prompt": "hi", "max_tokens": 4, "stream": stream}
+    started = time.monotonic()
+    status, _, payload = loop.run(post(router.url + "/v1/completions", body))
+    # The probe times out (0.5 s) at the next check: the leg goes to the live pod then, not after 600 s.
+    assert status == 200 and time.monotonic() - started < 5, payload
+    assert len(hung.seen) == 1 and len(live.seen) == 1 and live.seen[0].body == body
+    text = metrics_text(loop, router)
+    assert metric(text, "pdserve_router_errors_total", kind="decode_hung") == 1
+    assert metric(text, "pdserve_router_retries_total") == 1
+
+
 def test_the_default_prefill_timeout_follows_the_prompt_and_the_pods_measured_speed():
     from pdserve.router.config import RouterConfig
     from pdserve.router.pods import Pod

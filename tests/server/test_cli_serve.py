@@ -81,6 +81,7 @@ def test_serve_disaggregated_runs_router_prefill_and_decode_and_stops_them_all()
             process.kill()
     output = process.stdout.read()
     assert f"serving at http://127.0.0.1:{port}/v1" in output
+    assert "not authenticated" not in output  # the children share the secret serve made for them
 
 
 def test_serve_rejects_empty_pools():

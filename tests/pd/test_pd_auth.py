@@ -1,0 +1,135 @@
+"""A P/D cluster with a cluster secret: real router, prefill and decode processes (NIXL) on 127.0.0.1.
+
+Requests through the router go the disaggregated way, every leg signed. A client that is not the router cannot use
+P/D params on an engine (403, and a forged decode leg frees nothing). A stranger on a prefill's side channel (a
+handshake, a forged release, a flood) gets no answer and harms nobody: the blocks it tried to free are still pulled
+by a real decode leg. Afterwards no engine owns, holds or waits for anything."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import zmq
+
+from pdserve.api.auth import ROUTER, ROUTER_AUTH_HEADER, Signer, new_secret, sign_request
+from pdserve.api.protocol import KV_PARAMS_REJECTED_HEADER
+from pdserve.kvtransfer import messages
+from pdserve.models.demo import ensure_demo_model
+from pdserve.testing.metrics import idle, metric
+from tests.fuzz.openapi_fuzz import completion_body, prefill_leg_body
+from tests.pd.cluster import Cluster, metrics, wait_for
+
+SECRET = new_secret()
+PROMPT = "The secret keeps strangers out of the KV cache. " * 3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    # With the tokenizer the router follows the engines' KV events; every prompt is worth a prefill leg.
+    router_flags = ("--tokenizer", str(ensure_demo_model()), "--pd-min-prefill-tokens", "0")
+    cluster = Cluster.start(tmp_path_factory.mktemp("pd-auth"), "nixl", secret=SECRET, router_flags=router_flags)
+    yield cluster
+    cluster.stop()
+
+
+def _post(url: str, path: str, body: dict, signed: bool) -> tuple[int, dict, dict[str, str]]:
+    data = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if signed:
+        headers[ROUTER_AUTH_HEADER] = sign_request(Signer(SECRET.encode(), ROUTER), "POST", path, data)
+    request = urllib.request.Request(url + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read()), dict(response.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()), dict(error.headers)
+
+
+def _side_channel(process) -> str:
+    return f"tcp://127.0.0.1:{process.argv[process.argv.index('--kv-side-channel-port') + 1]}"
+
+
+def test_requests_through_the_router_go_disaggregated(cluster):
+    status, answer, _ = _post(cluster.router.url, "/v1/completions", completion_body(PROMPT, max_tokens=4), False)
+    assert status == 200, answer
+    router = metrics(cluster.router.url)
+    assert metric(router, "pdserve_router_requests_total", path="disagg") == 1, router
+    assert metric(metrics(cluster.decodes[0].url), "pdserve_kv_transfer_bytes_total") > 0
+
+
+def test_pd_params_from_anyone_but_the_router_are_refused(cluster):
+    prefill, decode = cluster.prefills[0].url, cluster.decodes[0].url
+    status, answer, _ = _post(prefill, "/v1/completions", prefill_leg_body(PROMPT), False)
+    assert status == 403 and answer["error"]["param"] == "kv_transfer_params", answer
+    assert ROUTER_AUTH_HEADER in answer["error"]["message"]
+    # A real hold, then a forged decode leg naming it: refused before anything, and it frees nothing.
+    status, leg, _ = _post(prefill, "/v1/completions", prefill_leg_body(PROMPT), True)
+    assert status == 200, leg
+    params = leg["kv_transfer_params"]
+    forged = completion_body(PROMPT, max_tokens=2, kv_transfer_params=params)
+    status, answer, _ = _post(decode, "/v1/completions", forged, False)
+    assert status == 403, answer
+    status, answer, _ = _post(prefill, "/v1/kv_transfer/release", {"kv_transfer_params": params}, False)
+    assert status == 403, answer
+    assert metrics(prefill)["pdserve_kv_blocks_held_for_remote"] > 0
+    # A prefill leg on the decode engine: it hands its KV to no peer.
+    status, answer, _ = _post(decode, "/v1/completions", prefill_leg_body(PROMPT), True)
+    assert status == 400 and "decode role" in answer["error"]["message"], answer
+    # The router's signed decode leg uses the params.
+    status, answer, headers = _post(decode, "/v1/completions", forged, True)
+    assert status == 200 and KV_PARAMS_REJECTED_HEADER not in headers, (answer, headers)
+    wait_for(lambda: metrics(prefill)["pdserve_kv_blocks_held_for_remote"] == 0, 10, "the pull did not free")
+
+
+def test_a_stranger_on_the_side_channel_gets_nothing_and_harms_nobody(cluster):
+    prefill = cluster.prefills[0]
+    status, leg, _ = _post(prefill.url, "/v1/completions", prefill_leg_body(PROMPT + " stranger"), True)
+    assert status == 200, leg
+    params = leg["kv_transfer_params"]
+    before = metric(metrics(prefill.url), "pdserve_kv_side_channel_rejected_total", reason="unauthenticated")
+    context = zmq.Context()
+    try:
+        stranger = context.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(_side_channel(prefill))
+        seal = messages.Seal("stranger", time.time_ns(), None)
+        stranger.send(seal.seal(messages.Handshake("stranger")))
+        stranger.send(seal.seal(messages.ReleaseBlocks([params["remote_request_id"]])))
+        for _ in range(3000):  # a flood of forged lease renewals
+            stranger.send(seal.seal(messages.RenewLeases([params["remote_request_id"]])))
+        assert not stranger.poll(1500), "the stranger got an answer"
+    finally:
+        context.destroy(linger=0)
+    wait_for(
+        lambda: (
+            metric(metrics(prefill.url), "pdserve_kv_side_channel_rejected_total", reason="unauthenticated")
+            >= before + 3002
+        ),
+        10,
+        "the refusals were not counted",
+    )
+    # Nothing was released: the decode leg still pulls the blocks, and the router keeps serving meanwhile.
+    assert metrics(prefill.url)["pdserve_kv_blocks_held_for_remote"] > 0
+    body = completion_body(PROMPT + " stranger", max_tokens=2, kv_transfer_params=params)
+    status, answer, headers = _post(cluster.decodes[0].url, "/v1/completions", body, True)
+    assert status == 200 and KV_PARAMS_REJECTED_HEADER not in headers, (answer, headers)
+    status, answer, _ = _post(cluster.router.url, "/v1/completions", completion_body(PROMPT, max_tokens=2), False)
+    assert status == 200, answer
+
+
+def test_the_router_takes_the_engines_signed_kv_events(cluster):
+    wait_for(
+        lambda: metric(metrics(cluster.router.url), "pdserve_router_kv_event_batches_total") > 0,
+        10,
+        "no KV-event batch was applied",
+    )
+    assert metric(metrics(cluster.router.url), "pdserve_router_kv_events_malformed_total") == 0
+
+
+def test_nothing_is_left_owned_held_or_waiting(cluster):
+    for process in (*cluster.prefills, *cluster.decodes):
+        wait_for(lambda process=process: idle(metrics(process.url)), 15, f"{process.name} is not idle")
