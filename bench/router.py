@@ -9,7 +9,8 @@ minimal keep-alive HTTP/1.1 client, so that client cost does not hide proxy cost
 Measured, for streamed /v1/completions requests:
 (a) a client making both legs itself (prefill, then decode with the returned params): p50, p99 latency;
 (b) the same through our router: p50, p99, and added = p50(b) - p50(a);
-(c) requests/s through our router with 64 requests in flight, for a few seconds;
+(c) requests/s through our router with 64 requests in flight, for a few seconds; (b) and (c) again with a cluster
+    secret, the router signing both legs (what production runs: the stubs do not check the signature);
 (d) the same (latency and requests/s) through the FastAPI + httpx baseline, when fastapi/httpx/uvicorn are
     installed (``.venv/bin/pip install fastapi httpx uvicorn``); otherwise skipped with a message.
 
@@ -121,10 +122,13 @@ async def serve_stubs(prefill_port: int, decode_port: int) -> None:
 # ----- proxies under test -------------------------------------------------------------------------------------
 
 
-async def serve_router(port: int, prefill: str, decode: str) -> None:
+async def serve_router(port: int, prefill: str, decode: str, signed: bool = False) -> None:
+    from pdserve.api.auth import new_secret
     from pdserve.router import RouterConfig, start_router
 
-    await start_router(RouterConfig([prefill], [decode]), port=port)
+    await start_router(
+        RouterConfig([prefill], [decode], kv_secret=new_secret().encode() if signed else None), port=port
+    )
     print("ready", flush=True)
     await asyncio.Event().wait()
 
@@ -328,6 +332,11 @@ async def run(requests: int, seconds: float, plot: Path | None) -> None:
         rps = await throughput(lambda: TwoLegClient(prefill, decode), seconds)
         rows.append({"name": "client makes both legs", "p50_ms": p50, "p99_ms": p99, "rps": rps})
         rows.append(await measure_proxy("pdserve router", "router", prefill, decode, proxy_core, requests, seconds))
+        rows.append(
+            await measure_proxy(
+                "pdserve router, signed", "router-signed", prefill, decode, proxy_core, requests, seconds
+            )
+        )
         if _have_baseline():
             rows.append(
                 await measure_proxy("FastAPI + httpx proxy", "baseline", prefill, decode, proxy_core, requests, seconds)
@@ -350,8 +359,8 @@ async def run(requests: int, seconds: float, plot: Path | None) -> None:
             f"{row['name']:<24}{row['p50_ms']:>9.3f}{row['p99_ms']:>9.3f}"
             f"{'-' if row is direct else f'{added:+.3f}':>14}{row['rps']:>9.0f}"
         )
-    router = rows[1]
-    baseline = rows[2] if len(rows) > 2 else None
+    router, signed = rows[1], rows[2]
+    baseline = rows[3] if len(rows) > 3 else None
     if plot:
         bar_chart(
             plot,
@@ -374,6 +383,7 @@ async def run(requests: int, seconds: float, plot: Path | None) -> None:
                 "bench": "router",
                 "overhead_p50_ms": round(router["p50_ms"] - direct["p50_ms"], 3),
                 "router_rps": round(router["rps"], 1),
+                "signed_router_rps": round(signed["rps"], 1),
                 "baseline_rps": round(baseline["rps"], 1) if baseline else None,
                 "ratio": round(router["rps"] / baseline["rps"], 2) if baseline else None,
             }
@@ -386,7 +396,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000, help="sequential requests per latency measurement")
     parser.add_argument("--seconds", type=float, default=4.0, help="length of each requests/s measurement")
     add_plot_argument(parser)
-    parser.add_argument("--serve", choices=["stubs", "router", "baseline"], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=["stubs", "router", "router-signed", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--decode-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--prefill", help=argparse.SUPPRESS)
@@ -394,8 +404,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.serve == "stubs":
         asyncio.run(serve_stubs(args.port, args.decode_port))
-    elif args.serve == "router":
-        asyncio.run(serve_router(args.port, args.prefill, args.decode))
+    elif args.serve in ("router", "router-signed"):
+        asyncio.run(serve_router(args.port, args.prefill, args.decode, signed=args.serve == "router-signed"))
     elif args.serve == "baseline":
         serve_baseline(args.port, args.prefill, args.decode)
     else:

@@ -9,8 +9,6 @@ lease. Once things settle, no engine owns a KV block, waits for remote KV or hol
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 import urllib.request
@@ -18,21 +16,12 @@ import urllib.request
 import pytest
 
 from pdserve.testing.metrics import idle, metric, scrape
-from tests.pd.cluster import Cluster, post, wait_for
+from tests.chaos.load import request, two_waves_around_a_stop
+from tests.pd.cluster import Cluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 LEASE_S = 8
-
-
-def _processes_of(pid: int) -> list[int]:
-    """The process and its descendants (an engine's API process and its EngineCore)."""
-    found = [pid]
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as handle:
-            for child in handle.read().split():
-                found += _processes_of(int(child))
-    return found
 
 
 def _health_latency(url: str) -> float:
@@ -56,21 +45,9 @@ def cluster(tmp_path_factory):
     cluster.stop()
 
 
-def _request(router: str, number: int, results: dict[int, tuple[float, int, dict]]) -> None:
-    started = time.monotonic()
-    prompt = f"request {number}: " + " ".join(f"w{number}x{i}" for i in range(80))
-    body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    try:
-        status, answer = post(f"{router}/v1/completions", body, timeout=60)
-    except Exception as error:  # a non-JSON answer or a broken connection: a failure of this test
-        status, answer = -1, {"exception": repr(error)}
-    results[number] = (time.monotonic() - started, status, answer)
-
-
 def test_a_stopped_prefill_stalls_nobody_and_is_used_again_after_it_resumes(cluster):
     router, decode, prefill = cluster.router.url, cluster.decodes[0].url, cluster.prefills[0]
     assert _health_latency(router) < 5
-    results: dict[int, tuple[float, int, dict]] = {}
     worst_health = [0.0]
     watching = threading.Event()
 
@@ -81,29 +58,11 @@ def test_a_stopped_prefill_stalls_nobody_and_is_used_again_after_it_resumes(clus
 
     watcher = threading.Thread(target=watch_health)
     watcher.start()
-    first = [threading.Thread(target=_request, args=(router, n, results)) for n in range(16)]
-    for thread in first:
-        thread.start()
-    time.sleep(0.5)  # the first legs are under way
-    stopped = _processes_of(prefill.process.pid)
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
     try:
-        second = [threading.Thread(target=_request, args=(router, n, results)) for n in range(16, 32)]
-        for thread in second:
-            thread.start()
-        for thread in first + second:
-            thread.join(70)
-        assert not any(thread.is_alive() for thread in first + second), "a request hung"
+        results = two_waves_around_a_stop(router, prefill.process.pid)
     finally:
-        for pid in stopped:
-            os.kill(pid, signal.SIGCONT)
         watching.set()
         watcher.join()
-    assert len(results) == 32
-    for number, (seconds, status, answer) in results.items():
-        assert seconds <= 60, (number, seconds)
-        assert status == 200 or (status >= 400 and "error" in answer), (number, status, answer)
     succeeded = sum(status == 200 for _, status, _ in results.values())
     slowest = max(seconds for seconds, _, _ in results.values())
     print(f"prefill stopped: {succeeded}/32 succeeded, slowest {slowest:.1f} s, worst /health {worst_health[0]:.2f} s")
@@ -116,7 +75,7 @@ def test_a_stopped_prefill_stalls_nobody_and_is_used_again_after_it_resumes(clus
     number = 100
     while metric(scrape(router), "pdserve_router_requests_total", path="disagg") == disagg:
         assert time.monotonic() < deadline, "the disaggregated path was not used again within a lease"
-        _request(router, number, results)
+        request(router, number, results)
         number += 1
         time.sleep(0.5)
 
