@@ -102,7 +102,9 @@ class EngineArgs:
             def make_agent(kv_cache: torch.Tensor) -> TransferAgent:
                 # The agent registers the KV cache and the block generations with its transport,
                 # so both exist before the scheduler's block pool, which is then built on them.
-                agent = TransferAgent(kv_transfer, kv_cache, new_block_generations(kv_cache.shape[0]), compat_hash)
+                block_generations = new_block_generations(kv_cache.shape[0])
+                heads = [(0, model_config.num_kv_heads)]  # one rank holds every KV head
+                agent = TransferAgent(kv_transfer, kv_cache, block_generations, compat_hash, heads)
                 agents.append(agent)
                 return agent
 

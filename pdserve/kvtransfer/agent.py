@@ -84,9 +84,17 @@ class _Peer:
 
 class TransferAgent:
     def __init__(
-        self, config: KVTransferConfig, kv_cache: torch.Tensor, generations: np.ndarray, compat_hash: str
+        self,
+        config: KVTransferConfig,
+        kv_cache: torch.Tensor,
+        generations: np.ndarray,
+        compat_hash: str,
+        kv_head_ranges: list[tuple[int, int]] | None = None,
     ) -> None:
+        """``kv_head_ranges``: per rank, the [start, end) of the model's KV heads its cache holds
+        (advertised in handshakes; None: not said, taken as every head on one rank)."""
         self.config = config
+        self.kv_head_ranges = kv_head_ranges or []
         self.compat_hash = compat_hash
         self.faults = config.faults
         self.generations = generations
@@ -300,6 +308,7 @@ class TransferAgent:
             self.transport.num_blocks,
             self.transport.local_info() if error is None else {},
             error,
+            self.kv_head_ranges,
         )
 
     def _reply(self, identity: bytes, message: messages.SideChannelMessage, *data: memoryview) -> None:
@@ -549,6 +558,8 @@ class TransferAgent:
         error = reply.error
         if error is None and reply.compat_hash != self.compat_hash:
             error = "incompatible KV cache (model, dtype, block size or layout differ)"
+        if error is None:
+            error = messages.head_mapping_problem(self.kv_head_ranges, reply.kv_head_ranges)
         if error is None and reply.transport != self.transport.name:
             error = f"the remote engine uses the {reply.transport} transport, this one {self.transport.name}"
         if error is None:

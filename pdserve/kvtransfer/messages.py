@@ -44,6 +44,10 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply"):
     num_blocks: int
     transport_info: dict[str, Any]  # e.g. NIXL agent metadata and memory addresses
     error: str | None = None
+    # The engine's tensor-parallel layout: per rank, the [start, end) of the model's KV heads its cache
+    # holds (one rank today). Not in the compatibility hash: engines of one model at different TP sizes
+    # pair when every head the decode needs is somewhere on the prefill (``head_mapping_problem``).
+    kv_head_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
 
 class RenewLeases(msgspec.Struct, tag="renew"):
@@ -65,6 +69,20 @@ class BlocksReply(msgspec.Struct, tag="blocks"):
     request_id: str
     error: str | None = None  # None: the next frame holds the blocks' bytes
     checksum: int = 0  # CRC-32 of those bytes: a corrupted transfer is detected, never computed from
+
+
+def head_mapping_problem(local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> str | None:
+    """Why KV heads held as ``remote`` (per rank [start, end)) cannot fill ``local``'s ranks, or None.
+    Either side not saying its layout (an empty list) is taken as one rank holding every head."""
+    if not local or not remote:
+        return None
+    covered: set[int] = set()
+    for start, end in remote:
+        covered.update(range(start, end))
+    missing = sorted(head for start, end in local for head in range(start, end) if head not in covered)
+    if missing:
+        return f"the remote engine holds no KV for heads {missing[:8]} that this engine's ranks need"
+    return None
 
 
 SideChannelMessage = Handshake | HandshakeReply | RenewLeases | ReleaseBlocks | ReadBlocks | BlocksReply

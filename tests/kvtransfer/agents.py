@@ -35,14 +35,22 @@ def _kv_cache(filled: bool):
 class Engine:
     """One agent with its KV cache and generations, and everything it has reported so far."""
 
-    def __init__(self, *, filled: bool, compat: str = COMPAT, faults: KVFaults | None = None, **config: Any) -> None:
+    def __init__(
+        self,
+        *,
+        filled: bool,
+        compat: str = COMPAT,
+        faults: KVFaults | None = None,
+        heads: list[tuple[int, int]] | None = None,
+        **config: Any,
+    ) -> None:
         config.setdefault("transfer_timeout", 3.0)
         config.setdefault("transport", "tcp")
         self.config = KVTransferConfig(faults=faults or KVFaults(), **config)
         self.kv_cache = _kv_cache(filled)
         self.initial = self.kv_cache.clone()
         self.generations = np.zeros(NUM_BLOCKS, dtype=np.int64)
-        self.agent = TransferAgent(self.config, self.kv_cache, self.generations, compat)
+        self.agent = TransferAgent(self.config, self.kv_cache, self.generations, compat, heads)
         self.seen = KVConnectorOutput()
 
     def poll(self) -> KVConnectorOutput:

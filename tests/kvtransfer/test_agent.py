@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.config import KVFaults
 from pdserve.kvtransfer.work import LoadSpec, TransferWork
 from tests.kvtransfer.agents import BLOCK_BYTES, NUM_BLOCKS, assert_untouched, engines, load
@@ -283,3 +284,27 @@ def test_replies_from_two_prefill_engines_with_the_same_request_id_land_in_their
         assert "from-b" in decode.seen.finished_recving and "from-a" in decode.seen.failed_recving
         assert torch.equal(decode.block(2), b.block(3))
         assert torch.equal(decode.block(1), decode.initial[1])
+
+
+# ----- the tensor-parallel layout in the handshake -------------------------------------------------------
+
+
+def test_head_mapping_needs_every_local_head_somewhere_on_the_remote():
+    problem = messages.head_mapping_problem
+    assert problem([(0, 8)], [(0, 8)]) is None
+    assert problem([(0, 8)], [(0, 4), (4, 8)]) is None  # decode TP 1 from prefill TP 2
+    assert problem([(0, 4), (4, 8)], [(0, 8)]) is None  # decode TP 2 from prefill TP 1
+    assert problem([(0, 2), (0, 2), (2, 4), (2, 4)], [(0, 4)]) is None  # replicated KV heads (GQA, TP 4)
+    assert problem([], [(0, 4)]) is None and problem([(0, 4)], []) is None  # not said: one rank, every head
+    assert "heads [4, 5, 6, 7]" in problem([(0, 8)], [(0, 4)])
+
+
+def test_a_prefill_holding_too_few_heads_is_refused_at_the_handshake():
+    with engines({"filled": True, "heads": [(0, 4)]}, {"filled": False, "heads": [(0, 4), (4, 8)]}) as (
+        prefill,
+        decode,
+    ):
+        prefill.agent.submit(TransferWork(holds=[("p", [1])]))
+        decode.agent.submit(TransferWork(loads=[load("d", prefill.remote("p", [1]), [2])]))
+        decode.wait_for(lambda seen: seen.failed_recving == {"d"}, "the refused pull")
+        assert_untouched(decode)
