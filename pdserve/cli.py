@@ -56,6 +56,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
+        "--distributed-executor-backend",
+        choices=["uni", "mp"],
+        default="uni",
+        help="where the model runs: uni, in the engine core's process; mp, in a worker process of its own",
+    )
+    parser.add_argument(
         "--max-pending-requests",
         type=int,
         default=4096,
@@ -170,6 +176,7 @@ _FORWARDED_ENGINE_FLAGS = (
     "kv_cache_memory",
     "gpu_memory_utilization",
     "enable_prefix_caching",
+    "distributed_executor_backend",
     "kv_transfer",
     "kv_lease_seconds",
     "kv_transfer_timeout",
@@ -224,18 +231,25 @@ def _engine_args(args: argparse.Namespace, role: Role, secret: bytes | None):  #
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
         role=role.name,
+        distributed_executor_backend=args.distributed_executor_backend,
         kv_transfer=kv_transfer,
         kv_events_host=args.kv_side_channel_host or args.host,
         kv_events_port=None if args.kv_events_port < 0 else args.kv_events_port,
     )
 
 
-async def _wait_for_signal() -> None:
+async def _wait_for_signal(*others: asyncio.Event) -> None:
+    """Until SIGTERM or SIGINT, or until one of ``others`` is set."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
+    waits = [asyncio.create_task(event.wait()) for event in (stop, *others)]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 async def _run_engine(args: argparse.Namespace, role: Role) -> None:
@@ -255,8 +269,14 @@ async def _run_engine(args: argparse.Namespace, role: Role) -> None:
         _engine_args(args, role, secret), args.host, args.port, args.served_model_name, args.api_key, limits, verifier
     )
     print(f"pdserve {role.name} engine serving {running.server.model_name} at {running.url}/v1", flush=True)
-    await _wait_for_signal()
+    client = running.server.client
+    await _wait_for_signal(client.died)
     log = logging.getLogger("pdserve")
+    if client.died.is_set():
+        # Its requests were answered 503 when it died; nothing can serve more: exit, so the pod restarts.
+        log.error("the engine core died: stopping")
+        await running.close()
+        raise SystemExit(1)
     timeout = args.drain_timeout if args.drain_timeout is not None else args.kv_lease_seconds + 15
     log.info("draining: refusing new requests; waiting up to %.0f s for running ones and held KV blocks", timeout)
     if not await running.drain(timeout):

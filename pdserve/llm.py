@@ -85,6 +85,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         enable_prefix_caching: bool = True,
         max_logprobs: int = 20,
+        distributed_executor_backend: str = "uni",
     ) -> None:
         args = EngineArgs(
             model=model,
@@ -99,6 +100,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             num_kv_blocks=num_kv_blocks,
             enable_prefix_caching=enable_prefix_caching,
+            distributed_executor_backend=distributed_executor_backend,
         )
         self.engine, self.model_config = args.build_engine_core()
         self.tokenizer = load_tokenizer(tokenizer or args.resolved_model())
@@ -151,6 +153,16 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     # ----- internals ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine (its worker process, with ``distributed_executor_backend="mp"``)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _add(self, token_ids: list[int], per_choice: list[SamplingParams]) -> list[_Pending]:
         children = []

@@ -21,10 +21,15 @@ from pdserve.kvtransfer.params import kv_compat_hash
 from pdserve.models.config import ModelConfig, resolve_dtype
 from pdserve.models.demo import ensure_demo_model
 from pdserve.models.fingerprint import weights_fingerprint
+from pdserve.worker.interface import ModelExecutor
 from pdserve.worker.kv_cache import KV_CACHE_LAYOUT, RunnerConfig
 from pdserve.worker.model_runner import ModelRunner
+from pdserve.worker.multiproc import MultiprocExecutor
+from pdserve.worker.process import WorkerSpec
 
 logger = logging.getLogger(__name__)
+
+EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 @dataclass
@@ -45,6 +50,8 @@ class EngineArgs:
     kv_transfer: KVTransferConfig | None = None  # P/D roles: how blocks move (default settings when None)
     kv_events_host: str = "127.0.0.1"  # where the core publishes KV-cache events for routers
     kv_events_port: int | None = 0  # 0: a free port; None: no events
+    # Where the model runs: "uni" in the core's own process, "mp" in a worker process of its own.
+    distributed_executor_backend: str = "uni"
 
     def __post_init__(self) -> None:
         role = engine_role(self.role)
@@ -54,13 +61,19 @@ class EngineArgs:
             raise ValueError(f"the {role.name} role moves no KV blocks: kv_transfer settings need a P/D role")
         if self.kv_transfer is not None:  # the role says whether peers may read this engine's blocks
             self.kv_transfer = replace(self.kv_transfer, serves_blocks=role.serves_blocks)
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed executor backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
 
     def resolved_model(self) -> str:
         return self.model or str(ensure_demo_model())
 
     def build_engine_core(self) -> tuple[EngineCore, ModelConfig]:
-        """Load the model onto its device, then build the scheduler around the KV cache it sized;
-        with P/D on, the transfer agent over that cache and the connector that drives it."""
+        """Load the model onto its device (in this process, or in a worker process), then build the
+        scheduler around the KV cache it sized; with P/D on, the transfer agent over that cache (next
+        to it, in the worker) and the connector that drives it."""
         folder = self.resolved_model()
         model_config = ModelConfig.from_folder(folder)
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -77,11 +90,10 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_blocks=self.num_kv_blocks,
         )
-        agents: list[TransferAgent] = []
+        kv_transfer = self.kv_transfer
         compat_hash = ""
-        make_agent = None
-        if self.kv_transfer is not None:
-            kv_transfer = self.kv_transfer
+        heads = [(0, model_config.num_kv_heads)]  # one rank holds every KV head
+        if kv_transfer is not None:
             # Exactly what determines a token's KV: the weights, rope and window, the cache's dtype,
             # block size, shape and layout. Not the tensor-parallel size: engines of one model at
             # different TP sizes may pair (each rank's head ranges are a handshake matter).
@@ -98,17 +110,29 @@ class EngineArgs:
                 block_size=self.block_size,
                 layout=KV_CACHE_LAYOUT,
             )
+        executor: ModelExecutor
+        generations = None
+        agent_port = 0
+        if self.distributed_executor_backend == "mp":
+            worker = MultiprocExecutor(WorkerSpec(model_config, runner_config, kv_transfer, compat_hash, heads))
+            executor, num_blocks, description = worker, worker.num_blocks, worker.describe()
+            generations, agent_port = worker.generations, worker.agent_port or 0
+        else:
+            agents: list[TransferAgent] = []
 
             def make_agent(kv_cache: torch.Tensor) -> TransferAgent:
                 # The agent registers the KV cache and the block generations with its transport,
                 # so both exist before the scheduler's block pool, which is then built on them.
+                assert kv_transfer is not None
                 block_generations = new_block_generations(kv_cache.shape[0])
-                heads = [(0, model_config.num_kv_heads)]  # one rank holds every KV head
                 agent = TransferAgent(kv_transfer, kv_cache, block_generations, compat_hash, heads)
                 agents.append(agent)
                 return agent
 
-        runner = ModelRunner(model_config, runner_config, make_agent)
+            runner = ModelRunner(model_config, runner_config, make_agent if kv_transfer is not None else None)
+            executor, num_blocks, description = runner, runner.num_blocks, runner.describe()
+            if agents:
+                generations, agent_port = agents[0].generations, agents[0].port
         logger.info(
             "%s engine: model %s (%s, %s on %s); %s",
             self.role,
@@ -116,17 +140,15 @@ class EngineArgs:
             model_config.architecture,
             dtype,
             device,
-            runner.describe(),
+            description,
         )
         connector = None
-        generations = None
-        if agents:
-            agent = agents[0]
-            generations = agent.generations
-            connector = PDConnectorScheduler(agent.config, compat_hash, self.block_size, agent.port, generations)
+        if kv_transfer is not None:
+            assert generations is not None  # the agent made them
+            connector = PDConnectorScheduler(kv_transfer, compat_hash, self.block_size, agent_port, generations)
         scheduler = Scheduler(
             SchedulerConfig(
-                num_blocks=runner.num_blocks,
+                num_blocks=num_blocks,
                 block_size=self.block_size,
                 max_model_len=max_model_len,
                 max_num_seqs=self.max_num_seqs,
@@ -136,4 +158,4 @@ class EngineArgs:
             connector,
             generations,
         )
-        return EngineCore(scheduler, runner), model_config
+        return EngineCore(scheduler, executor), model_config

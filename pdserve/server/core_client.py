@@ -71,6 +71,7 @@ class EngineCoreClient:
         self._encode = msgspec.msgpack.Encoder().encode
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
         self._dead: EngineDeadError | None = None
+        self.died = asyncio.Event()  # set when the core process exits without being asked to
         self._dumps: dict[int, asyncio.Future[list[bytes]]] = {}
         self._next_dump = itertools.count()
         self._receiver = asyncio.get_running_loop().create_task(self._receive())
@@ -210,6 +211,7 @@ class EngineCoreClient:
         for queue in self._queues.values():
             queue.put_nowait(self._dead)
         self._queues.clear()
+        self.died.set()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to stop, wait for it (kill it after ``timeout``), release the sockets."""

@@ -1,5 +1,6 @@
 """Disaggregated serving through the router equals colocated serving, token for token: 1P1D over
-NIXL and over TCP, and 2P2D over NIXL, each a real cluster of processes started once."""
+NIXL and over TCP, 2P2D over NIXL, and 1P1D over NIXL with each engine's model (and transfer agent)
+in a worker process of its own, each a real cluster of processes started once."""
 
 from __future__ import annotations
 
@@ -38,12 +39,20 @@ def expected() -> list[str]:
 
 
 @pytest.fixture(
-    scope="module", params=[("nixl", 1, 1), ("tcp", 1, 1), ("nixl", 2, 2)], ids=["nixl-1p1d", "tcp-1p1d", "nixl-2p2d"]
+    scope="module",
+    params=[("nixl", 1, 1, "uni"), ("tcp", 1, 1, "uni"), ("nixl", 2, 2, "uni"), ("nixl", 1, 1, "mp")],
+    ids=["nixl-1p1d", "tcp-1p1d", "nixl-2p2d", "nixl-1p1d-workers"],
 )
 def cluster(request, tmp_path_factory):
-    transport, num_prefill, num_decode = request.param
+    transport, num_prefill, num_decode, executor = request.param
+    flags = ("--distributed-executor-backend", executor)
     cluster = Cluster.start(
-        tmp_path_factory.mktemp(f"{transport}-{num_prefill}p{num_decode}d"), transport, num_prefill, num_decode
+        tmp_path_factory.mktemp(f"{transport}-{num_prefill}p{num_decode}d-{executor}"),
+        transport,
+        num_prefill,
+        num_decode,
+        prefill_flags=flags,
+        decode_flags=flags,
     )
     yield cluster
     cluster.stop()

@@ -1,0 +1,207 @@
+"""A step's work order on the wire, for a worker in another process (``multiproc``).
+
+The core sends each step only what the worker cannot know: requests it has not seen in full
+(:class:`NewRequest`), the tokens and block ids each known request gained since it was last sent,
+and the step's shape. The worker keeps every scheduled request's state between steps
+(:class:`WorkerRequest`, read by the model runner as a ``ScheduledRequest``) and drops it when the
+request finishes or is preempted (a preempted request comes back as new, from position 0), as vLLM's
+cached request state does. Encoded with msgspec (msgpack); the answer is the runner's own
+``ModelRunnerOutput``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from pdserve.kvtransfer.work import TransferWork
+from pdserve.worker.interface import ModelRunnerOutput, SamplingOptions, ScheduledRequest, SchedulerOutput
+
+
+class WorkerSampling(msgspec.Struct, frozen=True, array_like=True):
+    """The sampling settings a worker reads (the ``SamplingOptions`` protocol), as sent."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logprobs: int | None
+    prompt_logprobs: int | None
+    greedy: bool
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy
+
+    @classmethod
+    def of(cls, params: SamplingOptions) -> WorkerSampling:
+        return cls(
+            params.temperature,
+            params.top_p,
+            params.top_k,
+            params.min_p,
+            params.seed,
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+            params.logprobs,
+            params.prompt_logprobs,
+            params.is_greedy,
+        )
+
+
+class NewRequest(msgspec.Struct, array_like=True):
+    request_id: str
+    token_ids: list[int]  # prompt, then every output token so far
+    num_prompt_tokens: int
+    sampling: WorkerSampling
+
+
+class Step(msgspec.Struct, array_like=True, tag="step"):
+    new_requests: list[NewRequest]
+    # Parallel to the scheduled requests, in running order.
+    request_ids: list[str]
+    new_token_ids: list[list[int]]  # tokens each gained since last sent (empty for a new request)
+    new_block_ids: list[list[int]]  # block ids appended to its table since last sent (all, for a new one)
+    num_scheduled_tokens: list[int]
+    start_positions: list[int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: list[str]
+    finished_req_ids: list[str]
+    kv_connector_metadata: TransferWork | None = None
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
+    pass
+
+
+WorkerInput = Step | Shutdown
+
+
+class StepEncoder:
+    """The core's side: turns each ``SchedulerOutput`` into a :class:`Step`, remembering per request
+    how many tokens and block ids the worker has."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens, block ids) the worker has
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    def encode(self, output: SchedulerOutput[ScheduledRequest]) -> bytes:
+        sent = self._sent
+        for request_id in output.preempted_req_ids | output.finished_req_ids:
+            sent.pop(request_id, None)
+        new_requests: list[NewRequest] = []
+        new_tokens: list[list[int]] = []
+        new_blocks: list[list[int]] = []
+        for request, block_ids in zip(output.requests, output.block_ids, strict=True):
+            request_id = request.request_id
+            known = sent.get(request_id)
+            num_tokens = request.num_tokens
+            if known is None:
+                new_requests.append(
+                    NewRequest(
+                        request_id,
+                        list(request.all_token_ids),
+                        request.num_prompt_tokens,
+                        WorkerSampling.of(request.sampling_params),
+                    )
+                )
+                new_tokens.append([])
+                new_blocks.append(list(block_ids))
+            else:
+                num_sent_tokens, num_sent_blocks = known
+                new_tokens.append(request.all_token_ids[num_sent_tokens:] if num_tokens > num_sent_tokens else [])
+                new_blocks.append(block_ids[num_sent_blocks:])
+            sent[request_id] = (num_tokens, len(block_ids))
+        return self._encode(
+            Step(
+                new_requests,
+                [request.request_id for request in output.requests],
+                new_tokens,
+                new_blocks,
+                output.num_scheduled_tokens,
+                output.start_positions,
+                output.total_num_scheduled_tokens,
+                sorted(output.preempted_req_ids),
+                sorted(output.finished_req_ids),
+                output.kv_connector_metadata,
+            )
+        )
+
+
+@dataclass(slots=True, eq=False)
+class WorkerRequest:
+    """A request's state as a worker keeps it between steps (a ``ScheduledRequest``)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: WorkerSampling
+    block_ids: list[int]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class StepDecoder:
+    """The worker's side: applies each :class:`Step` to the requests it keeps and rebuilds the
+    ``SchedulerOutput`` its model runner takes."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, WorkerRequest] = {}
+        self._decode = msgspec.msgpack.Decoder(WorkerInput).decode
+
+    def decode(self, frame: bytes) -> SchedulerOutput[WorkerRequest] | None:
+        """The step's work order, or None for a shutdown."""
+        message = self._decode(frame)
+        if isinstance(message, Shutdown):
+            return None
+        requests = self.requests
+        for request_id in (*message.preempted_req_ids, *message.finished_req_ids):
+            requests.pop(request_id, None)
+        for new in message.new_requests:
+            requests[new.request_id] = WorkerRequest(
+                new.request_id, new.token_ids, new.num_prompt_tokens, new.sampling, []
+            )
+        scheduled: list[WorkerRequest] = []
+        for request_id, tokens, blocks in zip(
+            message.request_ids, message.new_token_ids, message.new_block_ids, strict=True
+        ):
+            request = requests[request_id]
+            request.token_ids.extend(tokens)
+            request.block_ids.extend(blocks)
+            scheduled.append(request)
+        return SchedulerOutput(
+            scheduled,
+            message.num_scheduled_tokens,
+            message.start_positions,
+            [request.block_ids for request in scheduled],
+            message.total_num_scheduled_tokens,
+            set(message.preempted_req_ids),
+            set(message.finished_req_ids),
+            message.kv_connector_metadata,
+        )
+
+
+encode_output = msgspec.msgpack.Encoder().encode
+decode_output: Any = msgspec.msgpack.Decoder(ModelRunnerOutput).decode
+encode_shutdown = msgspec.msgpack.Encoder().encode(Shutdown())
