@@ -62,6 +62,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="where the model runs: uni, in the engine core's process; mp, in a worker process of its own",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many ranks, one worker process each (implies mp; colocated only for now)",
+    )
+    parser.add_argument(
         "--max-pending-requests",
         type=int,
         default=4096,
@@ -232,6 +239,7 @@ def _engine_args(args: argparse.Namespace, role: Role, secret: bytes | None):  #
         enable_prefix_caching=args.enable_prefix_caching,
         role=role.name,
         distributed_executor_backend=args.distributed_executor_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
         kv_transfer=kv_transfer,
         kv_events_host=args.kv_side_channel_host or args.host,
         kv_events_port=None if args.kv_events_port < 0 else args.kv_events_port,
@@ -341,6 +349,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.prefill < 1 or args.decode < 1:
         sys.stderr.write("--prefill and --decode must be at least 1\n")
+        return 2
+    if args.tensor_parallel_size != 1:
+        sys.stderr.write(
+            "--tensor-parallel-size: P/D engines run at tensor-parallel size 1 for now (use --mode colocated)\n"
+        )
         return 2
     logging.getLogger("pdserve").setLevel(args.log_level.upper())
     if args.model is None:

@@ -86,6 +86,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_logprobs: int = 20,
         distributed_executor_backend: str = "uni",
+        tensor_parallel_size: int = 1,
     ) -> None:
         args = EngineArgs(
             model=model,
@@ -101,6 +102,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             enable_prefix_caching=enable_prefix_caching,
             distributed_executor_backend=distributed_executor_backend,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine, self.model_config = args.build_engine_core()
         self.tokenizer = load_tokenizer(tokenizer or args.resolved_model())

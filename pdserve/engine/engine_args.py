@@ -21,6 +21,7 @@ from pdserve.kvtransfer.params import kv_compat_hash
 from pdserve.models.config import ModelConfig, resolve_dtype
 from pdserve.models.demo import ensure_demo_model
 from pdserve.models.fingerprint import weights_fingerprint
+from pdserve.models.parallel import split_problem
 from pdserve.worker.interface import ModelExecutor
 from pdserve.worker.kv_cache import KV_CACHE_LAYOUT, RunnerConfig
 from pdserve.worker.model_runner import ModelRunner
@@ -50,8 +51,10 @@ class EngineArgs:
     kv_transfer: KVTransferConfig | None = None  # P/D roles: how blocks move (default settings when None)
     kv_events_host: str = "127.0.0.1"  # where the core publishes KV-cache events for routers
     kv_events_port: int | None = 0  # 0: a free port; None: no events
-    # Where the model runs: "uni" in the core's own process, "mp" in a worker process of its own.
+    # Where the model runs: "uni" in the core's own process, "mp" in worker processes of their own.
     distributed_executor_backend: str = "uni"
+    # Ranks the model is split over, one worker process each (more than 1 implies "mp").
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         role = engine_role(self.role)
@@ -61,6 +64,13 @@ class EngineArgs:
             raise ValueError(f"the {role.name} role moves no KV blocks: kv_transfer settings need a P/D role")
         if self.kv_transfer is not None:  # the role says whether peers may read this engine's blocks
             self.kv_transfer = replace(self.kv_transfer, serves_blocks=role.serves_blocks)
+        if self.tensor_parallel_size > 1:
+            if self.kv_transfer is not None:
+                raise ValueError(
+                    "P/D roles run at tensor-parallel size 1 for now: pulling KV between engines of other TP "
+                    "sizes needs per-rank transfer agents, which are not built yet"
+                )
+            self.distributed_executor_backend = "mp"
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed executor backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
@@ -76,6 +86,11 @@ class EngineArgs:
         to it, in the worker) and the connector that drives it."""
         folder = self.resolved_model()
         model_config = ModelConfig.from_folder(folder)
+        problem = split_problem(
+            model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size, self.tensor_parallel_size
+        )
+        if problem is not None:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: {problem}")
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(self.dtype, device)
         max_model_len = self.max_model_len or model_config.max_model_len
@@ -89,6 +104,7 @@ class EngineArgs:
             kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_blocks=self.num_kv_blocks,
+            tp_size=self.tensor_parallel_size,
         )
         kv_transfer = self.kv_transfer
         compat_hash = ""

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from pdserve.models.attention import attention_backend
 from pdserve.models.config import ModelConfig
+from pdserve.models.parallel import TensorParallel, rank_config
 from pdserve.models.rope import RotaryEmbedding
 from pdserve.models.transformer import CausalLM, Linear
 
@@ -38,50 +41,87 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return shards
 
 
-def _target(model: CausalLM, name: str) -> tuple[torch.Tensor, slice | None, bool] | None:
+@dataclass(frozen=True)
+class _Target:
     """Where a checkpoint tensor goes: our parameter, the rows (output features) of it that the
-    tensor fills, and whether our parameter stores it transposed (our Linear keeps W as [in, out])."""
-    config = model.config
+    tensor fills, whether our parameter stores it transposed (our Linear keeps W as [in, out]),
+    and the part of the checkpoint tensor this rank reads (rows, then columns; None: all of it)."""
+
+    param: torch.Tensor
+    rows: slice | None = None
+    transposed: bool = False
+    source_rows: slice | None = None
+    source_columns: slice | None = None
+
+
+def _target(model: CausalLM, name: str, config: ModelConfig, tp: TensorParallel) -> _Target | None:
+    """``config`` is the whole model's (the checkpoint's shapes); ``model`` holds this rank's share."""
     match = _LAYER.match(name)
     if match is None:
+        vocab = slice(model.embed_tokens.start, model.embed_tokens.end)
         simple = {
-            "model.embed_tokens.weight": model.embed_tokens.weight,
-            "model.norm.weight": model.norm.weight,
-            "lm_head.weight": None if model.lm_head is None else model.lm_head.weight,
+            "model.embed_tokens.weight": _Target(model.embed_tokens.weight, source_rows=vocab),
+            "model.norm.weight": _Target(model.norm.weight),
+            "lm_head.weight": None if model.lm_head is None else _Target(model.lm_head.weight, source_rows=vocab),
         }
-        param = simple.get(name)
-        return None if param is None else (param, None, False)
+        return simple.get(name)
     layer = model.layers[int(match.group(1))]
     module_name, _, kind = match.group(2).rpartition(".")
-    q_size = config.num_heads * config.head_dim
-    kv_size = config.num_kv_heads * config.head_dim
-    inter = config.intermediate_size
+    head_dim = config.head_dim
+    q_start, q_end = tp.even_range(config.num_heads)
+    kv_start, kv_end = tp.kv_head_range(config.num_kv_heads)
+    inter_start, inter_end = tp.even_range(config.intermediate_size)
+    q_size, kv_size, inter = (q_end - q_start) * head_dim, (kv_end - kv_start) * head_dim, inter_end - inter_start
+    q_rows, kv_rows = slice(q_start * head_dim, q_end * head_dim), slice(kv_start * head_dim, kv_end * head_dim)
+    inter_rows = slice(inter_start, inter_end)
+    # Column-parallel: (our fused module, the rows it fills, the checkpoint rows this rank reads).
     fused = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q_size)),
-        "self_attn.k_proj": ("self_attn.qkv_proj", slice(q_size, q_size + kv_size)),
-        "self_attn.v_proj": ("self_attn.qkv_proj", slice(q_size + kv_size, q_size + 2 * kv_size)),
-        "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter)),
-        "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter)),
+        "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q_size), q_rows),
+        "self_attn.k_proj": ("self_attn.qkv_proj", slice(q_size, q_size + kv_size), kv_rows),
+        "self_attn.v_proj": ("self_attn.qkv_proj", slice(q_size + kv_size, q_size + 2 * kv_size), kv_rows),
+        "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter), inter_rows),
+        "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter), inter_rows),
     }
-    module_name, rows = fused.get(module_name, (module_name, None))
+    # Row-parallel: the checkpoint columns (input features) this rank reads; their biases are whole.
+    split_inputs = {"self_attn.o_proj": q_rows, "mlp.down_proj": inter_rows}
+    module_name, rows, source_rows = fused.get(module_name, (module_name, None, None))
+    source_columns = split_inputs.get(module_name) if kind == "weight" else None
     try:
         module = layer.get_submodule(module_name)
     except AttributeError:
         return None
     if isinstance(module, Linear) and kind == "weight":
-        return module.weight_t, rows, True
+        return _Target(module.weight_t, rows, True, source_rows, source_columns)
     param = getattr(module, kind, None)
-    return None if not isinstance(param, torch.nn.Parameter) else (param, rows, False)
+    if not isinstance(param, torch.nn.Parameter):
+        return None
+    return _Target(param, rows, False, source_rows)
+
+
+def _read(checkpoint: Any, name: str, target: _Target) -> torch.Tensor:
+    """The part of a checkpoint tensor this rank needs; only those bytes are read (memory-mapped)."""
+    if target.source_rows is None and target.source_columns is None:
+        return checkpoint.get_tensor(name)
+    part = checkpoint.get_slice(name)
+    rows = target.source_rows or slice(None)
+    return part[rows] if target.source_columns is None else part[rows, target.source_columns]
 
 
 def load_model(
-    folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    folder: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
+    """The model (this rank's share of it, under tensor parallelism ``tp``) with its weights."""
     folder = Path(folder)
+    tp = tp or TensorParallel()
     rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, dtype, device)
     # Built on the meta device: no time spent initialising weights that are overwritten next.
     with torch.device("meta"):
-        model = CausalLM(config, attention_backend(device), rotary)
+        model = CausalLM(rank_config(config, tp), attention_backend(device), rotary, tp)
     model = model.to_empty(device=device).to(dtype)
 
     filled: dict[int, int] = {}  # id(param) -> rows filled
@@ -92,21 +132,20 @@ def load_model(
                 for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
                     if _IGNORED.match(name) or (name == "lm_head.weight" and model.lm_head is None):
                         continue  # tied checkpoints sometimes store the shared matrix twice
-                    target = _target(model, name)
+                    target = _target(model, name, config, tp)
                     if target is None:
                         unexpected.append(name)
                         continue
-                    param, rows, transposed = target
-                    tensor = checkpoint.get_tensor(name)
-                    destination = param.t() if transposed else param
-                    if rows is not None:
-                        destination = destination[rows]
+                    tensor = _read(checkpoint, name, target)
+                    destination = target.param.t() if target.transposed else target.param
+                    if target.rows is not None:
+                        destination = destination[target.rows]
                     if destination.shape != tensor.shape:
                         raise ValueError(
                             f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(destination.shape)}"
                         )
                     destination.copy_(tensor)
-                    filled[id(param)] = filled.get(id(param), 0) + tensor.numel()
+                    filled[id(target.param)] = filled.get(id(target.param), 0) + tensor.numel()
     if unexpected:
         raise ValueError(f"checkpoint tensors with no place in {config.architecture}: {unexpected[:8]}")
     missing = [name for name, param in model.named_parameters() if filled.get(id(param), 0) != param.numel()]

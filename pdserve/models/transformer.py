@@ -4,6 +4,10 @@ The families differ only in attention details (biases on q/k/v, RMSNorm over q a
 which ModelConfig turns into flags. q/k/v and gate/up projections are fused into one matmul each
 (the loader concatenates the checkpoint's separate weights). Tokens arrive flattened across the
 batch, ``[num_tokens, hidden]``, with their positions; attention goes through the paged KV cache.
+
+Under tensor parallelism (``models/parallel.py``) a rank's modules are built from its share of the
+model (``rank_config``: its heads, KV heads and intermediate features); o and down projections
+all-reduce, the embedding and the LM head split the vocabulary. One rank computes as before.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pdserve.kernels import cpu_kernels
 from pdserve.kernels.reference import AttentionMetadata
 from pdserve.models.attention import AttentionBackend
 from pdserve.models.config import ModelConfig
+from pdserve.models.parallel import TensorParallel
 from pdserve.models.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K, V), each [blocks, block_size, kv_heads, head_dim]
@@ -60,8 +65,46 @@ class Linear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
 
+class RowParallelLinear(Linear):
+    """A Linear whose input features are split over the ranks: each multiplies its share, the
+    partial outputs are summed, then the (whole) bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        out = self.tp.all_reduce(torch.mm(x, self.weight_t))
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table split by vocabulary rows: a rank looks up the ids in its range, zeros
+    the rest, and the sum over ranks is the embedding. The same rows give the LM head's logits."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.ranges = tp.vocab_ranges(vocab_size)
+        self.start, self.end = self.ranges[tp.rank]
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.start) | (input_ids >= self.end)
+        local = (input_ids - self.start).masked_fill_(outside, 0)
+        return self.tp.all_reduce(F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0))
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``hidden @ weight.T`` over the whole vocabulary, ``weight`` being this rank's rows."""
+        return self.tp.all_gather_columns(F.linear(hidden, weight), [end - start for start, end in self.ranges])
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -70,7 +113,7 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, tp)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend = backend
@@ -99,11 +142,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -111,12 +154,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self,
@@ -139,16 +182,23 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        """``config``: the model as this rank holds it (``parallel.rank_config``)."""
         super().__init__()
+        tp = tp or TensorParallel()
         self.config = config
         self.rotary = rotary
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        rows = self.embed_tokens.end - self.embed_tokens.start
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], metadata: AttentionMetadata
@@ -163,4 +213,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.embed_tokens.logits(hidden, weight)

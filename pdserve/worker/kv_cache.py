@@ -35,6 +35,9 @@ class RunnerConfig:
     kv_cache_memory: int | None = None  # bytes (CPU); None: DEFAULT_CPU_KV_CACHE_BYTES
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # fixes the block count, overriding the memory budget
+    # Tensor parallelism: this runner is rank ``tp_rank`` of ``tp_size`` (the budget above is per rank).
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 def num_blocks_for(model: CausalLM, model_config: ModelConfig, config: RunnerConfig) -> int:

@@ -1,5 +1,9 @@
 """ModelRunner: owns one device's model, KV-cache tensors, sampler and the KV connector's worker
 side; runs one scheduled step (a forward over every scheduled token, then sampling).
+
+Under tensor parallelism every rank runs the same steps on its share of the model (its heads, its
+KV heads' cache); the logits come whole to every rank, so each samples the same tokens (seeded
+generators agree) and rank 0's answer is the one the core reads.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pdserve.kernels.reference import build_attention_metadata
 from pdserve.kvtransfer.base import KVConnectorWorker
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_model
+from pdserve.models.parallel import TensorParallel, rank_config
 from pdserve.worker.interface import NO_TOKEN, ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pdserve.worker.kv_cache import RunnerConfig, allocate_kv_cache, layer_views, num_blocks_for
 from pdserve.worker.sampler import Sampler, logprob_entries
@@ -54,22 +59,33 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         self.block_size = config.block_size
+        self.tp = TensorParallel(config.tp_rank, config.tp_size)
         self.model = load_model(
-            Path(config.model), model_config, config.dtype, config.device, max_positions=config.max_model_len
+            Path(config.model), model_config, config.dtype, config.device, config.max_model_len, self.tp
         )
+        # The KV cache holds this rank's KV heads: sized and shaped from its share of the model.
+        self.rank_model_config = rank_config(model_config, self.tp)
         self.sampler = Sampler(model_config.vocab_size, config.device)
         if self.device.type == "cpu":
             retain_freed_memory()
             if config.dtype == torch.float32:
                 cpu_ops()  # build (or load) the fused CPU kernels now, not inside the first request
-        self.num_blocks = num_blocks_for(self.model, model_config, config)
-        self.kv_cache = allocate_kv_cache(model_config, self.num_blocks, self.block_size, config.dtype, config.device)
+        num_blocks = num_blocks_for(self.model, self.rank_model_config, config)
+        if self.tp.size > 1:  # every rank holds the same block ids: the smallest budget decides
+            agreed = torch.tensor([num_blocks])
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            num_blocks = int(agreed.item())
+        self.num_blocks = num_blocks
+        self.kv_cache = allocate_kv_cache(
+            self.rank_model_config, self.num_blocks, self.block_size, config.dtype, config.device
+        )
         self.layer_caches = layer_views(self.kv_cache)
         self.kv_connector = make_kv_connector(self.kv_cache) if make_kv_connector is not None else None
 
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * self.model_config.kv_bytes_per_token(self.config.dtype)
+        """Of this rank's KV cache."""
+        return self.block_size * self.rank_model_config.kv_bytes_per_token(self.config.dtype)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> ModelRunnerOutput:
@@ -158,9 +174,17 @@ class ModelRunner:
 
     def describe(self) -> str:
         tokens = self.num_blocks * self.block_size
+        layout = ""
+        if self.tp.size > 1:
+            config, kv_start, kv_end = self.rank_model_config, *self.tp.kv_head_range(self.model_config.num_kv_heads)
+            layout = (
+                f"tensor parallel {self.tp.size}: per rank {config.num_heads} attention heads, KV heads "
+                f"[{kv_start}, {kv_end}) of {self.model_config.num_kv_heads}, {config.intermediate_size} MLP features; "
+            )
         return (
-            f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({tokens} tokens, "
-            f"{self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB {str(self.config.dtype)[6:]}); "
+            f"{layout}KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({tokens} tokens, "
+            f"{self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB {str(self.config.dtype)[6:]}"
+            f"{' per rank' if self.tp.size > 1 else ''}); "
             f"max concurrency at {self.config.max_model_len} tokens per request: "
             f"{tokens / self.config.max_model_len:.1f}x"
         )

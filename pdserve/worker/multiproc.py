@@ -11,6 +11,7 @@ to it pickled on stdin (this process spawned it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import msgspec
 import numpy as np
@@ -39,31 +41,45 @@ class WorkerDiedError(RuntimeError):
 
 class MultiprocExecutor:
     def __init__(self, spec: WorkerSpec, startup_timeout: float = 600.0) -> None:
+        """One worker process per tensor-parallel rank (``spec.runner.tp_size``); rank 0 answers."""
+        size = spec.runner.tp_size
         self._folder = tempfile.mkdtemp(prefix="pdserve-worker-")
-        steps_address = f"ipc://{os.path.join(self._folder, 'steps')}"
-        outputs_address = f"ipc://{os.path.join(self._folder, 'outputs')}"
         self._context = zmq.Context()
-        self._steps = self._context.socket(zmq.PUSH)
-        self._steps.setsockopt(zmq.LINGER, 0)
-        self._steps.bind(steps_address)
         self._outputs = self._context.socket(zmq.PULL)
         self._outputs.setsockopt(zmq.LINGER, 0)
+        outputs_address = f"ipc://{os.path.join(self._folder, 'outputs')}"
         self._outputs.bind(outputs_address)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.worker.process", steps_address, outputs_address, str(os.getpid())],
-            stdin=subprocess.PIPE,
-        )
+        self._steps: list[zmq.Socket[bytes]] = []
+        self.processes: list[subprocess.Popen[bytes]] = []
         self._encoder = StepEncoder()
+        if size > 1:
+            # The ranks meet through a file in this private folder (no port to pick or to collide on).
+            spec = replace(spec, distributed_init=f"file://{os.path.join(self._folder, 'distributed-init')}")
         try:
-            assert self.process.stdin is not None
-            self.process.stdin.write(pickle.dumps(spec))
-            self.process.stdin.close()
-            ready = msgspec.msgpack.decode(self._receive(startup_timeout), type=WorkerReady | WorkerFailed)
-            if isinstance(ready, WorkerFailed):
-                raise WorkerDiedError(f"the worker failed to start: {ready.message}")
+            for rank in range(size):
+                steps = self._context.socket(zmq.PUSH)
+                steps.setsockopt(zmq.LINGER, 0)
+                steps_address = f"ipc://{os.path.join(self._folder, f'steps-{rank}')}"
+                steps.bind(steps_address)
+                self._steps.append(steps)
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "pdserve.worker.process", steps_address, outputs_address, str(os.getpid())],
+                    stdin=subprocess.PIPE,
+                )
+                self.processes.append(process)
+                assert process.stdin is not None
+                process.stdin.write(pickle.dumps(replace(spec, runner=replace(spec.runner, tp_rank=rank))))
+                process.stdin.close()
+            readies: dict[int, WorkerReady] = {}
+            while len(readies) < size:
+                ready = msgspec.msgpack.decode(self._receive(startup_timeout), type=WorkerReady | WorkerFailed)
+                if isinstance(ready, WorkerFailed):
+                    raise WorkerDiedError(f"a worker failed to start: {ready.message}")
+                readies[ready.rank] = ready
         except BaseException:
             self.close()
             raise
+        ready = readies[0]
         self.num_blocks = ready.num_blocks
         self.agent_port = ready.agent_port
         self._description = ready.description
@@ -72,44 +88,58 @@ class MultiprocExecutor:
         if ready.generations_path is not None:
             self.generations = map_generations(ready.generations_path, ready.num_blocks)
 
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        """Rank 0's process."""
+        return self.processes[0]
+
     def describe(self) -> str:
-        return f"{self._description}; in worker process {self.process.pid}"
+        pids = ", ".join(str(process.pid) for process in self.processes)
+        return f"{self._description}; in worker process{'es' if len(self.processes) > 1 else ''} {pids}"
 
     def execute_model(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> ModelRunnerOutput:
+        frame = self._encoder.encode(scheduler_output)
         try:
-            self._steps.send(self._encoder.encode(scheduler_output), zmq.NOBLOCK)
-        except zmq.Again:  # nobody reads: the worker is gone
+            for steps in self._steps:
+                steps.send(frame, zmq.NOBLOCK)
+        except zmq.Again:  # nobody reads: a worker is gone
             raise WorkerDiedError(self._exit_reason()) from None
-        frame = self._receive(None)
+        answer = self._receive(None)
         try:
-            return decode_output(frame)
+            return decode_output(answer)
         except msgspec.ValidationError:
-            failed = msgspec.msgpack.decode(frame, type=WorkerFailed)
-            raise WorkerDiedError(f"the worker failed: {failed.message}") from None
+            failed = msgspec.msgpack.decode(answer, type=WorkerFailed)
+            raise WorkerDiedError(f"a worker failed: {failed.message}") from None
 
     def _receive(self, timeout: float | None) -> bytes:
-        """The worker's next message; WorkerDiedError if it exits (or ``timeout`` passes) first."""
+        """The workers' next message; WorkerDiedError if one exits (or ``timeout`` passes) first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._outputs.poll(POLL_MS):
-            if self.process.poll() is not None:
+            if any(process.poll() is not None for process in self.processes):
                 raise WorkerDiedError(self._exit_reason())
             if deadline is not None and time.monotonic() > deadline:
-                raise WorkerDiedError(f"the worker was not ready within {timeout:.0f} s")
+                raise WorkerDiedError(f"the workers were not ready within {timeout:.0f} s")
         return self._outputs.recv()
 
     def _exit_reason(self) -> str:
-        code = self.process.poll()
-        return f"the worker process {self.process.pid} exited (code {code})" if code is not None else "the worker hung"
+        for rank, process in enumerate(self.processes):
+            code = process.poll()
+            if code is not None:
+                return f"the worker process {process.pid} (rank {rank}) exited (code {code})"
+        return "a worker hung"
 
     def close(self) -> None:
-        if self.process.poll() is None:
+        for steps in self._steps:
+            with contextlib.suppress(zmq.ZMQError):
+                steps.send(encode_shutdown, zmq.NOBLOCK)
+        for process in self.processes:
             try:
-                self._steps.send(encode_shutdown, zmq.NOBLOCK)
-                self.process.wait(10)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait(10)
-        self._steps.close(linger=0)
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+        for steps in self._steps:
+            steps.close(linger=0)
         self._outputs.close(linger=0)
         self._context.term()
         shutil.rmtree(self._folder, ignore_errors=True)

@@ -43,9 +43,12 @@ class WorkerSpec:
     kv_transfer: KVTransferConfig | None = None  # P/D roles: the worker runs the transfer agent
     compat_hash: str = ""
     kv_head_ranges: list[tuple[int, int]] = field(default_factory=list)
+    # Tensor parallelism (runner.tp_size > 1): where the ranks meet to set up their process group.
+    distributed_init: str = ""
 
 
 class WorkerReady(msgspec.Struct, tag="ready"):
+    rank: int
     num_blocks: int
     description: str  # the runner's KV-cache summary, for the core's start-up log
     agent_port: int | None = None  # the transfer agent's side channel
@@ -82,6 +85,15 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
     from pdserve.kvtransfer.agent import TransferAgent
     from pdserve.worker.model_runner import ModelRunner
 
+    size = spec.runner.tp_size
+    if size > 1:
+        # One rank per core share unless the environment says otherwise (OMP_NUM_THREADS).
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        backend = "nccl" if spec.runner.device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(
+            backend, init_method=spec.distributed_init, rank=spec.runner.tp_rank, world_size=size
+        )
     context = zmq.Context()
     steps = context.socket(zmq.PULL)
     steps.connect(steps_address)
@@ -103,6 +115,7 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
         outputs.send(
             msgspec.msgpack.encode(
                 WorkerReady(
+                    spec.runner.tp_rank,
                     runner.num_blocks,
                     runner.describe(),
                     getattr(agent, "port", None),
@@ -111,11 +124,14 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
             )
         )
         decoder = StepDecoder()
+        answers = spec.runner.tp_rank == 0  # every rank runs each step; rank 0's output is the one read
         while True:
             work = decoder.decode(steps.recv())
             if work is None:
                 break
-            outputs.send(encode_output(runner.execute_model(work)))
+            output = runner.execute_model(work)
+            if answers:
+                outputs.send(encode_output(output))
         runner.close()
     except Exception as error:
         logger.exception("worker failed")
@@ -123,6 +139,8 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
             outputs.send(msgspec.msgpack.encode(WorkerFailed(f"{type(error).__name__}: {error}")))
         raise
     finally:
+        if size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         for path in shared:
             with contextlib.suppress(OSError):
                 os.unlink(path)
