@@ -15,17 +15,16 @@ import argparse
 import json
 import os
 import random
-import statistics
 import tempfile
-import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from throughput import MODEL, build_model
+from throughput import MODEL, build_model, median_decode_step, tokens_per_second
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.request import Request
 from pdserve.models.demo import ensure_demo_model
+
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # runs past every timed step
 
 
 def _llm(folder: str, backend: str) -> LLM:
@@ -37,35 +36,6 @@ def _llm(folder: str, backend: str) -> LLM:
         max_num_batched_tokens=2048,
         distributed_executor_backend=backend,
     )
-
-
-def tokens_per_second(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    num_tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
-    assert num_tokens == len(prompts) * new_tokens
-    return num_tokens / elapsed
-
-
-def decode_step_seconds(llm: LLM, prompt: list[int]) -> float:
-    """Median seconds of a decode step with one request running."""
-    engine = llm.engine
-    engine.add_request(Request("b1", prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)))
-    while (
-        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
-    ):
-        engine.step()
-    times = []
-    for _ in range(50):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    engine.abort_requests(["b1"])
-    engine.step()
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -89,7 +59,7 @@ def main() -> None:
                 with _llm(folder, backend) as llm:
                     rate = tokens_per_second(llm, prompts, args.new_tokens)
                     if repeat == 0:
-                        step[backend] = decode_step_seconds(llm, prompts[0])
+                        step[backend] = median_decode_step(llm.engine, prompts[:1], LONG, 50)
                 best[backend] = max(best[backend], rate)
                 print(f"  {backend:>3}: {rate:7.1f} output tok/s", flush=True)
     ratio = best["mp"] / best["uni"]

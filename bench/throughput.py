@@ -32,6 +32,7 @@ import torch
 from plots import add_plot_argument, bar_chart
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import Request
 from pdserve.models.demo import ensure_demo_model
 
@@ -89,28 +90,38 @@ def run_pdserve(folder: str, prompts: list[list[int]], new_tokens: int) -> tuple
         max_num_batched_tokens=2048,
     )
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    return tokens_per_second(llm, prompts, new_tokens), median_decode_step(llm.engine, prompts, params, 8)
+
+
+def tokens_per_second(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
+    """Output tokens/s of one ``generate`` of ``prompts`` (greedy, EOS ignored), after a small warm-up."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_tokens == len(prompts) * new_tokens
+    return num_tokens / elapsed
 
-    # Decode step at full batch: bring every request past its prompt, then time pure decode steps.
-    engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(Request(f"decode-{i}", prompt, params))
-    while (
-        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
-    ):
+
+def median_decode_step(engine: EngineCore, prompts: list[list[int]], params: SamplingParams, steps: int) -> float:
+    """Seconds of a pure decode step with ``prompts`` running: each brought past its prompt first,
+    then ``steps`` steps timed (median); the requests are aborted afterwards."""
+    ids = [f"decode-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(Request(request_id, prompt, params))
+    scheduler = engine.scheduler
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) or scheduler.waiting:
         engine.step()
     step_times = []
-    for _ in range(8):
+    for _ in range(steps):
         start_step = time.perf_counter()
         engine.step()
         step_times.append(time.perf_counter() - start_step)
-    engine.abort_requests([f"decode-{i}" for i in range(len(prompts))])
-    return num_tokens / elapsed, statistics.median(step_times)
+    engine.abort_requests(ids)
+    engine.step()
+    return statistics.median(step_times)
 
 
 def run_hf(folder: str, prompts: list[list[int]], new_tokens: int) -> float:

@@ -122,7 +122,7 @@ def test_a_worker_that_dies_fails_the_next_step_at_once(model):
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait(10)
         started = time.monotonic()
-        with pytest.raises(WorkerDiedError, match=f"{worker.pid} exited"):
+        with pytest.raises(WorkerDiedError, match=rf"{worker.pid} \(rank 0\) exited"):
             llm.generate("hello", SamplingParams(max_tokens=2))
         assert time.monotonic() - started < 2
     finally:

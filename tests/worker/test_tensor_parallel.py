@@ -1,5 +1,5 @@
-"""Tensor parallelism on CPU (gloo, 2 ranks, one worker process each): a model split over two ranks
-computes what it computes whole, token for token, with logprobs within 1e-4, through chunked prefill,
+"""Tensor parallelism on CPU (gloo, one worker process per rank; 2 ranks here, 4 in make test-slow): a model
+split over ranks computes what it computes whole, token for token, with logprobs within 1e-4, through chunked prefill,
 preemption and prefix-cache hits; for GQA (KV heads split), MQA (the one KV head replicated), q/k/v
 biases, tied and untied LM heads and a vocabulary that does not split evenly. A split that cannot be
 made is refused at start-up, naming why."""
@@ -47,9 +47,17 @@ def _run(llm: LLM) -> list[tuple[list[int], list[float]]]:
     return results
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_two_ranks_compute_what_one_computes(name, tmp_path):
-    family, overrides = MODELS[name]
+@pytest.mark.parametrize(
+    ("name", "size"),
+    [
+        *((name, 2) for name in MODELS),
+        # Four ranks (make test-slow): KV heads split four ways, and two KV heads each replicated on two ranks.
+        pytest.param("llama-mha-untied-odd-vocab", 4, marks=pytest.mark.slow),
+        pytest.param("llama-gqa4-tied-llama3rope", 4, marks=pytest.mark.slow),
+    ],
+)
+def test_split_ranks_compute_what_one_computes(name, size, tmp_path):
+    family, overrides = MODELS.get(name) or SHAPES[name]
     build_hf_model(family, dict(overrides), tmp_path)
     # Small batches and cache: prompts are chunked and requests preempted.
     settings = dict(
@@ -62,8 +70,8 @@ def test_two_ranks_compute_what_one_computes(name, tmp_path):
     with LLM(str(tmp_path), **settings) as whole:
         expected = _run(whole)
         preemptions = whole.engine.make_stats().num_preemptions
-    with LLM(str(tmp_path), tensor_parallel_size=2, **settings) as split:
-        assert len(split.engine.model_executor.processes) == 2
+    with LLM(str(tmp_path), tensor_parallel_size=size, **settings) as split:
+        assert len(split.engine.model_executor.processes) == size
         got = _run(split)
         assert split.engine.make_stats().num_preemptions == preemptions
     import torch  # after pdserve, which sets the OpenMP wait policy torch reads once
