@@ -3,14 +3,11 @@ on the network.
 
 It owns every piece of transfer state, and only this thread touches it:
 
-- the side channel (a ZMQ ROUTER on ``host:port``) where decode engines hand-shake, renew
-  leases, release blocks and (TCP transport) read them. Every message in and out is sealed
-  (:class:`messages.Seal`): with the cluster secret, a peer that cannot seal gets no answer at all,
-  and only a prefill engine's handshake says where its memory is;
-- the blocks this engine holds for remote decodes, with their lease deadlines: a release, a
-  completed pull or an expired lease ends a hold, reported as ``finished_sending`` (the
-  scheduler frees the blocks, which bumps their generations, so a later read is detected);
-- the pulls this engine runs as a decode: a lazy handshake per remote engine (compatibility hash
+- the side channel (a ZMQ ROUTER on ``host:port``) and the blocks this engine holds for remote
+  decodes, with their leases: the prefill side, in :class:`holds.HeldBlocks`. Every message in and
+  out is sealed (:class:`messages.Seal`): with the cluster secret, a peer that cannot seal gets no
+  answer at all, and only a prefill engine's handshake says where its memory is;
+- the pulls this engine runs as a decode (below): a lazy handshake per remote engine (compatibility hash
   checked, a restarted remote replaces the old one), the transfer, the generation check, and
   lease renewals while requests wait. Every wait has a deadline (``transfer_timeout``).
 
@@ -25,7 +22,6 @@ import logging
 import queue
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -36,6 +32,7 @@ import zmq
 from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.holds import HeldBlocks
 from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.kvtransfer.transport import Pull, Transport, make_transport
 from pdserve.kvtransfer.work import LoadSpec, TransferWork
@@ -45,9 +42,6 @@ logger = logging.getLogger(__name__)
 # How often the loop wakes while transfers or holds need polling (NIXL progress, notifications).
 ACTIVE_POLL_MS = 1
 IDLE_POLL_MS = 100
-EARLY_READ_GRACE_S = 1.0
-MAX_EARLY_READS = 1024
-MAX_REMEMBERED_RELEASES = 4096
 # Side-channel sockets to remote engines: at most this many open, and one unused this long is closed,
 # so naming many peers (or a client naming junk addresses) never runs the process out of descriptors.
 MAX_PEER_SOCKETS = 128
@@ -57,9 +51,6 @@ DEAD_PEER_MEMORY_S = 30.0
 MAX_DEAD_PEERS = 1024
 # Messages queued per peer socket before sends fail instead of blocking the agent thread.
 PEER_SEND_HWM = 1000
-# A hold outlives at most this many leases however often it is renewed: a decode queue that never
-# drains (or a peer renewing forever) cannot pin prefill memory without bound.
-MAX_RENEWED_LEASES = 10
 # Request ids per RenewLeases frame: ~40 bytes each, so a frame stays far below MAX_MESSAGE_BYTES.
 RENEWALS_PER_MESSAGE = 4096
 # Refused side-channel frames are counted each; a warning is logged per reason at most this often.
@@ -121,14 +112,9 @@ class TransferAgent:
         self._results_lock = threading.Lock()
         self._results = KVConnectorOutput()
         self._stop = threading.Event()
-        # Prefill side: request id -> (held block ids, lease deadline).
-        # (held block ids, lease deadline, the latest any renewal may push it to).
-        self._held: dict[str, tuple[list[int], float, float]] = {}
-        # TCP reads that came before their hold: (give up at, peer identity, message).
-        self._early_reads: list[tuple[float, bytes, messages.ReadBlocks]] = []
-        # Recent releases (bounded, oldest dropped): a read of these is late, not early; and a release
-        # that came before its hold (decode gave up at once) ends that hold the moment it arrives.
-        self._released: OrderedDict[str, None] = OrderedDict()
+        self.holds = HeldBlocks(
+            config, self.transport, generations, self.seal, self._server, compat_hash, self.kv_head_ranges, self
+        )
         # Decode side.
         self._peers: dict[tuple[str, int], _Peer] = {}
         # Addresses whose engine was dropped as dead, until when: no socket is opened just to send them a release.
@@ -207,22 +193,22 @@ class TransferAgent:
             self._context.term()
 
     def _step(self) -> None:
-        busy = self.transport.busy or self._held or self._delayed or self._early_reads
+        busy = self.transport.busy or self.holds.busy or self._delayed
         ready = self._poller.poll((0 if self.transport.busy else ACTIVE_POLL_MS) if busy else IDLE_POLL_MS)
         self._take_work()  # first: a read may have come together with the hold it reads
         for socket, _ in ready:
             if socket is self._server:
-                self._serve()
+                self.holds.serve()
             elif socket is self._wake_recv:
                 while self._wake_recv.poll(0):
                     self._wake_recv.recv()
             else:
                 self._on_peer_reply(socket)
         now = time.monotonic()
-        self._retry_early_reads(now)
+        self.holds.retry_early_reads(now)
         self._start_delayed(now)
         for request_id in self.transport.poll_releases():
-            self._release(request_id)
+            self.holds.release(request_id)
         for pull, error in self.transport.progress(now):
             self._pull_done(pull, error)
         self._check_deadlines(now)
@@ -235,12 +221,9 @@ class TransferAgent:
             except queue.Empty:
                 return
             for request_id, block_ids in work.holds:
-                lease = self.config.lease_seconds
-                self._held[request_id] = (block_ids, now + lease, now + MAX_RENEWED_LEASES * lease)
-                if request_id in self._released:
-                    self._release(request_id)
+                self.holds.hold(request_id, block_ids, now)
             for request_id in work.unholds:  # after the holds: a hold and its cancel may come together
-                self._held.pop(request_id, None)
+                self.holds.unhold(request_id)
             for request_id, remote in work.tracks:
                 self._tracked[request_id] = remote
                 self._next_renewal = min(self._next_renewal, now + remote.lease_seconds / 3)
@@ -259,63 +242,17 @@ class TransferAgent:
             # Every item above either took effect or, for pulls, was reported failed: the helpers
             # it calls never raise, so no exception can drop the rest of a work order.
 
-    # ----- prefill side: serving the side channel ----------------------------------------------
+    # ----- what the prefill side (HeldBlocks) reports -------------------------------------------
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                frames = self._server.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                continue
-            identity, frame = frames
-            opened = self.seal.open(frame)
-            if isinstance(opened, str):
-                self._rejected(opened, "a peer")  # no answer: a stranger learns nothing, not even an error
-                continue
-            message = opened.message
-            if isinstance(message, messages.Handshake):
-                self._reply(identity, self._handshake_reply())
-            elif isinstance(message, messages.RenewLeases):
-                deadline = time.monotonic() + self.config.lease_seconds
-                for request_id in message.request_ids:
-                    held = self._held.get(request_id)
-                    if held is not None:  # renewed, but never past the hold's own bound
-                        self._held[request_id] = (held[0], min(deadline, held[2]), held[2])
-            elif isinstance(message, messages.ReleaseBlocks):
-                for request_id in message.request_ids:
-                    self._release(request_id)
-            elif isinstance(message, messages.ReadBlocks):
-                self._serve_read(identity, message)
-            else:
-                logger.warning("side channel: dropped a malformed or unexpected message (%d bytes)", len(frame))
+    def finished_sending(self, request_id: str) -> None:
+        with self._results_lock:
+            self._results.finished_sending.add(request_id)
 
-    def _handshake_reply(self) -> messages.HandshakeReply:
-        config = self.config
-        error = None
-        if not config.serves_blocks:
-            error = "this engine hands its blocks to no peer (it only pulls: decode role)"
-        elif self.faults.fail_handshake:
-            error = "handshake refused (fault injection)"
-        # Where this engine's memory is (NIXL metadata, addresses) only when it serves reads: with
-        # them, a peer could read and write the whole cache.
-        return messages.HandshakeReply(
-            config.engine_id,
-            self.compat_hash,
-            self.transport.name,
-            self.transport.block_bytes,
-            self.transport.num_blocks,
-            self.transport.local_info() if error is None else {},
-            error,
-            self.kv_head_ranges,
-        )
+    def expired(self, count: int) -> None:
+        with self._results_lock:
+            self._results.num_expired_leases += count
 
-    def _reply(self, identity: bytes, message: messages.SideChannelMessage, *data: memoryview) -> None:
-        """Answer a peer (a ROUTER drops, never blocks, when that peer's queue is full)."""
-        self._server.send_multipart([identity, self.seal.seal(message), *data], copy=False)
-
-    def _rejected(self, reason: str, source: str) -> None:
+    def rejected(self, reason: str, source: str) -> None:
         with self._results_lock:
             rejected = self._results.rejected_messages
             rejected[reason] = rejected.get(reason, 0) + 1
@@ -323,64 +260,6 @@ class TransferAgent:
         if now >= self._rejection_logged.get(reason, 0.0):
             self._rejection_logged[reason] = now + REJECTION_LOG_INTERVAL_S
             logger.warning("side channel: refused a frame from %s (%s)", source, reason.replace("_", " "))
-
-    def _serve_read(self, identity: bytes, message: messages.ReadBlocks, retried: bool = False) -> None:
-        held = self._held.get(message.request_id)
-        error = None
-        if (
-            held is None
-            and not retried
-            and message.request_id not in self._released
-            and len(self._early_reads) < MAX_EARLY_READS
-        ):
-            # Not held yet? The engine hands this agent a hold one step after the request finished,
-            # and the params may reach a fast decode engine before that: wait a little for it.
-            self._early_reads.append((time.monotonic() + EARLY_READ_GRACE_S, identity, message))
-            return
-        if held is None:
-            error = "the blocks are not held (lease expired or released)"
-        elif not set(message.block_ids) <= set(held[0]) or len(set(message.block_ids)) != len(message.block_ids):
-            # Each held block at most once: a read can never make this engine send more than it holds.
-            error = "the request does not hold these blocks (or names one twice)"
-        elif len(message.generations) != len(message.block_ids):
-            error = "one generation per block"
-        elif self.generations[message.block_ids].tolist() != message.generations:
-            error = "block generations changed"
-        if error is not None:
-            self._reply(identity, messages.BlocksReply(message.request_id, error))
-            return
-        data = self.transport.read_local(message.block_ids)
-        if self.generations[message.block_ids].tolist() != message.generations:
-            # Checked after the copy too: bytes copied from blocks freed meanwhile are never sent.
-            error = "block generations changed while the blocks were read"
-            self._reply(identity, messages.BlocksReply(message.request_id, error))
-            return
-        checksum = zlib.crc32(data.data)
-        if self.faults.corrupt_blocks:
-            data.reshape(-1)[len(data.reshape(-1)) // 2] ^= 0xFF
-        if self.faults.truncate_blocks:
-            data = data.reshape(-1)[:-1]
-        self._reply(identity, messages.BlocksReply(message.request_id, checksum=checksum), data.data)
-        if message.release:
-            self._release(message.request_id)
-
-    def _retry_early_reads(self, now: float) -> None:
-        if not self._early_reads:
-            return
-        waiting, self._early_reads = self._early_reads, []
-        for deadline, identity, message in waiting:
-            if message.request_id in self._held or deadline <= now:
-                self._serve_read(identity, message, retried=True)
-            else:
-                self._early_reads.append((deadline, identity, message))
-
-    def _release(self, request_id: str) -> None:
-        self._released[request_id] = None
-        if len(self._released) > MAX_REMEMBERED_RELEASES:
-            self._released.popitem(last=False)
-        if self._held.pop(request_id, None) is not None:
-            with self._results_lock:
-                self._results.finished_sending.add(request_id)
 
     # ----- decode side: pulling ------------------------------------------------------------------
 
@@ -528,13 +407,13 @@ class TransferAgent:
             source = f"{peer.address[0]}:{peer.address[1]}"
             opened = self.seal.open(frames[0].bytes)
             if isinstance(opened, str):
-                self._rejected(opened, source)
+                self.rejected(opened, source)
                 continue
             message = opened.message
             if peer.engine_id is not None and (opened.sender, opened.incarnation) != (peer.engine_id, peer.incarnation):
                 # Another engine (or a restart of it) answers on this connection, which ZMQ reconnected
                 # underneath: nothing it says is about what this connection asked. Its pulls fail now.
-                self._rejected(messages.REJECT_OLD_INCARNATION, source)
+                self.rejected(messages.REJECT_OLD_INCARNATION, source)
                 peer.suspect = True
                 if isinstance(message, messages.BlocksReply):
                     restarted = "the prefill engine restarted (another incarnation answered)"
@@ -542,7 +421,7 @@ class TransferAgent:
                 continue
             if isinstance(message, messages.HandshakeReply) and peer.handshake_deadline is not None:
                 if opened.sender != message.engine_id:
-                    self._rejected(messages.REJECT_MALFORMED, source)
+                    self.rejected(messages.REJECT_MALFORMED, source)
                     continue
                 self._on_handshake(peer, message, opened.incarnation)
             elif isinstance(message, messages.BlocksReply):
@@ -637,13 +516,7 @@ class TransferAgent:
                 self._results.num_failed_releases += 1
 
     def _check_deadlines(self, now: float) -> None:
-        expired = [rid for rid, (_, deadline, _) in self._held.items() if deadline <= now]
-        for request_id in expired:
-            logger.warning("request %s: KV lease expired before a decode engine took the blocks", request_id)
-            self._release(request_id)
-        if expired:
-            with self._results_lock:
-                self._results.num_expired_leases += len(expired)
+        self.holds.expire(now)
         for peer in list(self._peers.values()):
             if peer.handshake_deadline is not None and peer.handshake_deadline <= now:
                 self._handshake_failed(peer, "timed out")

@@ -13,7 +13,7 @@ import numpy as np
 import zmq
 
 from pdserve.kvtransfer import agent as agent_module
-from pdserve.kvtransfer import messages
+from pdserve.kvtransfer import holds, messages
 from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.kvtransfer.work import TransferWork
 from pdserve.launcher import free_port
@@ -103,8 +103,8 @@ def test_submit_never_raises_when_the_wake_pipe_is_full():
             gate.set()
         # Nothing was lost: every hold is there, and ends by its lease as any other would.
         deadline = time.monotonic() + 5
-        while len(agent._held) < 3000:
-            assert time.monotonic() < deadline, len(agent._held)
+        while len(agent.holds._held) < 3000:
+            assert time.monotonic() < deadline, len(agent.holds._held)
             time.sleep(0.01)
 
 
@@ -202,5 +202,5 @@ def test_renewals_keep_a_hold_only_up_to_its_bound():
         decode.agent.submit(TransferWork(tracks=[("d", prefill.remote("p", [1], lease_seconds=lease))]))
         assert not prefill.quiet_for(4 * lease).num_expired_leases  # renewed well past one lease
         took = prefill.wait_for(lambda seen: seen.num_expired_leases, "the hold's bound", timeout=10 * lease + 3)
-        bound = agent_module.MAX_RENEWED_LEASES * lease
+        bound = holds.MAX_RENEWED_LEASES * lease
         assert 4 * lease + took >= bound * 0.9 and prefill.seen.finished_sending == {"p"}
