@@ -7,8 +7,9 @@
   from a prefill engine); each reads top to bottom as the life of a request in that role;
 - ``work``: the work order those sides hand the transfer agent each step;
 - ``agent``: the transfer agent, one thread per engine owning the side channel, holds, leases,
-  handshakes and pulls; ``transport``: NIXL (default) and TCP data planes; ``messages``: the
-  side channel's frames;
+  handshakes and pulls (its prefill side, the held blocks and the serving of the side channel, in
+  ``holds``); ``transport``: NIXL (default) and TCP data planes; ``messages``: the side channel's
+  sealed frames;
 - ``params``: ``kv_transfer_params`` (vLLM's field names plus ours); ``config``: settings and the
   fault-injection hook the tests use.
 """
