@@ -27,9 +27,11 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest -m "not slow" --durations=10
 
-# Long suites: chaos, soak, schemathesis against live servers, the multi-engine P/D scenarios, e2e.
+# Long suites: chaos, soak, schemathesis against live servers, the multi-engine P/D scenarios, e2e; then the
+# P/D and offline-engine suites again with every engine's model in a worker process.
 test-slow: setup
 	$(BIN)/python -m pytest -m slow --durations=10
+	PDSERVE_TEST_EXECUTOR=mp $(BIN)/python -m pytest -m "not slow" tests/pd tests/test_llm.py --durations=5
 
 bench: setup
 	$(BIN)/pip install --quiet -e '.[bench]'

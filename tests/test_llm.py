@@ -13,11 +13,17 @@ from pdserve import LLM, SamplingParams
 from pdserve.api.tokenizer import apply_chat_template
 from pdserve.engine.sampling_params import SamplingParamsError
 from pdserve.models.demo import ensure_demo_model
+from pdserve.testing.processes import engine_executor
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    return LLM(str(ensure_demo_model(tmp_path_factory.mktemp("cache"))), kv_cache_memory=64 << 20, max_model_len=512)
+    return LLM(
+        str(ensure_demo_model(tmp_path_factory.mktemp("cache"))),
+        kv_cache_memory=64 << 20,
+        max_model_len=512,
+        distributed_executor_backend=engine_executor(),
+    )
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

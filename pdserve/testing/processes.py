@@ -27,9 +27,21 @@ def server_env(threads: int = 1) -> dict[str, str]:
     return env
 
 
+# Which executor the test suites' engines use (uni or mp): make test-slow runs the P/D and LLM suites again with mp.
+TEST_EXECUTOR_ENV = "PDSERVE_TEST_EXECUTOR"
+
+
+def engine_executor() -> str:
+    """The executor backend tests give their engines (``PDSERVE_TEST_EXECUTOR``, default uni)."""
+    return os.environ.get(TEST_EXECUTOR_ENV, "uni")
+
+
 def cpu_engine_flags(kv_cache_memory: str, max_model_len: int = 512, served_model_name: str = "demo") -> list[str]:
-    """An engine's flags for a CPU run beside others: a KV cache of ``kv_cache_memory`` (e.g. "8MiB"), warnings only."""
+    """An engine's flags for a CPU run beside others: a KV cache of ``kv_cache_memory`` (e.g. "8MiB"), warnings only,
+    on the tests' executor (``engine_executor``)."""
     return [
+        "--distributed-executor-backend",
+        engine_executor(),
         "--device",
         "cpu",
         "--max-model-len",
