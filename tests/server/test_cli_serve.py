@@ -96,3 +96,27 @@ def test_serve_rejects_empty_pools():
 )
 def test_sizes(text, size):
     assert parse_size(text) == size
+
+
+def test_serve_colocated_splits_the_model_over_two_worker_processes():
+    port = free_port()
+    process = _serve(port, "--mode", "colocated", "--max-model-len", "256", "-tp", "2")
+    try:
+        _wait_healthy(process, port, 180)
+        assert _complete(port, "hello", timeout=60)["choices"][0]["text"]
+        workers = subprocess.run(["pgrep", "-f", "pdserve.worker.process"], capture_output=True, text=True).stdout
+        assert len(workers.split()) == 2
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = process.stdout.read()
+    assert "tensor parallel 2" in output  # the start-up log says the layout
+
+
+def test_serve_refuses_tensor_parallel_pd_engines_for_now():
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", "-tp", "2"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and "--tensor-parallel-size" in result.stderr
