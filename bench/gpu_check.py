@@ -1,7 +1,8 @@
 """GPU check: everything about the GPU path that CPU machines cannot test, in one run.
 
 Run it through bench/gpu_check.sh on a machine with a CUDA GPU, from the source tree
-(PYTHONPATH=.) against the installed torch and triton; nothing here needs ZMQ, msgspec or NIXL.
+(PYTHONPATH=.) against the installed torch and triton; only the worker_process section needs ZMQ
+and msgspec (skipped without them), nothing needs NIXL.
 Sections, each recorded in the result file whether it passes, fails or is skipped:
 
 1. kernels: the Triton write-KV and paged-attention kernels, compiled for real, against the torch
@@ -13,6 +14,10 @@ Sections, each recorded in the result file whether it passes, fails or is skippe
    bf16 on the GPU (max abs difference reported, < 0.1 passes).
 4. decode_step (needs transformers): the ~110M Llama's decode step at batch 8 and 64 against its
    weight-read time at copy bandwidth.
+5. worker_process (needs pyzmq and msgspec): the model in a worker process of its own
+   (``--distributed-executor-backend mp``, TP 1, CUDA in the worker) gives the in-process greedy
+   tokens. Multi-GPU NCCL (TP > 1) cannot run on a one-GPU machine; its code path is gloo's but for
+   the backend name.
 
 ``--dry-run`` runs the same code on CPU at tiny shapes with Triton's interpreter (what CI does, to
 keep this script working where no GPU is lent). Prints as it goes; with ``--out FILE``, also writes JSON there.
@@ -276,6 +281,30 @@ def check_decode_step() -> dict:
     }
 
 
+def check_worker_process() -> dict:
+    import msgspec  # noqa: F401 - the worker protocol's; skipped (ImportError) where it is missing
+    import zmq  # noqa: F401
+
+    from pdserve import LLM, SamplingParams
+    from pdserve.models.demo import ensure_demo_model
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, 1000, (n,), generator=gen).tolist() for n in (5, 40, 130)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    settings = dict(device=DEVICE.type, dtype="float32", kv_cache_memory=64 << 20, gpu_memory_utilization=0.3)
+    tokens = {}
+    for backend in ("uni", "mp"):
+        start = time.perf_counter()
+        with LLM(str(ensure_demo_model()), distributed_executor_backend=backend, **settings) as llm:
+            tokens[backend] = [output.outputs[0].token_ids for output in llm.generate(prompts, greedy)]
+        tokens[f"{backend}_seconds"] = round(time.perf_counter() - start, 2)
+    return {
+        "passed": tokens["uni"] == tokens["mp"],
+        "uni_seconds": tokens["uni_seconds"],
+        "mp_seconds": tokens["mp_seconds"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE (after every section)")
@@ -299,6 +328,7 @@ def main() -> None:
         "attention_bandwidth": check_attention_bandwidth,
         "parity": check_parity,
         "decode_step": check_decode_step,
+        "worker_process": check_worker_process,
     }
     for name, check in sections.items():
         start = time.perf_counter()

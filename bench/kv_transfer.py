@@ -10,7 +10,12 @@ the moment it reports the blocks landed, after one warm-up pull (the handshake).
 copies the same kind of block sets (random, cold) between two such caches in one process with
 numpy. Best of 5 each.
 
-With --plot DIR, writes DIR/kv_transfer.png. Runs in about 40 s.
+Then P/D between tensor-parallel sizes: 16 MiB of a model's KV (8 layers, 8 KV heads of 128, blocks of
+16 tokens: 1 MiB a block) pulled from a prefill engine at TP 1 or 2 (one process per rank) into a
+decode engine at TP 1 or 2 (its rank agents in this process), each decode rank reading exactly its
+heads from the prefill ranks holding them; GB/s of the whole KV moved, and against the TP1->TP1 row.
+
+With --plot DIR, writes DIR/kv_transfer.png. Runs in about a minute.
 Last line: {"bench": "kv_transfer", "nixl_16mib_gbps", "memcpy_16mib_gbps", "ratio"}.
 """
 
@@ -113,6 +118,107 @@ def _pull_all(transport: str) -> dict[int, float]:
     return {size: (size << 20) / seconds / 1e9 for size, seconds in best.items()}
 
 
+# P/D between tensor-parallel sizes: a model's KV cache layout (blocks, layers, K/V, heads, tokens, dim).
+TP_LAYERS, TP_HEADS, TP_BLOCK_SIZE, TP_HEAD_DIM = 8, 8, 16, 128
+TP_PULL_BLOCKS = 16  # 1 MiB each (all heads): 16 MiB a pull, split over the ranks
+TP_NUM_BLOCKS = 4 * TP_PULL_BLOCKS
+TP_PAIRS = ((1, 1), (2, 1), (1, 2), (2, 2))
+
+
+def _rank_agent(transport: str, engine_id: str, rank: int, ranges: list[tuple[int, int]]):
+    import numpy as np
+    import torch
+
+    from pdserve.kvtransfer.agent import TransferAgent
+    from pdserve.kvtransfer.config import KVTransferConfig
+    from pdserve.worker.kv_cache import allocate_kv_memory
+
+    heads = ranges[rank][1] - ranges[rank][0]
+    shape = (TP_NUM_BLOCKS, TP_LAYERS, 2, heads, TP_BLOCK_SIZE, TP_HEAD_DIM)
+    kv_cache = allocate_kv_memory(shape, torch.float32, torch.device("cpu"))
+    kv_cache.fill_(1.0)
+    generations = np.zeros(TP_NUM_BLOCKS, dtype=np.int64)
+    config = KVTransferConfig(transport=transport, lease_seconds=60, engine_id=engine_id)
+    return TransferAgent(config, kv_cache, generations, "bench", ranges, rank)
+
+
+def _prefill_rank(transport: str, engine_id: str, rank: int, ranges: list[tuple[int, int]], pipe) -> None:
+    from pdserve.kvtransfer.work import TransferWork
+
+    agent = _rank_agent(transport, engine_id, rank, ranges)
+    pipe.send(agent.port)
+    while True:
+        message = pipe.recv()
+        if message is None:
+            break
+        agent.submit(TransferWork(holds=[message]))
+        time.sleep(0.01)  # the agent registers the hold before decode asks for the blocks
+        pipe.send(True)
+    agent.close()
+
+
+def _pull_between_tp_sizes(transport: str, prefill_tp: int, decode_tp: int) -> float:
+    """GB/s of the whole KV of TP_PULL_BLOCKS blocks moved from prefill's ranks into decode's."""
+    import uuid
+
+    from pdserve.kvtransfer.layout import head_ranges
+    from pdserve.kvtransfer.params import RemotePrefill
+    from pdserve.kvtransfer.work import LoadSpec, TransferWork
+
+    context = multiprocessing.get_context("spawn")
+    prefill_id, decode_id = uuid.uuid4().hex, uuid.uuid4().hex
+    prefill_ranges, decode_ranges = head_ranges(TP_HEADS, prefill_tp), head_ranges(TP_HEADS, decode_tp)
+    pipes, processes = [], []
+    for rank in range(prefill_tp):
+        pipe, child_pipe = context.Pipe()
+        process = context.Process(
+            target=_prefill_rank, args=(transport, prefill_id, rank, prefill_ranges, child_pipe), daemon=True
+        )
+        process.start()
+        pipes.append(pipe)
+        processes.append(process)
+    agents = [_rank_agent(transport, decode_id, rank, decode_ranges) for rank in range(decode_tp)]
+    ports = tuple(pipe.recv() for pipe in pipes)
+    rng = random.Random(2)
+    times = []
+    try:
+        for repeat in range(REPEATS + 1):  # the first pull warms up (handshakes)
+            request_id = f"tp-{repeat}"
+            remote_ids = rng.sample(range(TP_NUM_BLOCKS), TP_PULL_BLOCKS)
+            for pipe in pipes:
+                pipe.send((request_id, remote_ids))
+            for pipe in pipes:
+                pipe.recv()
+            generations = [0] * TP_PULL_BLOCKS
+            remote = RemotePrefill(
+                prefill_id, request_id, "127.0.0.1", ports[0], remote_ids, generations, 0, "", "", 60.0, ports
+            )
+            local_ids = rng.sample(range(TP_NUM_BLOCKS), TP_PULL_BLOCKS)
+            spec = LoadSpec(request_id, remote, local_ids, remote_ids, generations)
+            start = time.perf_counter()
+            for agent in agents:
+                agent.submit(TransferWork(loads=[spec]))
+            waiting = set(range(decode_tp))
+            while waiting:
+                for rank in list(waiting):
+                    output = agents[rank].collect()
+                    if output is not None and (output.finished_recving or output.failed_recving):
+                        assert output.finished_recving == {request_id}, output
+                        waiting.discard(rank)
+                time.sleep(0.0002)
+            if repeat:
+                times.append(time.perf_counter() - start)
+    finally:
+        for pipe in pipes:
+            pipe.send(None)
+        for process in processes:
+            process.join(10)
+        for agent in agents:
+            agent.close()
+    block_bytes = TP_LAYERS * 2 * TP_HEADS * TP_BLOCK_SIZE * TP_HEAD_DIM * 4
+    return TP_PULL_BLOCKS * block_bytes / min(times) / 1e9
+
+
 def _contiguous_memcpy() -> float:
     """For reference: one contiguous, cache-warm 16 MiB copy (the most flattering baseline)."""
     import numpy as np
@@ -155,6 +261,11 @@ def main() -> None:
     contiguous = _contiguous_memcpy()
     nixl = _pull_all("nixl")
     tcp = _pull_all("tcp")
+    between = {
+        (transport, pair): _pull_between_tp_sizes(transport, *pair)
+        for transport in ("nixl", "tcp")
+        for pair in TP_PAIRS
+    }
     print(
         f"KV pull between two processes vs numpy copying the same blocks in one process; "
         f"{BLOCK_BYTES >> 10} KiB blocks, best of {REPEATS} (GB/s)"
@@ -169,6 +280,14 @@ def main() -> None:
         f"one contiguous cache-warm 16 MiB numpy copy: {contiguous:.2f} GB/s (nixl at 16 MiB: "
         f"{nixl[16] / contiguous:.2f} of it)"
     )
+    print(f"P/D between tensor-parallel sizes: {TP_PULL_BLOCKS} MiB of KV a pull, best of {REPEATS} (GB/s)")
+    print(f"{'prefill -> decode':>18} {'nixl':>8} {'vs TP1->TP1':>12} {'tcp':>8} {'vs TP1->TP1':>12}")
+    for pair in TP_PAIRS:
+        nixl_tp, tcp_tp = between["nixl", pair], between["tcp", pair]
+        print(
+            f"{f'TP{pair[0]} -> TP{pair[1]}':>18} {nixl_tp:8.2f} {nixl_tp / between['nixl', (1, 1)]:12.2f} "
+            f"{tcp_tp:8.2f} {tcp_tp / between['tcp', (1, 1)]:12.2f}"
+        )
     if args.plot:
         bar_chart(
             args.plot,
@@ -191,6 +310,10 @@ def main() -> None:
                 "nixl_256mib_gbps": round(nixl[256], 2),
                 "memcpy_256mib_gbps": round(memcpy[256], 2),
                 "memcpy_contiguous_16mib_gbps": round(contiguous, 2),
+                **{
+                    f"{transport}_p{pair[0]}_d{pair[1]}_gbps": round(gbps, 2)
+                    for (transport, pair), gbps in between.items()
+                },
             }
         )
     )

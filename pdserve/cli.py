@@ -16,7 +16,7 @@ import signal
 import sys
 
 from pdserve.api.auth import SECRET_ENV
-from pdserve.api.roles import COLOCATED, POOL_ROLES, ROUTER, ROUTER_PORT, Role, engine_role
+from pdserve.api.roles import COLOCATED, DECODE, POOL_ROLES, PREFILL, ROUTER, ROUTER_PORT, Role, engine_role
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -66,7 +66,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "-tp",
         type=int,
         default=1,
-        help="split the model over this many ranks, one worker process each (implies mp; colocated only for now)",
+        help="split the model over this many ranks, one worker process each (implies mp)",
     )
     parser.add_argument(
         "--max-pending-requests",
@@ -137,7 +137,12 @@ def _add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("PDSERVE_KV_HOST"),
         help="address of the KV side channel, advertised to decode engines (default: env PDSERVE_KV_HOST, else --host)",
     )
-    parser.add_argument("--kv-side-channel-port", type=int, default=0, help="0: a free port (advertised)")
+    parser.add_argument(
+        "--kv-side-channel-port",
+        type=int,
+        default=0,
+        help="rank 0's side channel; rank r of a tensor-parallel engine listens on it + r (0: free ports, advertised)",
+    )
     parser.add_argument(
         "--kv-lease-seconds",
         type=float,
@@ -343,6 +348,9 @@ def _router(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     if args.mode == COLOCATED.name:
+        if args.prefill_tp is not None or args.decode_tp is not None:
+            sys.stderr.write("--prefill-tp and --decode-tp size P/D pools: use -tp with --mode colocated\n")
+            return 2
         args.command = COLOCATED.name
         return _engine(args)
     from pdserve.launcher import run_disaggregated
@@ -350,10 +358,12 @@ def _serve(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         sys.stderr.write("--prefill and --decode must be at least 1\n")
         return 2
-    if args.tensor_parallel_size != 1:
-        sys.stderr.write(
-            "--tensor-parallel-size: P/D engines run at tensor-parallel size 1 for now (use --mode colocated)\n"
-        )
+    sizes = {
+        role: args.tensor_parallel_size if size is None else size
+        for role, size in ((PREFILL.name, args.prefill_tp), (DECODE.name, args.decode_tp))
+    }
+    if min(sizes.values()) < 1:
+        sys.stderr.write("--prefill-tp, --decode-tp and --tensor-parallel-size must be at least 1\n")
         return 2
     logging.getLogger("pdserve").setLevel(args.log_level.upper())
     if args.model is None:
@@ -371,7 +381,7 @@ def _serve(args: argparse.Namespace) -> int:
     trust += ["--kv-insecure"] if args.kv_insecure else []
     router_argv = [*_forwarded_argv(args, ("log_level",)), "--tokenizer", args.tokenizer or args.model, *trust]
     engine_argv = [*_forwarded_argv(args, _FORWARDED_ENGINE_FLAGS), *trust]
-    return run_disaggregated(args.host, args.port, args.prefill, args.decode, engine_argv, router_argv)
+    return run_disaggregated(args.host, args.port, args.prefill, args.decode, engine_argv, router_argv, sizes)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -435,6 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
     serve.add_argument("--prefill", type=int, default=1, help="number of prefill engines (disagg)")
     serve.add_argument("--decode", type=int, default=1, help="number of decode engines (disagg)")
+    serve.add_argument(
+        "--prefill-tp", type=int, default=None, help="tensor-parallel size of each prefill engine (default: -tp)"
+    )
+    serve.add_argument(
+        "--decode-tp", type=int, default=None, help="tensor-parallel size of each decode engine (default: -tp)"
+    )
     _add_server_flags(serve, ROUTER_PORT)
     _add_engine_flags(serve)
     _add_kv_transfer_flags(serve)

@@ -35,13 +35,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
-def split_cores(num_engines: int) -> list[list[int]]:
-    """Disjoint core sets, one per engine, when there are enough cores; else every engine shares all."""
+def split_cores(ranks: list[int]) -> list[list[int]] | None:
+    """Disjoint core sets, one per engine, in proportion to its ``ranks`` (tensor-parallel size), when
+    there are enough cores for every rank; else None (every engine shares them all)."""
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < num_engines:
-        return [cores] * num_engines
-    share = len(cores) // num_engines
-    return [cores[i * share : (i + 1) * share] for i in range(num_engines)]
+    if len(cores) < sum(ranks) or len(ranks) < 2:
+        return None
+    share = len(cores) // sum(ranks)
+    starts = [sum(ranks[:index]) * share for index in range(len(ranks))]
+    return [cores[start : start + count * share] for start, count in zip(starts, ranks, strict=True)]
 
 
 @dataclass
@@ -51,11 +53,12 @@ class Child:
     url: str
 
 
-def _start(name: str, command: list[str], cores: list[int] | None, url: str) -> Child:
+def _start(name: str, command: list[str], cores: list[int] | None, url: str, ranks: int = 1) -> Child:
+    """Start a child on ``cores`` (None: anywhere), its threads shared by its ``ranks`` worker processes."""
     env = dict(os.environ)
     preexec = None
     if cores is not None:
-        env["OMP_NUM_THREADS"] = str(len(cores))
+        env["OMP_NUM_THREADS"] = str(max(1, len(cores) // ranks))
 
         def preexec() -> None:
             os.sched_setaffinity(0, cores)
@@ -99,9 +102,17 @@ def _stop(children: list[Child]) -> None:
 
 
 def run_disaggregated(
-    host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str], router_argv: list[str]
+    host: str,
+    port: int,
+    num_prefill: int,
+    num_decode: int,
+    engine_argv: list[str],
+    router_argv: list[str],
+    tp_sizes: dict[str, int] | None = None,
 ) -> int:
-    """Start everything, serve until a signal or a child's death; returns the exit code."""
+    """Start everything, serve until a signal or a child's death; returns the exit code. ``tp_sizes``:
+    each role's tensor-parallel size (default 1)."""
+    sizes = {PREFILL.name: 1, DECODE.name: 1, **(tp_sizes or {})}
     stopping = [False]
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -110,21 +121,16 @@ def run_disaggregated(
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     children: list[Child] = []
     try:
-        core_sets = split_cores(num_prefill + num_decode)
         roles = [PREFILL.name] * num_prefill + [DECODE.name] * num_decode
+        core_sets = split_cores([sizes[role] for role in roles]) or [None] * len(roles)
         counts = {PREFILL.name: 0, DECODE.name: 0}
         for role, cores in zip(roles, core_sets, strict=True):
             engine_port = free_port(host)
             name = f"{role}-{counts[role]}"
             counts[role] += 1
-            children.append(
-                _start(
-                    name,
-                    [role, "--host", host, "--port", str(engine_port), *engine_argv],
-                    cores if len(core_sets) > 1 else None,
-                    base_url(host, engine_port),
-                )
-            )
+            tp = ["--tensor-parallel-size", str(sizes[role])] if sizes[role] > 1 else []
+            command = [role, "--host", host, "--port", str(engine_port), *engine_argv, *tp]
+            children.append(_start(name, command, cores, base_url(host, engine_port), sizes[role]))
         _wait_healthy(children, time.monotonic() + STARTUP_TIMEOUT_S, stopping)
         urls = {role: [c.url for c in children if c.name.startswith(role)] for role in counts}
         router_url = base_url(host, port)
@@ -148,7 +154,8 @@ def run_disaggregated(
         children.append(router)
         _wait_healthy([router], time.monotonic() + 60, stopping)
         print(
-            f"pdserve (disaggregated: {num_prefill} prefill, {num_decode} decode) serving at {router_url}/v1",
+            f"pdserve (disaggregated: {num_prefill} prefill at TP {sizes[PREFILL.name]}, {num_decode} decode at "
+            f"TP {sizes[DECODE.name]}) serving at {router_url}/v1",
             flush=True,
         )
         while not stopping[0]:

@@ -276,6 +276,7 @@ def _kv_transfer_params(pd: bool, router: bool) -> dict[str, Any]:
             "remote_request_id": text,
             "remote_host": text,
             "remote_port": _integer(1, 65535),
+            "remote_ports": {"type": "array", "items": _integer(1, 65535), "minItems": 1, "maxItems": 64},
             "remote_block_ids": ids,
             "remote_block_generations": ids,
             "remote_num_tokens": _integer(_INT64_MIN, _INT64_MAX),

@@ -17,6 +17,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.kvtransfer.agent import TransferAgent
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import PDConnectorScheduler
+from pdserve.kvtransfer.layout import head_ranges
 from pdserve.kvtransfer.params import kv_compat_hash
 from pdserve.models.config import ModelConfig, resolve_dtype
 from pdserve.models.demo import ensure_demo_model
@@ -65,11 +66,6 @@ class EngineArgs:
         if self.kv_transfer is not None:  # the role says whether peers may read this engine's blocks
             self.kv_transfer = replace(self.kv_transfer, serves_blocks=role.serves_blocks)
         if self.tensor_parallel_size > 1:
-            if self.kv_transfer is not None:
-                raise ValueError(
-                    "P/D roles run at tensor-parallel size 1 for now: pulling KV between engines of other TP "
-                    "sizes needs per-rank transfer agents, which are not built yet"
-                )
             self.distributed_executor_backend = "mp"
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
@@ -108,7 +104,7 @@ class EngineArgs:
         )
         kv_transfer = self.kv_transfer
         compat_hash = ""
-        heads = [(0, model_config.num_kv_heads)]  # one rank holds every KV head
+        heads = head_ranges(model_config.num_kv_heads, self.tensor_parallel_size)  # per rank
         if kv_transfer is not None:
             # Exactly what determines a token's KV: the weights, rope and window, the cache's dtype,
             # block size, shape and layout. Not the tensor-parallel size: engines of one model at
@@ -128,11 +124,11 @@ class EngineArgs:
             )
         executor: ModelExecutor
         generations = None
-        agent_port = 0
+        agent_ports = [0]
         if self.distributed_executor_backend == "mp":
             worker = MultiprocExecutor(WorkerSpec(model_config, runner_config, kv_transfer, compat_hash, heads))
             executor, num_blocks, description = worker, worker.num_blocks, worker.describe()
-            generations, agent_port = worker.generations, worker.agent_port or 0
+            generations, agent_ports = worker.generations, worker.agent_ports
         else:
             agents: list[TransferAgent] = []
 
@@ -148,7 +144,7 @@ class EngineArgs:
             runner = ModelRunner(model_config, runner_config, make_agent if kv_transfer is not None else None)
             executor, num_blocks, description = runner, runner.num_blocks, runner.describe()
             if agents:
-                generations, agent_port = agents[0].generations, agents[0].port
+                generations, agent_ports = agents[0].generations, [agents[0].port]
         logger.info(
             "%s engine: model %s (%s, %s on %s); %s",
             self.role,
@@ -161,7 +157,7 @@ class EngineArgs:
         connector = None
         if kv_transfer is not None:
             assert generations is not None  # the agent made them
-            connector = PDConnectorScheduler(kv_transfer, compat_hash, self.block_size, agent_port, generations)
+            connector = PDConnectorScheduler(kv_transfer, compat_hash, self.block_size, agent_ports, generations)
         scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=num_blocks,

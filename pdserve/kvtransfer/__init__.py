@@ -10,6 +10,8 @@
   handshakes and pulls (its prefill side, the held blocks and the serving of the side channel, in
   ``holds``); ``transport``: NIXL (default) and TCP data planes; ``messages``: the side channel's
   sealed frames;
+- ``layout``: tensor-parallel engines: which KV heads each rank holds, which prefill rank each
+  decode rank reads them from; ``aggregate``: every rank's agent reports joined into the engine's;
 - ``params``: ``kv_transfer_params`` (vLLM's field names plus ours); ``config``: settings and the
   fault-injection hook the tests use.
 """

@@ -11,6 +11,11 @@ It owns every piece of transfer state, and only this thread touches it:
   checked, a restarted remote replaces the old one), the transfer, the generation check, and
   lease renewals while requests wait. Every wait has a deadline (``transfer_timeout``).
 
+Under tensor parallelism there is one agent per rank, next to that rank's KV cache, with a side
+channel of its own (``layout``). A decode rank's load of a request is one pull per prefill rank it
+reads KV heads from, reported once all have ended; it releases every prefill rank (those it read
+from with its reads, the others at once), and prefill ends a hold once every decode rank released it.
+
 The engine thread posts a :class:`TransferWork` each step and drains the results with
 :meth:`collect`; both are thread-safe.
 """
@@ -33,6 +38,7 @@ from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.holds import HeldBlocks
+from pdserve.kvtransfer.layout import head_mapping_problem, head_ranges, num_kv_heads_of, rank_agent_id, read_plan
 from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.kvtransfer.transport import Pull, Transport, make_transport
 from pdserve.kvtransfer.work import LoadSpec, TransferWork
@@ -73,6 +79,19 @@ class _Peer:
     suspect: bool = False
 
 
+@dataclass(eq=False)
+class _Load:
+    """One request's load on this rank: a pull from each prefill rank it reads KV heads from."""
+
+    spec: LoadSpec
+    open: int = 0  # pulls not ended yet
+    num_bytes: int = 0
+    error: str | None = None  # the first pull's failure
+    cancelled: bool = False  # that failure was a cancel (the request ended), not a fault
+    writing: int = 0  # failed pulls whose writes into the blocks may still land
+    started: float = field(default_factory=time.monotonic)
+
+
 class TransferAgent:
     def __init__(
         self,
@@ -81,25 +100,30 @@ class TransferAgent:
         generations: np.ndarray,
         compat_hash: str,
         kv_head_ranges: list[tuple[int, int]] | None = None,
+        rank: int = 0,
     ) -> None:
-        """``kv_head_ranges``: per rank, the [start, end) of the model's KV heads its cache holds
-        (advertised in handshakes; None: not said, taken as every head on one rank)."""
+        """``kv_head_ranges``: per rank of this engine, the [start, end) of the model's KV heads its
+        cache holds (advertised in handshakes; None: not said, taken as every head on one rank);
+        ``rank``: the rank whose cache ``kv_cache`` is. A configured side-channel port is rank 0's;
+        rank r listens on it + r."""
         self.config = config
         self.kv_head_ranges = kv_head_ranges or []
+        self.rank = rank
+        self.num_ranks = len(self.kv_head_ranges) or 1
+        self.agent_id = rank_agent_id(config.engine_id, rank)
         self.compat_hash = compat_hash
         self.faults = config.faults
         self.generations = generations
         self.incarnation = time.time_ns()
-        self.seal = messages.Seal(config.engine_id, self.incarnation, config.secret)
-        self.transport: Transport = make_transport(config, kv_cache, generations, self.seal)
+        self.seal = messages.Seal(self.agent_id, self.incarnation, config.secret)
+        self.transport: Transport = make_transport(config, kv_cache, generations, self.seal, rank, self.kv_head_ranges)
         self._context = zmq.Context()
         self._server = self._context.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
         self._server.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
-        address = f"tcp://{config.host}:{config.side_channel_port}" if config.side_channel_port else None
-        if address:
-            self._server.bind(address)
-            self.port = config.side_channel_port
+        if config.side_channel_port:
+            self.port = config.side_channel_port + rank
+            self._server.bind(f"tcp://{config.host}:{self.port}")
         else:
             self.port = self._server.bind_to_random_port(f"tcp://{config.host}")
         self._wake_address = f"inproc://pdserve-kv-agent-{id(self)}"
@@ -113,7 +137,7 @@ class TransferAgent:
         self._results = KVConnectorOutput()
         self._stop = threading.Event()
         self.holds = HeldBlocks(
-            config, self.transport, generations, self.seal, self._server, compat_hash, self.kv_head_ranges, self
+            config, self.transport, generations, self.seal, self._server, compat_hash, self.kv_head_ranges, self, rank
         )
         # Decode side.
         self._peers: dict[tuple[str, int], _Peer] = {}
@@ -128,8 +152,9 @@ class TransferAgent:
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-agent", daemon=True)
         self._thread.start()
         logger.info(
-            "KV transfer agent %s: %s transport, side channel %s:%d (%s), lease %.0f s",
+            "KV transfer agent %s%s: %s transport, side channel %s:%d (%s), lease %.0f s",
             config.engine_id[:8],
+            f" rank {rank}" if self.num_ranks > 1 else "",
             self.transport.name,
             config.host,
             self.port,
@@ -149,17 +174,7 @@ class TransferAgent:
     def collect(self) -> KVConnectorOutput | None:
         with self._results_lock:
             results = self._results
-            if not (
-                results.finished_sending
-                or results.finished_recving
-                or results.failed_recving
-                or results.failed_recving_in_flight
-                or results.transfers
-                or results.num_failed_transfers
-                or results.num_expired_leases
-                or results.num_failed_releases
-                or results.rejected_messages
-            ):
+            if not results.says_anything():
                 return None
             self._results = KVConnectorOutput()
         return results
@@ -207,8 +222,8 @@ class TransferAgent:
         now = time.monotonic()
         self.holds.retry_early_reads(now)
         self._start_delayed(now)
-        for request_id in self.transport.poll_releases():
-            self.holds.release(request_id)
+        for request_id, reader_rank, readers in self.transport.poll_releases():
+            self.holds.release(request_id, reader_rank, readers)
         for pull, error in self.transport.progress(now):
             self._pull_done(pull, error)
         self._check_deadlines(now)
@@ -233,12 +248,12 @@ class TransferAgent:
             for request_id in work.cancels:
                 self._cancel_pending(request_id)
             for spec in work.loads:
-                pull = Pull(spec, self.transport.block_bytes * len(spec.local_block_ids))
-                if self.faults.delay_load:
-                    pull.not_before = now + self.faults.delay_load
-                    self._delayed.append(pull)
-                else:
-                    self._start_pull(pull)
+                for pull in self._pulls_of(spec):
+                    if self.faults.delay_load:
+                        pull.not_before = now + self.faults.delay_load
+                        self._delayed.append(pull)
+                    else:
+                        self._start_pull(pull)
             # Every item above either took effect or, for pulls, was reported failed: the helpers
             # it calls never raise, so no exception can drop the rest of a work order.
 
@@ -309,7 +324,7 @@ class TransferAgent:
     def _reap_idle_peers(self, now: float, keep: int = MAX_PEER_SOCKETS) -> None:
         """Close connections nothing uses: those idle for PEER_IDLE_S, and the least recently used
         beyond ``keep``. (A connection with tracked leases is in use: renewals go through it.)"""
-        tracked = {remote.address for remote in self._tracked.values()}
+        tracked = {remote.rank_address(rank) for remote in self._tracked.values() for rank in range(remote.tp_size)}
         idle = sorted(
             (p for p in self._peers.values() if p.address not in tracked and not self._in_use(p)),
             key=lambda p: p.last_used,
@@ -329,16 +344,44 @@ class TransferAgent:
             return f"the side channel to {peer.address[0]}:{peer.address[1]} is not taking messages ({error})"
         return None
 
+    def _pulls_of(self, spec: LoadSpec) -> list[Pull]:
+        """A load's pulls, one per prefill rank this rank reads KV heads from (``layout.read_plan``).
+        The prefill ranks it reads nothing from learn at once that this rank is done with the blocks.
+        A load that cannot be planned is reported failed (and released) here, with no pull."""
+        remote = spec.remote
+        load = _Load(spec)
+        try:
+            plan: list[tuple[int, tuple[int, int] | None]] = [(0, None)]
+            if self.kv_head_ranges:
+                theirs = head_ranges(num_kv_heads_of(self.kv_head_ranges), remote.tp_size)
+                segments = read_plan(self.kv_head_ranges[self.rank], theirs, self.rank)
+                plan = [(segment.source_rank, (segment.start, segment.end)) for segment in segments]
+            elif remote.tp_size > 1:
+                raise ValueError("this engine does not say which KV heads it holds")
+        except ValueError as error:
+            load.error = f"no way to read this engine's KV heads from the prefill engine's ranks: {error}"
+            self._report_load(load)
+            self._send_release(remote)
+            return []
+        pulls = []
+        for rank, heads in plan:
+            num_bytes = len(spec.local_block_ids) * self.transport.layout.slice_bytes(heads)
+            pulls.append(Pull(spec, num_bytes, rank, heads, load))
+        load.open = len(pulls)
+        for rank in set(range(remote.tp_size)) - {rank for rank, _ in plan}:
+            self._send_release(remote, rank)
+        return pulls
+
     def _start_pull(self, pull: Pull) -> None:
         """Start a pull, or report it failed: whatever goes wrong fails this pull only."""
         try:
-            remote = pull.spec.remote
-            peer = self._peer(remote.address)
-            if peer.engine_id is not None and peer.engine_id != remote.engine_id:
+            address = pull.spec.remote.rank_address(pull.source_rank)
+            peer = self._peer(address)
+            if peer.engine_id is not None and peer.engine_id != self._source_id(pull):
                 # Another engine answers there now (a restart): its old memory is gone, and so is
                 # whatever the old connection was doing.
                 self._drop_peer(peer)
-                peer = self._peer(remote.address)
+                peer = self._peer(address)
             if peer.engine_id is not None:
                 self._transfer(pull, peer)
                 return
@@ -346,13 +389,18 @@ class TransferAgent:
             if peer.handshake_deadline is None:
                 # The handshake has a deadline of its own; the transfer's starts when it does.
                 peer.handshake_deadline = time.monotonic() + self.config.transfer_timeout
-                error = self._send(peer, messages.Handshake(self.config.engine_id))
+                error = self._send(peer, messages.Handshake(self.agent_id))
                 if error is not None:
                     self._handshake_failed(peer, error)
         except Exception as error:
             logger.exception("request %s: starting a KV pull", pull.spec.request_id)
             in_flight = self._forget_pull(pull)
             self._pull_done(pull, f"the pull could not start: {type(error).__name__}: {error}", in_flight=in_flight)
+
+    @staticmethod
+    def _source_id(pull: Pull) -> str:
+        """The agent a pull reads from: its prefill rank's."""
+        return rank_agent_id(pull.spec.remote.engine_id, pull.source_rank)
 
     def _transfer(self, pull: Pull, peer: _Peer) -> None:
         pull.connection = peer
@@ -379,14 +427,12 @@ class TransferAgent:
             self._pull_done(pull, f"handshake failed: {error}")
 
     def _cancel_pending(self, request_id: str) -> None:
-        """The request ended: a pull of it that has not started moving data is dropped. (One that
+        """The request ended: its pulls that have not started moving data are dropped. (One that
         has started drains first: its destination blocks stay allocated until then.)"""
-        for queue_ in [self._delayed, *(peer.waiting for peer in self._peers.values())]:
-            pull = next((p for p in queue_ if p.spec.request_id == request_id), None)
-            if pull is not None:
+        for queue_ in [self._delayed, *(peer.waiting for peer in list(self._peers.values()))]:
+            for pull in [p for p in queue_ if p.spec.request_id == request_id]:
                 queue_.remove(pull)
                 self._pull_done(pull, "the request ended before its pull started", cancelled=True)
-                return
 
     def _start_delayed(self, now: float) -> None:
         if not self._delayed:
@@ -438,7 +484,12 @@ class TransferAgent:
         if error is None and reply.compat_hash != self.compat_hash:
             error = "incompatible KV cache (model, dtype, block size or layout differ)"
         if error is None:
-            error = messages.head_mapping_problem(self.kv_head_ranges, reply.kv_head_ranges)
+            error = head_mapping_problem(self.kv_head_ranges, reply.kv_head_ranges)
+        if error is None and self.kv_head_ranges and reply.kv_head_ranges:
+            # Pulls were planned on the standard split of the model's KV heads over the prefill's ranks.
+            expected = head_ranges(num_kv_heads_of(self.kv_head_ranges), len(reply.kv_head_ranges))
+            if [tuple(heads) for heads in reply.kv_head_ranges] != expected or not 0 <= reply.rank < len(expected):
+                error = f"the remote engine's KV heads are split as {reply.kv_head_ranges} (rank {reply.rank})"
         if error is None and reply.transport != self.transport.name:
             error = f"the remote engine uses the {reply.transport} transport, this one {self.transport.name}"
         if error is None:
@@ -454,30 +505,31 @@ class TransferAgent:
         peer.incarnation = incarnation
         logger.info("handshake with engine %s at %s:%d (%s)", reply.engine_id[:8], *peer.address, reply.transport)
         for pull in waiting:
-            if pull.spec.remote.engine_id != reply.engine_id:
+            if self._source_id(pull) != reply.engine_id:
                 self._pull_done(pull, "the prefill engine that held the blocks is gone (another engine answers)")
             else:
                 self._start_pull(pull)
 
     def _pull_done(self, pull: Pull, error: str | None, cancelled: bool = False, in_flight: bool = False) -> None:
-        """Report a pull's end; a failed or cancelled one also tells prefill to free (if nothing did).
-        ``in_flight``: it failed while a write into its blocks may still land (reported so, and again
-        once the transport says it drained). Never raises: the report is made first, and nothing after
-        it can lose it."""
+        """A pull ended: its load is reported once its last pull ended; a pull that did not release its
+        prefill rank (failed or cancelled) tells it to free. ``in_flight``: it failed while a write into
+        its blocks may still land (the load is reported so, and again once the transport says every such
+        write drained). Never raises: the report is made first, and nothing after it can lose it."""
         spec: LoadSpec = pull.spec
-        self._tracked.pop(spec.request_id, None)
         if error is None and self.faults.fail_load:
             error = "failed by fault injection"
-        with self._results_lock:
-            if error is None:
-                self._results.finished_recving.add(spec.request_id)
-                self._results.transfers.append((pull.num_bytes, time.monotonic() - pull.started))
-            else:
-                failed = self._results.failed_recving_in_flight if in_flight else self._results.failed_recving
-                failed.add(spec.request_id)
-                self._results.num_failed_transfers += not cancelled
+        load: _Load = pull.load
+        load.open -= 1
+        if error is None:
+            load.num_bytes += pull.num_bytes
+        elif load.error is None:
+            load.error, load.cancelled = error, cancelled
+        load.writing += in_flight
+        if load.open == 0:
+            self._report_load(load)
         if error is not None and not cancelled:
-            logger.warning("request %s: KV pull from %s:%d failed: %s", spec.request_id, *spec.remote.address, error)
+            address = spec.remote.rank_address(pull.source_rank)
+            logger.warning("request %s: KV pull from %s:%d failed: %s", spec.request_id, *address, error)
         peer = pull.connection
         if isinstance(peer, _Peer):
             if error is None:
@@ -489,31 +541,47 @@ class TransferAgent:
             if peer.suspect and not self._in_use(peer):
                 self._drop_peer(peer)
         if not pull.released:
-            self._send_release(spec.remote)
+            self._send_release(spec.remote, pull.source_rank)
 
-    def _send_release(self, remote: RemotePrefill) -> None:
-        """Tell a prefill engine to free a request's blocks, best effort: one that cannot be told
-        (dead, or not taking messages) frees them when their lease ends. Counted when it fails."""
+    def _report_load(self, load: _Load) -> None:
+        """Every pull of a load ended: it landed (all did), or failed."""
+        request_id = load.spec.request_id
+        self._tracked.pop(request_id, None)
+        with self._results_lock:
+            if load.error is None:
+                self._results.finished_recving.add(request_id)
+                self._results.transfers.append((load.num_bytes, time.monotonic() - load.started))
+            else:
+                failed = self._results.failed_recving_in_flight if load.writing else self._results.failed_recving
+                failed.add(request_id)
+                self._results.num_failed_transfers += not load.cancelled
+
+    def _send_release(self, remote: RemotePrefill, rank: int | None = None) -> None:
+        """Tell a prefill engine's rank ``rank`` (None: every rank) that this rank is done with a
+        request's blocks, best effort: one that cannot be told (dead, or not taking messages) frees them
+        when their lease ends. Counted when it fails."""
         if self.faults.no_release:
             return
-        address = remote.address
-        error = None
-        if address not in self._peers and self._dead.get(address, 0.0) > time.monotonic():
-            error = "its engine was just found dead"
-        else:
-            try:
-                error = self._send(self._peer(address), messages.ReleaseBlocks([remote.request_id]))
-            except zmq.ZMQError as exc:  # no socket could be made
-                error = str(exc)
-        if error is not None:
-            logger.info(
-                "request %s: could not tell %s:%d to free its blocks (%s); its lease will",
-                remote.request_id,
-                *address,
-                error,
-            )
-            with self._results_lock:
-                self._results.num_failed_releases += 1
+        release = messages.ReleaseBlocks([remote.request_id], self.rank, self.num_ranks)
+        for source in range(remote.tp_size) if rank is None else (rank,):
+            address = remote.rank_address(source)
+            error = None
+            if address not in self._peers and self._dead.get(address, 0.0) > time.monotonic():
+                error = "its engine was just found dead"
+            else:
+                try:
+                    error = self._send(self._peer(address), release)
+                except zmq.ZMQError as exc:  # no socket could be made
+                    error = str(exc)
+            if error is not None:
+                logger.info(
+                    "request %s: could not tell %s:%d to free its blocks (%s); its lease will",
+                    remote.request_id,
+                    *address,
+                    error,
+                )
+                with self._results_lock:
+                    self._results.num_failed_releases += 1
 
     def _check_deadlines(self, now: float) -> None:
         self.holds.expire(now)
@@ -522,10 +590,12 @@ class TransferAgent:
                 self._handshake_failed(peer, "timed out")
         for pull, in_flight in self.transport.expire(now):
             self._pull_done(pull, "transfer timed out", in_flight=in_flight)
-        drained = self.transport.drained()
-        if drained:  # no write into these blocks can land any more: their quarantine may end
-            with self._results_lock:
-                self._results.failed_recving.update(pull.spec.request_id for pull in drained)
+        for pull in self.transport.drained():
+            load = pull.load
+            load.writing -= 1
+            if not load.writing and not load.open:  # no write into its blocks can land any more
+                with self._results_lock:
+                    self._results.failed_recving.add(pull.spec.request_id)
         if self._tracked and now >= self._next_renewal and not self.faults.no_renew:
             # Three renewals per lease of the shortest lease asked for: one lost message is harmless.
             self._next_renewal = now + min(remote.lease_seconds for remote in self._tracked.values()) / 3
@@ -539,7 +609,8 @@ class TransferAgent:
     def _renew_leases(self) -> None:
         by_peer: dict[tuple[str, int], list[str]] = {}
         for remote in self._tracked.values():
-            by_peer.setdefault(remote.address, []).append(remote.request_id)
+            for rank in range(remote.tp_size):  # every prefill rank holds the blocks
+                by_peer.setdefault(remote.rank_address(rank), []).append(remote.request_id)
         for address, request_ids in by_peer.items():
             # Renewed even where an engine was just found dead: a restarted one may hold these now.
             peer = self._peer(address)

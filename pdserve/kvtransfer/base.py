@@ -69,6 +69,20 @@ class KVConnectorOutput:
     # Side-channel frames refused (unauthenticated, replayed, from an old incarnation, malformed), by reason.
     rejected_messages: dict[str, int] = field(default_factory=dict)
 
+    def says_anything(self) -> bool:
+        """Whether anything at all is reported."""
+        return bool(
+            self.finished_sending
+            or self.finished_recving
+            or self.failed_recving
+            or self.failed_recving_in_flight
+            or self.transfers
+            or self.num_failed_transfers
+            or self.num_expired_leases
+            or self.num_failed_releases
+            or self.rejected_messages
+        )
+
 
 class KVConnectorWorker(Protocol):
     """The worker side of a KV connector: the data plane next to the KV-cache tensors."""

@@ -26,10 +26,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
         config: KVTransferConfig,
         compat_hash: str,
         block_size: int,
-        advertised_port: int,
+        advertised_ports: list[int],
         block_generations: np.ndarray,
     ) -> None:
-        """``advertised_port``: where the transfer agent's side channel listens; ``block_generations``:
+        """``advertised_ports``: where each rank's transfer agent listens (rank order); ``block_generations``:
         the block pool's generation array, handed out with held blocks."""
         self.compat_hash = compat_hash
         self.recompute_failed_loads = config.load_failure == "recompute"
@@ -39,7 +39,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self.quarantine_seconds = 3 * config.transfer_timeout
         self.max_held_fraction = config.max_held_fraction
         self.outbox = WorkOrders()
-        self.prefill = PrefillSide(config, compat_hash, block_size, advertised_port, block_generations, self.outbox)
+        self.prefill = PrefillSide(config, compat_hash, block_size, advertised_ports, block_generations, self.outbox)
         self.decode = DecodeSide(compat_hash, block_size, self.outbox)
 
     def request_added(self, request: ConnectorRequest) -> None:

@@ -12,6 +12,9 @@ follow in a frame of their own: the sealed reply carries their CRC-32.
     decode -> prefill: RenewLeases      (no reply: lease renewal while requests wait in decode's queue)
     decode -> prefill: ReleaseBlocks    (no reply: done with these requests' blocks, free them)
     decode -> prefill: ReadBlocks       -> BlocksReply (TCP transport: the bytes themselves)
+
+An engine at tensor-parallel size n has one side channel per rank (``layout``): a decode rank
+hand-shakes with, reads from and releases each prefill rank on its own channel.
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ MAX_MESSAGE_BYTES = 1 << 20
 
 
 class Handshake(msgspec.Struct, tag="handshake"):
-    engine_id: str  # the asking engine, for logs
+    engine_id: str  # the asking engine's agent, for logs
 
 
 class HandshakeReply(msgspec.Struct, tag="handshake_reply"):
-    engine_id: str
+    engine_id: str  # the answering rank's agent (``layout.rank_agent_id``)
     compat_hash: str
     transport: str
     block_bytes: int
@@ -45,9 +48,10 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply"):
     transport_info: dict[str, Any]  # e.g. NIXL agent metadata and memory addresses
     error: str | None = None
     # The engine's tensor-parallel layout: per rank, the [start, end) of the model's KV heads its cache
-    # holds (one rank today). Not in the compatibility hash: engines of one model at different TP sizes
-    # pair when every head the decode needs is somewhere on the prefill (``head_mapping_problem``).
+    # holds, and which rank answers. Not in the compatibility hash: engines of one model at different TP
+    # sizes pair when every head the decode needs is somewhere on the prefill (``layout``).
     kv_head_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    rank: int = 0
 
 
 class RenewLeases(msgspec.Struct, tag="renew"):
@@ -56,33 +60,26 @@ class RenewLeases(msgspec.Struct, tag="renew"):
 
 class ReleaseBlocks(msgspec.Struct, tag="release"):
     request_ids: list[str]
+    # Which of how many decode ranks is done with them: a hold ends once every rank of the decode
+    # engine released it (one rank may still be reading while another is done).
+    reader_rank: int = 0
+    readers: int = 1
 
 
 class ReadBlocks(msgspec.Struct, tag="read"):
     request_id: str
     block_ids: list[int]
     generations: list[int]
-    release: bool  # the read is the last: free the request's blocks once sent
+    release: bool  # the read is this decode rank's last: count its release once sent
+    heads: tuple[int, int] | None = None  # the KV heads [start, end) to read (None: every head held)
+    reader_rank: int = 0
+    readers: int = 1
 
 
 class BlocksReply(msgspec.Struct, tag="blocks"):
     request_id: str
     error: str | None = None  # None: the next frame holds the blocks' bytes
     checksum: int = 0  # CRC-32 of those bytes: a corrupted transfer is detected, never computed from
-
-
-def head_mapping_problem(local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> str | None:
-    """Why KV heads held as ``remote`` (per rank [start, end)) cannot fill ``local``'s ranks, or None.
-    Either side not saying its layout (an empty list) is taken as one rank holding every head."""
-    if not local or not remote:
-        return None
-    covered: set[int] = set()
-    for start, end in remote:
-        covered.update(range(start, end))
-    missing = sorted(head for start, end in local for head in range(start, end) if head not in covered)
-    if missing:
-        return f"the remote engine holds no KV for heads {missing[:8]} that this engine's ranks need"
-    return None
 
 
 SideChannelMessage = Handshake | HandshakeReply | RenewLeases | ReleaseBlocks | ReadBlocks | BlocksReply

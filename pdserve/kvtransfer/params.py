@@ -8,7 +8,9 @@ proxy passes the whole object through unchanged:
 - ``remote_num_tokens`` and ``remote_prompt_hash``: the tokens whose KV the blocks hold, so a
   decode engine that tokenized the prompt differently never reads KV of another text;
 - ``kv_compat_hash``: model, dtype, block size and cache layout of the prefill engine;
-- ``remote_lease_seconds``: how long the blocks stay held without a renewal.
+- ``remote_lease_seconds``: how long the blocks stay held without a renewal;
+- ``remote_ports``: every tensor-parallel rank's side channel, in rank order (``remote_port`` is
+  rank 0's): their number is the prefill engine's TP size.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 from typing import Any
+
+MAX_TP_SIZE = 64
 
 
 def kv_compat_hash(**fields: object) -> str:
@@ -43,10 +47,19 @@ class RemotePrefill:
     prompt_hash: str
     compat_hash: str
     lease_seconds: float
+    # Each prefill rank's side-channel port, in rank order (one: TP 1); ``port`` is rank 0's.
+    ports: tuple[int, ...] = ()
 
     @property
     def address(self) -> tuple[str, int]:
         return self.host, self.port
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.ports) or 1
+
+    def rank_address(self, rank: int) -> tuple[str, int]:
+        return self.host, self.ports[rank] if self.ports else self.port
 
 
 def _field(params: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -78,6 +91,13 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
     port = _field(params, "remote_port", int)
     if not 0 < port < 65536:
         raise ValueError("kv_transfer_params.remote_port must be a TCP port")
+    ports = [port]
+    if "remote_ports" in params:
+        ports = _int_list(params, "remote_ports")
+        if not 0 < len(ports) <= MAX_TP_SIZE or not all(0 < p < 65536 for p in ports) or ports[0] != port:
+            raise ValueError(
+                f"kv_transfer_params.remote_ports must be 1 to {MAX_TP_SIZE} TCP ports, the first remote_port"
+            )
     num_tokens = _field(params, "remote_num_tokens", int)
     lease_seconds = _field(params, "remote_lease_seconds", (int, float))
     if not lease_seconds > 0:
@@ -93,6 +113,7 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
         prompt_hash=_field(params, "remote_prompt_hash", str),
         compat_hash=_field(params, "kv_compat_hash", str),
         lease_seconds=float(lease_seconds),
+        ports=tuple(ports),
     )
 
 
@@ -105,7 +126,7 @@ def remote_prefill_params(
     engine_id: str,
     request_id: str,
     host: str,
-    port: int,
+    ports: list[int],
     block_ids: list[int],
     generations: list[int],
     num_tokens: int,
@@ -113,7 +134,8 @@ def remote_prefill_params(
     compat_hash: str,
     lease_seconds: float,
 ) -> dict[str, Any]:
-    """What a prefill engine returns for a request whose blocks it now holds."""
+    """What a prefill engine returns for a request whose blocks it now holds (``ports``: each rank's
+    side channel, in rank order)."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -121,7 +143,8 @@ def remote_prefill_params(
         "remote_request_id": request_id,
         "remote_block_ids": block_ids,
         "remote_host": host,
-        "remote_port": port,
+        "remote_port": ports[0],
+        "remote_ports": ports,
         "remote_block_generations": generations,
         "remote_num_tokens": num_tokens,
         "remote_prompt_hash": prompt_hash(prompt),

@@ -61,14 +61,14 @@ class PrefillSide:
         config: KVTransferConfig,
         compat_hash: str,
         block_size: int,
-        advertised_port: int,
+        advertised_ports: list[int],
         block_generations: np.ndarray,
         outbox: WorkOrders,
     ) -> None:
         self.config = config
         self.compat_hash = compat_hash
         self.block_size = block_size
-        self.advertised_port = advertised_port
+        self.advertised_ports = advertised_ports
         self.generations = block_generations
         self.outbox = outbox
 
@@ -85,7 +85,7 @@ class PrefillSide:
             engine_id=self.config.engine_id,
             request_id=request.request_id,
             host=self.config.host,
-            port=self.advertised_port,
+            ports=self.advertised_ports,
             block_ids=list(held),
             generations=self.generations[held].tolist(),
             num_tokens=num_tokens,

@@ -35,12 +35,65 @@ logger = logging.getLogger(__name__)
 _RELEASE_TAG = b"release:"
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """Where a range of KV heads lies inside one block of a rank's cache."""
+
+    block_bytes: int
+    head_start: int  # the first KV head this rank holds
+    num_heads: int
+    num_layers: int  # 0: a cache of another shape (tests), read only whole
+    slab_bytes: int  # one head's K (or V) of one layer in one block
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor, heads: tuple[int, int]) -> CacheLayout:
+        """The layout of a rank's cache holding KV heads ``heads`` [start, end)."""
+        block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        if kv_cache.dim() != 6:
+            return cls(block_bytes, heads[0], heads[1] - heads[0], 0, 0)
+        _, layers, _, num_heads, block_size, head_dim = kv_cache.shape
+        return cls(block_bytes, heads[0], num_heads, layers, block_size * head_dim * kv_cache.element_size())
+
+    def with_heads(self, block_bytes: int, heads: tuple[int, int]) -> CacheLayout:
+        """Another rank's layout of the same model: ``heads`` [start, end) in blocks of ``block_bytes``."""
+        return CacheLayout(block_bytes, heads[0], heads[1] - heads[0], self.num_layers, self.slab_bytes)
+
+    def holds_exactly(self, heads: tuple[int, int] | None) -> bool:
+        return heads is None or heads == (self.head_start, self.head_start + self.num_heads)
+
+    def regions(self, heads: tuple[int, int] | None, whole: bool = True) -> list[tuple[int, int]]:
+        """(offset, length) in a block of each region holding ``heads``, in the order of the cache's
+        layout; one region when this rank holds exactly those heads, unless not ``whole``."""
+        if whole and self.holds_exactly(heads):
+            return [(0, self.block_bytes)]
+        if heads is None:
+            heads = (self.head_start, self.head_start + self.num_heads)
+        first, count = heads[0] - self.head_start, heads[1] - heads[0]
+        if not self.num_layers or first < 0 or count < 1 or first + count > self.num_heads:
+            held = (self.head_start, self.head_start + self.num_heads)
+            raise ValueError(f"this rank holds KV heads [{held[0]}, {held[1]}), not {list(heads)}")
+        return [
+            (((layer * 2 + kv) * self.num_heads + first) * self.slab_bytes, count * self.slab_bytes)
+            for layer in range(self.num_layers)
+            for kv in (0, 1)
+        ]
+
+    def slice_bytes(self, heads: tuple[int, int] | None) -> int:
+        """Bytes of ``heads`` in one block."""
+        return self.block_bytes if self.holds_exactly(heads) else sum(n for _, n in self.regions(heads))
+
+
 @dataclass(eq=False)
 class Pull:
-    """One request's blocks being pulled."""
+    """The blocks one decode rank pulls for a request from one prefill rank: KV heads ``heads`` (None:
+    every head, one rank each side) from rank ``source_rank``. A decode rank reading from several
+    prefill ranks runs one pull per rank, joined in ``load``."""
 
     spec: LoadSpec
     num_bytes: int
+    source_rank: int = 0
+    heads: tuple[int, int] | None = None
+    load: Any = None  # the agent's record of the whole load this pull is part of
     not_before: float = 0.0  # fault hook: do not start before
     deadline: float = 0.0
     started: float = field(default_factory=time.monotonic)
@@ -53,9 +106,17 @@ class Pull:
 class Transport(ABC):
     name: str
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
+    def __init__(
+        self, kv_cache: torch.Tensor, rank: int = 0, ranks: int = 1, heads: tuple[int, int] | None = None
+    ) -> None:
+        """``rank`` of ``ranks``: this agent's place in its engine (which a release names); ``heads``:
+        the KV heads [start, end) the rank's cache holds (None: every head)."""
         self.num_blocks = kv_cache.shape[0]
-        self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        whole = (0, kv_cache.shape[3]) if kv_cache.dim() == 6 else (0, 0)
+        self.layout = CacheLayout.of(kv_cache, heads or whole)
+        self.block_bytes = self.layout.block_bytes
+        self.rank = rank
+        self.ranks = ranks
         self.kv_cache = kv_cache
         self._blocks = kv_cache.view(torch.uint8).view(self.num_blocks, self.block_bytes)
         self._pulls: list[Pull] = []
@@ -116,20 +177,38 @@ class Transport(ABC):
     def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None, connection: object) -> None:
         logger.warning("side channel: unexpected block data for %s", reply.request_id)
 
-    def poll_releases(self) -> list[str]:
-        """Request ids whose blocks a peer told this engine (through the transport) to free."""
+    def poll_releases(self) -> list[tuple[str, int, int]]:
+        """(request id, decode rank, decode ranks) for each release a peer sent through the transport."""
         return []
 
-    def read_local(self, block_ids: list[int]) -> np.ndarray:
-        """A copy of these blocks' bytes, in order."""
-        return self._blocks[block_ids].cpu().numpy()
+    def _head_view(self, block_ids: list[int], heads: tuple[int, int]) -> tuple[int, int]:
+        start = heads[0] - self.layout.head_start
+        self.layout.regions(heads, whole=False)  # raises unless this rank holds them all
+        return start, start + heads[1] - heads[0]
 
-    def write_local(self, block_ids: list[int], data: memoryview) -> None:
-        source = np.frombuffer(data, dtype=np.uint8).reshape(len(block_ids), self.block_bytes)
-        if self.kv_cache.is_cuda:
-            self._blocks[block_ids] = torch.from_numpy(source.copy()).to(self.kv_cache.device)
-        else:
-            self._blocks.numpy()[block_ids] = source
+    def read_local(self, block_ids: list[int], heads: tuple[int, int] | None = None) -> np.ndarray:
+        """A copy of these blocks' bytes (of KV heads ``heads`` only, if given), block after block."""
+        if self.layout.holds_exactly(heads):
+            return self._blocks[block_ids].cpu().numpy()
+        assert heads is not None
+        first, end = self._head_view(block_ids, heads)
+        part = self.kv_cache[block_ids][:, :, :, first:end].contiguous()
+        return part.view(torch.uint8).reshape(len(block_ids), -1).cpu().numpy()
+
+    def write_local(self, block_ids: list[int], data: memoryview, heads: tuple[int, int] | None = None) -> None:
+        """Write bytes ``read_local`` made (of the same heads) into these blocks."""
+        if self.layout.holds_exactly(heads):
+            source = np.frombuffer(data, dtype=np.uint8).reshape(len(block_ids), self.block_bytes)
+            if self.kv_cache.is_cuda:
+                self._blocks[block_ids] = torch.from_numpy(source.copy()).to(self.kv_cache.device)
+            else:
+                self._blocks.numpy()[block_ids] = source
+            return
+        assert heads is not None
+        first, end = self._head_view(block_ids, heads)
+        shape = (len(block_ids), *self.kv_cache.shape[1:3], end - first, *self.kv_cache.shape[4:])
+        source = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).view(self.kv_cache.dtype).view(shape)
+        self.kv_cache[block_ids, :, :, first:end] = source.to(self.kv_cache.device)
 
     def close(self) -> None:
         return None
@@ -138,14 +217,24 @@ class Transport(ABC):
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, kv_cache: torch.Tensor, seal: messages.Seal) -> None:
-        super().__init__(kv_cache)
+    def __init__(
+        self, kv_cache: torch.Tensor, seal: messages.Seal, rank: int, ranks: int, heads: tuple[int, int] | None
+    ) -> None:
+        super().__init__(kv_cache, rank, ranks, heads)
         self.seal = seal
         self._done: list[tuple[Pull, str | None]] = []
 
     def start_pull(self, pull: Pull, socket: zmq.Socket[bytes]) -> None:
         spec = pull.spec
-        read = messages.ReadBlocks(spec.remote.request_id, spec.remote_block_ids, spec.generations, release=True)
+        read = messages.ReadBlocks(
+            spec.remote.request_id,
+            spec.remote_block_ids,
+            spec.generations,
+            release=True,
+            heads=pull.heads,
+            reader_rank=self.rank,
+            readers=self.ranks,
+        )
         socket.send(self.seal.seal(read), zmq.NOBLOCK)  # raises if the connection takes no more: the pull fails
         self._pulls.append(pull)
 
@@ -168,7 +257,7 @@ class TcpTransport(Transport):
             self._done.append((pull, "the block bytes arrived corrupted (CRC-32 mismatch)"))
         else:
             try:
-                self.write_local(pull.spec.local_block_ids, data)
+                self.write_local(pull.spec.local_block_ids, data, pull.heads)
             except Exception as error:  # e.g. out of device memory for the staging copy
                 logger.exception("request %s: writing pulled blocks", pull.spec.request_id)
                 self._done.append((pull, f"writing the pulled blocks failed: {type(error).__name__}: {error}"))
@@ -187,18 +276,27 @@ class _NixlPeer:
     gen_base: int
     mem_type: str
     device_id: int
+    layout: CacheLayout  # of that rank's cache
 
 
 class NixlTransport(Transport):
     name = "nixl"
 
-    def __init__(self, config: KVTransferConfig, kv_cache: torch.Tensor, generations: np.ndarray) -> None:
+    def __init__(
+        self,
+        agent_name: str,
+        kv_cache: torch.Tensor,
+        generations: np.ndarray,
+        rank: int,
+        ranks: int,
+        heads: tuple[int, int] | None,
+    ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        super().__init__(kv_cache)
+        super().__init__(kv_cache, rank, ranks, heads)
         # No progress thread: on few cores it costs 2-3x throughput and makes it erratic; the
         # agent thread polls instead, which also makes the passive side's notifications progress.
-        self.agent = nixl_agent(config.engine_id, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self.device_id = kv_cache.device.index or 0
         self.kv_base = kv_cache.data_ptr()
@@ -232,6 +330,10 @@ class NixlTransport(Transport):
     def add_peer(self, address: tuple[str, int], reply: messages.HandshakeReply) -> None:
         self.forget_peer(address)
         info = reply.transport_info
+        heads = reply.kv_head_ranges[reply.rank] if reply.kv_head_ranges else (0, self.layout.num_heads)
+        layout = self.layout.with_heads(reply.block_bytes, tuple(heads))
+        if self.layout.num_layers and layout.block_bytes != sum(n for _, n in layout.regions(None, whole=False)):
+            raise ValueError(f"its blocks are {reply.block_bytes} bytes, not what KV heads {heads} take")
         name = self.agent.add_remote_agent(info["agent_metadata"])
         self._peers[address] = _NixlPeer(
             name.decode() if isinstance(name, bytes) else name,
@@ -239,6 +341,7 @@ class NixlTransport(Transport):
             int(info["gen_base"]),
             str(info["mem_type"]),
             int(info["device_id"]),
+            layout,
         )
 
     def forget_peer(self, address: tuple[str, int]) -> None:
@@ -258,10 +361,11 @@ class NixlTransport(Transport):
                 logger.debug("removing NIXL agent %s: %s", peer.agent_name, error)
 
     def start_pull(self, pull: Pull, socket: zmq.Socket[bytes]) -> None:
-        peer = self._peers[pull.spec.remote.address]
-        size = self.block_bytes
-        local = [(self.kv_base + b * size, size, self.device_id) for b in pull.spec.local_block_ids]
-        remote = [(peer.kv_base + b * size, size, peer.device_id) for b in pull.spec.remote_block_ids]
+        peer = self._peers[pull.spec.remote.rank_address(pull.source_rank)]
+        # One region per block when both ranks hold exactly the heads read; else one per layer and K/V.
+        whole = self.layout.holds_exactly(pull.heads) and peer.layout.holds_exactly(pull.heads)
+        local = _descriptors(self.kv_base, self.layout, pull.spec.local_block_ids, pull.heads, whole, self.device_id)
+        remote = _descriptors(peer.kv_base, peer.layout, pull.spec.remote_block_ids, pull.heads, whole, peer.device_id)
         self._pulls.append(pull)
         self._post(pull, "data", peer, local, self.mem_type, remote, peer.mem_type)
 
@@ -335,7 +439,8 @@ class NixlTransport(Transport):
         own, not attached to the generation read: an attached one delays the read's completion
         until prefill's agent next makes progress.)"""
         try:
-            self.agent.send_notif(peer.agent_name, _RELEASE_TAG + pull.spec.remote.request_id.encode())
+            tag = _RELEASE_TAG + f"{self.rank}/{self.ranks}:{pull.spec.remote.request_id}".encode()
+            self.agent.send_notif(peer.agent_name, tag)
             pull.released = True
         except Exception as error:  # the side channel's release message is sent instead
             logger.debug("NIXL release notification to %s: %s", peer.agent_name, error)
@@ -375,8 +480,8 @@ class NixlTransport(Transport):
                 drained.append(pull)
         return drained
 
-    def poll_releases(self) -> list[str]:
-        released: list[str] = []
+    def poll_releases(self) -> list[tuple[str, int, int]]:
+        released: list[tuple[str, int, int]] = []
         try:
             notifications_by_agent = self.agent.get_new_notifs()
         except Exception as error:  # a peer's disconnect surfaces here too
@@ -384,8 +489,9 @@ class NixlTransport(Transport):
             return released
         for notifications in notifications_by_agent.values():
             for message in notifications:
-                if message.startswith(_RELEASE_TAG):
-                    released.append(message[len(_RELEASE_TAG) :].decode(errors="replace"))
+                release = _parse_release(message)
+                if release is not None:
+                    released.append(release)
         return released
 
     def close(self) -> None:
@@ -396,9 +502,37 @@ class NixlTransport(Transport):
                 logger.debug("NIXL deregistration: %s", error)
 
 
+def _descriptors(
+    base: int, layout: CacheLayout, block_ids: list[int], heads: tuple[int, int] | None, whole: bool, device: int
+) -> list[tuple[int, int, int]]:
+    """NIXL descriptors of KV heads ``heads`` of these blocks, block after block (``whole``: one a block)."""
+    regions = layout.regions(heads, whole)
+    size = layout.block_bytes
+    return [(base + b * size + offset, length, device) for b in block_ids for offset, length in regions]
+
+
+def _parse_release(message: bytes) -> tuple[str, int, int] | None:
+    """A release notification's (request id, decode rank, decode ranks); None for anything else."""
+    if not message.startswith(_RELEASE_TAG):
+        return None
+    ranks, _, request_id = message[len(_RELEASE_TAG) :].decode(errors="replace").partition(":")
+    rank, _, size = ranks.partition("/")
+    if not (rank.isdigit() and size.isdigit() and request_id):
+        return None
+    return request_id, int(rank), int(size)
+
+
 def make_transport(
-    config: KVTransferConfig, kv_cache: torch.Tensor, generations: np.ndarray, seal: messages.Seal
+    config: KVTransferConfig,
+    kv_cache: torch.Tensor,
+    generations: np.ndarray,
+    seal: messages.Seal,
+    rank: int = 0,
+    kv_head_ranges: list[tuple[int, int]] | None = None,
 ) -> Transport:
+    """The configured transport over one rank's cache (``kv_head_ranges``: the engine's, per rank)."""
+    ranks = len(kv_head_ranges) if kv_head_ranges else 1
+    heads = tuple(kv_head_ranges[rank]) if kv_head_ranges else None
     if config.transport == "tcp":
-        return TcpTransport(kv_cache, seal)
-    return NixlTransport(config, kv_cache, generations)
+        return TcpTransport(kv_cache, seal, rank, ranks, heads)  # type: ignore[arg-type]
+    return NixlTransport(seal.engine_id, kv_cache, generations, rank, ranks, heads)  # type: ignore[arg-type]

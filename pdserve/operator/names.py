@@ -40,6 +40,8 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_ROLE = roles.ROLE_LABEL
 LABEL_SERVICE = "pdserve.io/service"
+# On engine pods: the pool's tensor-parallel size (ranks, one worker process each), for people and tools.
+TENSOR_PARALLEL_ANNOTATION = "pdserve.io/tensor-parallel-size"
 
 
 def object_name(service: str, role: str) -> str:

@@ -1,7 +1,8 @@
 """Pod templates of the router and the engine pools of one PDService (pure functions of the spec).
 
 Owns what runs in the pods: the `pdserve router|prefill|decode` command lines (flags: docs/contracts.md),
-environment, ports, probes, resources, the model and KV-secret volumes and the security context.
+environment, ports, probes, resources, the model, KV-secret and /dev/shm volumes, the engine pods'
+tensor-parallel annotation and the security context.
 """
 
 import math
@@ -16,6 +17,7 @@ from pdserve.operator.names import (
     MODEL_DIR,
     PORTS,
     ROUTER,
+    TENSOR_PARALLEL_ANNOTATION,
     kv_secret_name,
     labels,
     object_name,
@@ -25,6 +27,12 @@ from pdserve.operator.names import (
 # emptyDir so scratch files stay off the container's writable layer.
 USER_ID = 1000
 SCRATCH_DIR = "/tmp"
+
+# Tensor-parallel ranks exchange tensors through /dev/shm (shared-memory files, gloo, NCCL), which
+# container runtimes cap at 64 MiB: engine pods of more than one rank mount a memory-backed emptyDir
+# there, of this many GiB per rank unless the pool's shmSize says otherwise.
+SHM_DIR = "/dev/shm"
+SHM_GIB_PER_RANK = 1
 
 # Model loading can take many minutes (large weights over network storage); the startup probe
 # holds liveness off for up to 30 minutes before the pod counts as failed.
@@ -57,6 +65,7 @@ def _router_reads_model(model: dict[str, Any]) -> bool:
 def engine_command(service: str, role: str, spec: dict[str, Any]) -> list[str]:
     model, kv = spec["model"], spec["kvTransfer"]
     model_dir = _model_dir(model)
+    ranks = spec[role]["tensorParallelSize"]
     return [
         "pdserve",
         role,
@@ -80,6 +89,7 @@ def engine_command(service: str, role: str, spec: dict[str, Any]) -> list[str]:
         kv["loadFailure"],
         "--kv-secret-file",
         KV_SECRET_FILE,
+        *(["--tensor-parallel-size", str(ranks)] if ranks > 1 else []),
         *spec[role].get("engineArgs", []),
     ]
 
@@ -136,6 +146,15 @@ def _model_volume(model: dict[str, Any]) -> dict[str, Any]:
     if model["source"] == "hostPath":
         return {"name": "model", "hostPath": {"path": model["hostPath"], "type": "Directory"}}
     return {"name": "model", "emptyDir": {}}
+
+
+def shm_size(pool: dict[str, Any]) -> str | None:
+    """The size of an engine pod's /dev/shm volume: the pool's shmSize, else 1Gi per rank when it has
+    more than one; None: no volume (the runtime's 64 MiB is enough for one rank)."""
+    if pool.get("shmSize"):
+        return str(pool["shmSize"])
+    size: int = pool["tensorParallelSize"]
+    return f"{size * SHM_GIB_PER_RANK}Gi" if size > 1 else None
 
 
 def _kv_secret_volume(service: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -214,16 +233,23 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
         "securityContext": _container_security(),
         **_probes(ENGINE_STARTUP_FAILURES),
     }
+    volumes = [
+        _model_volume(spec["model"]),
+        {"name": "scratch", "emptyDir": {}},
+        _kv_secret_volume(service, spec),
+    ]
+    shm = shm_size(spec[role])
+    if shm is not None:
+        # Memory-backed: the kubelet sizes the tmpfs to sizeLimit, and what it holds counts against
+        # the container's memory limit.
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}})
+        container["volumeMounts"].append({"name": "shm", "mountPath": SHM_DIR})
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "initContainers": [_model_download(spec, _container_security())]
         if spec["model"]["source"] == "huggingface"
         else None,
-        "volumes": [
-            _model_volume(spec["model"]),
-            {"name": "scratch", "emptyDir": {}},
-            _kv_secret_volume(service, spec),
-        ],
+        "volumes": volumes,
         "securityContext": _pod_security(),
         "automountServiceAccountToken": False,
         # Prefill drains: blocks held for decode peers stay readable until their lease ends.
@@ -232,7 +258,11 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
         "nodeSelector": spec[role].get("nodeSelector") or None,
         "tolerations": spec[role].get("tolerations") or None,
     }
-    return {"metadata": {"labels": labels(service, role)}, "spec": pod_spec}
+    # An annotation, not a label: the Deployment's labels equal its pods', and nothing selects by it.
+    # Written at size 1 too, so that a pool going back to 1 never keeps a stale value (merge patches
+    # leave keys they do not name).
+    annotations = {TENSOR_PARALLEL_ANNOTATION: str(spec[role]["tensorParallelSize"])}
+    return {"metadata": {"labels": labels(service, role), "annotations": annotations}, "spec": pod_spec}
 
 
 def router_pod(service: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 The API server applies the CRD's defaults, but the operator fills them again (`with_defaults`) so
 that it never depends on them (older objects, emulated API servers); tests keep the two in step.
-`problems` lists what makes a spec unusable, before anything is created for it.
+One default depends on another field, so the CRD cannot hold it: a pool's `gpus` (GPUs per pod)
+defaults to its `tensorParallelSize` (one GPU per rank). `problems` lists what makes a spec
+unusable, before anything is created for it.
 """
 
 import copy
@@ -33,6 +35,10 @@ RESERVED_ENGINE_FLAGS = (
     "--kv-secret-file",
     "--kv-insecure",
 )
+# The engine's tensor-parallel flags: the pool's tensorParallelSize is the one place for the size,
+# because the pods' GPUs and /dev/shm volume follow it (more than one rank implies the `mp` executor).
+TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--distributed-executor-backend")
+MAX_TENSOR_PARALLEL_SIZE = 64
 RESERVED_ROUTER_FLAGS = (
     "--host",
     "--port",
@@ -51,6 +57,10 @@ _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # A Secret's name: a DNS-1123 subdomain.
 MAX_SECRET_NAME_LENGTH = 253
 _SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# A Kubernetes quantity of bytes, loosely: a plain or decimal number with an optional binary, decimal
+# or exponent suffix (no sign, no milli: a size). The API server has the last word.
+QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[kMGTPE]|[eE][0-9]+)?$"
+_QUANTITY = re.compile(QUANTITY_PATTERN)
 
 
 def plain(value: Any) -> Any:
@@ -79,7 +89,9 @@ def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
     for role in ENGINE_ROLES:
         pool = full.setdefault(role, {})
         pool.setdefault("replicas", 1)
-        pool.setdefault("gpus", 1)
+        tensor_parallel = pool.setdefault("tensorParallelSize", 1)
+        # One GPU per rank; an unusable size (reported by `problems`) falls back to the old default.
+        pool.setdefault("gpus", tensor_parallel if _is_tensor_parallel_size(tensor_parallel) else 1)
     return full
 
 
@@ -148,7 +160,15 @@ def _kv_problems(kv: dict[str, Any]) -> list[str]:
 
 def _pool_problems(where: str, pool: dict[str, Any]) -> list[str]:
     found = _count_problems(f"{where}.replicas", pool["replicas"]) + _count_problems(f"{where}.gpus", pool["gpus"])
-    found += _args_problems(f"{where}.engineArgs", pool.get("engineArgs", []), RESERVED_ENGINE_FLAGS)
+    found += _tensor_parallel_problems(where, pool)
+    args = pool.get("engineArgs", [])
+    found += _args_problems(f"{where}.engineArgs", args, RESERVED_ENGINE_FLAGS)
+    taken = _taken_flags(args, TENSOR_PARALLEL_FLAGS) if _is_string_list(args) else []
+    if taken:
+        found.append(f"{where}.engineArgs must not set {', '.join(taken)} (set {where}.tensorParallelSize instead)")
+    shm = pool.get("shmSize")
+    if "shmSize" in pool and (not isinstance(shm, str) or not _QUANTITY.fullmatch(shm)):
+        found.append(f"{where}.shmSize must be a Kubernetes quantity of bytes such as 2Gi or 512Mi")
     found += _resources_problems(f"{where}.resources", pool.get("resources", {}))
     selector = pool.get("nodeSelector", {})
     if not isinstance(selector, dict) or not all(isinstance(v, str) for v in selector.values()):
@@ -159,6 +179,23 @@ def _pool_problems(where: str, pool: dict[str, Any]) -> list[str]:
     return found
 
 
+def _is_tensor_parallel_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_TENSOR_PARALLEL_SIZE
+
+
+def _tensor_parallel_problems(where: str, pool: dict[str, Any]) -> list[str]:
+    size, gpus = pool["tensorParallelSize"], pool["gpus"]
+    if not _is_tensor_parallel_size(size):
+        return [f"{where}.tensorParallelSize must be an integer from 1 to {MAX_TENSOR_PARALLEL_SIZE}"]
+    # Each rank drives a GPU of its own; with gpus 0 (CPU pods) the ranks are processes on the CPU.
+    if not _count_problems(f"{where}.gpus", gpus) and 0 < gpus < size:
+        return [
+            f"{where}.gpus ({gpus}) must be 0 (CPU) or at least {where}.tensorParallelSize ({size}): "
+            "each tensor-parallel rank needs a GPU of its own"
+        ]
+    return []
+
+
 def _count_problems(where: str, value: Any) -> list[str]:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         return [f"{where} must be an integer >= 0"]
@@ -166,21 +203,24 @@ def _count_problems(where: str, value: Any) -> list[str]:
 
 
 def _args_problems(where: str, args: Any, reserved: tuple[str, ...]) -> list[str]:
-    if not isinstance(args, list) or not all(isinstance(arg, str) for arg in args):
+    if not _is_string_list(args):
         return [f"{where} must be a list of strings"]
-    # argparse also accepts unambiguous prefixes (`--mod` for `--model`), so prefixes count too.
-    taken = sorted(
-        {
-            flag
-            for arg in args
-            if arg.startswith("--") and len(arg) > 2
-            for flag in reserved
-            if flag.startswith(arg.split("=", 1)[0])
-        }
-    )
+    taken = _taken_flags(args, reserved)
     if taken:
         return [f"{where} must not set {', '.join(taken)} (the operator sets them)"]
     return []
+
+
+def _is_string_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _taken_flags(args: list[str], reserved: tuple[str, ...]) -> list[str]:
+    """The reserved flags that `args` set, as argparse would read them: `--flag`, `--flag=value`, and
+    unambiguous prefixes (`--mod` for `--model`, `-t` for `-tp`)."""
+    heads = {arg.split("=", 1)[0] for arg in args if arg.startswith("-")} - {"-", "--"}
+    # "--t" is no prefix of "-tp", nor "-t" of "--tokenizer": dashes count as part of the prefix.
+    return sorted({flag for head in heads for flag in reserved if flag.startswith(head)})
 
 
 def _resources_problems(where: str, resources: Any) -> list[str]:

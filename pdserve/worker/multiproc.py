@@ -1,8 +1,10 @@
 """MultiprocExecutor: the EngineCore's model executor when the model runs in a worker process of its
 own (``--distributed-executor-backend mp``; the in-process ``ModelRunner`` is the other executor).
 
-Each step the core sends the worker what changed (``step.StepEncoder``) over a ZMQ PUSH socket and
-waits for the runner's output on a PULL socket, checking meanwhile that the worker is alive: a
+Each step the core sends the workers what changed (``step.StepEncoder``) over a ZMQ PUSH socket each
+and waits for rank 0's output on a PULL socket (and, in a P/D engine at TP > 1, every other rank's
+transfer report, joined by ``kvtransfer.aggregate.RankReports``), checking meanwhile that the workers
+are alive: a
 worker that dies (killed, out of memory, an exception) makes ``execute_model`` raise
 :class:`WorkerDiedError`, which ends the core, so every request in flight fails at once and the
 engine exits (a pod restarts). Sockets live in a private temporary folder; the worker's spec goes
@@ -26,9 +28,11 @@ import msgspec
 import numpy as np
 import zmq
 
+from pdserve.kvtransfer.aggregate import RankReports
+from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.worker.interface import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pdserve.worker.process import WorkerFailed, WorkerReady, WorkerSpec, map_generations
-from pdserve.worker.step import StepEncoder, decode_output, encode_shutdown
+from pdserve.worker.process import WorkerFailed, WorkerReady, WorkerSpec, generations_file, shared_generations
+from pdserve.worker.step import RankReport, StepEncoder, decode_output, encode_shutdown
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,13 @@ class MultiprocExecutor:
         self._steps: list[zmq.Socket[bytes]] = []
         self.processes: list[subprocess.Popen[bytes]] = []
         self._encoder = StepEncoder()
+        self._decode_report = msgspec.msgpack.Decoder(RankReport | WorkerFailed).decode
+        # P/D at TP > 1: every rank's transfer agent reports, and a request's blocks change hands once all did.
+        self._reports = RankReports(size) if spec.kv_transfer is not None and size > 1 else None
+        generations_path = None
+        if spec.kv_transfer is not None:
+            generations_path = generations_file()
+            spec = replace(spec, generations_path=generations_path)
         if size > 1:
             # The ranks meet through a file in this private folder (no port to pick or to collide on).
             spec = replace(spec, distributed_init=f"file://{os.path.join(self._folder, 'distributed-init')}")
@@ -72,21 +83,28 @@ class MultiprocExecutor:
                 process.stdin.close()
             readies: dict[int, WorkerReady] = {}
             while len(readies) < size:
-                ready = msgspec.msgpack.decode(self._receive(startup_timeout), type=WorkerReady | WorkerFailed)
+                _, payload = self._receive(startup_timeout)
+                ready = msgspec.msgpack.decode(payload, type=WorkerReady | WorkerFailed)
                 if isinstance(ready, WorkerFailed):
                     raise WorkerDiedError(f"a worker failed to start: {ready.message}")
                 readies[ready.rank] = ready
+            ready = readies[0]
+            self.num_blocks = ready.num_blocks
+            # Each rank's transfer agent's side channel, in rank order (P/D only).
+            self.agent_ports = [readies[rank].agent_port or 0 for rank in range(size)]
+            self._description = ready.description
+            # The block pool's generations: the shared-memory file every rank's agent mapped (P/D only);
+            # mapped here too, then removed (the mappings outlive it).
+            self.generations: np.ndarray | None = None
+            if generations_path is not None:
+                self.generations = shared_generations(generations_path, self.num_blocks)
         except BaseException:
             self.close()
             raise
-        ready = readies[0]
-        self.num_blocks = ready.num_blocks
-        self.agent_port = ready.agent_port
-        self._description = ready.description
-        # The block pool's generations: mapped from the worker's shared-memory file (P/D only).
-        self.generations: np.ndarray | None = None
-        if ready.generations_path is not None:
-            self.generations = map_generations(ready.generations_path, ready.num_blocks)
+        finally:
+            if generations_path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(generations_path)
 
     @property
     def process(self) -> subprocess.Popen[bytes]:
@@ -104,22 +122,39 @@ class MultiprocExecutor:
                 steps.send(frame, zmq.NOBLOCK)
         except zmq.Again:  # nobody reads: a worker is gone
             raise WorkerDiedError(self._exit_reason()) from None
-        answer = self._receive(None)
-        try:
-            return decode_output(answer)
-        except msgspec.ValidationError:
-            failed = msgspec.msgpack.decode(answer, type=WorkerFailed)
-            raise WorkerDiedError(f"a worker failed: {failed.message}") from None
+        reports = self._reports
+        output: ModelRunnerOutput | None = None
+        rank_outputs: list[KVConnectorOutput | None] = [None] * len(self.processes)
+        for _ in range(len(self.processes) if reports is not None else 1):
+            rank, answer = self._receive(None)
+            if rank == 0:
+                try:
+                    output = decode_output(answer)
+                except msgspec.ValidationError:
+                    failed = msgspec.msgpack.decode(answer, type=WorkerFailed)
+                    raise WorkerDiedError(f"a worker failed: {failed.message}") from None
+            else:
+                report = self._decode_report(answer)
+                if isinstance(report, WorkerFailed):
+                    raise WorkerDiedError(f"a worker failed: {report.message}")
+                rank_outputs[rank] = report.kv_connector_output
+        assert output is not None
+        if reports is not None:
+            rank_outputs[0] = output.kv_connector_output
+            output.kv_connector_output = reports.join(rank_outputs)
+        return output
 
-    def _receive(self, timeout: float | None) -> bytes:
-        """The workers' next message; WorkerDiedError if one exits (or ``timeout`` passes) first."""
+    def _receive(self, timeout: float | None) -> tuple[int, bytes]:
+        """The workers' next message and the rank that sent it; WorkerDiedError if one exits (or
+        ``timeout`` passes) first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._outputs.poll(POLL_MS):
             if any(process.poll() is not None for process in self.processes):
                 raise WorkerDiedError(self._exit_reason())
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerDiedError(f"the workers were not ready within {timeout:.0f} s")
-        return self._outputs.recv()
+        rank, payload = self._outputs.recv_multipart()
+        return int(rank), payload
 
     def _exit_reason(self) -> str:
         for rank, process in enumerate(self.processes):

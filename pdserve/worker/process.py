@@ -3,9 +3,10 @@ plane) behind two ZMQ sockets, driven step by step by the EngineCore's ``Multipr
 
 Started as ``python -m pdserve.worker.process STEPS OUTPUTS PARENT_PID`` with its ``WorkerSpec``
 pickled on stdin (local, from the core that spawned it). It builds the runner, answers
-:class:`WorkerReady`, then for each step message runs the step and sends the runner's output back,
-until a shutdown message. It dies with its parent (the core), and any exception ends it: the core
-notices at its next step and fails everything in flight.
+:class:`WorkerReady`, then for each step message runs the step and sends the runner's output back
+(rank 0), or (other ranks of a P/D engine) what its transfer agent reported, until a shutdown
+message. Every message out is two frames: the rank, then the message. It dies with its parent (the
+core), and any exception ends it: the core notices at its next step and fails everything in flight.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import zmq
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.models.config import ModelConfig
 from pdserve.worker.kv_cache import RunnerConfig
-from pdserve.worker.step import StepDecoder, encode_output
+from pdserve.worker.step import RankReport, StepDecoder, encode_output
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -43,6 +44,9 @@ class WorkerSpec:
     kv_transfer: KVTransferConfig | None = None  # P/D roles: the worker runs the transfer agent
     compat_hash: str = ""
     kv_head_ranges: list[tuple[int, int]] = field(default_factory=list)
+    # P/D: the block pool's generations, a file in shared memory every rank's agent maps (and reads,
+    # and registers with NIXL) and the core's block pool writes (``shared_generations``).
+    generations_path: str | None = None
     # Tensor parallelism (runner.tp_size > 1): where the ranks meet to set up their process group.
     distributed_init: str = ""
 
@@ -51,10 +55,7 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     rank: int
     num_blocks: int
     description: str  # the runner's KV-cache summary, for the core's start-up log
-    agent_port: int | None = None  # the transfer agent's side channel
-    # The block generations: a file in shared memory (/dev/shm) the core's block pool maps and writes,
-    # and this process's agent registers and reads.
-    generations_path: str | None = None
+    agent_port: int | None = None  # this rank's transfer agent's side channel
 
 
 class WorkerFailed(msgspec.Struct, tag="failed"):
@@ -68,16 +69,20 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def shared_generations(num_blocks: int) -> tuple[np.ndarray, str]:
-    """A zeroed generation array in a shared-memory file another process can map (``map_generations``)."""
+def generations_file() -> str:
+    """An empty file in shared memory (/dev/shm where there is one) for a block generation array."""
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
     handle, path = tempfile.mkstemp(prefix="pdserve-generations-", dir=folder)
     os.close(handle)
-    return np.memmap(path, dtype=np.int64, mode="w+", shape=(num_blocks,)), path
+    return path
 
 
-def map_generations(path: str, num_blocks: int) -> np.ndarray:
-    """The generation array a worker made (the mapping outlives the file's removal)."""
+def shared_generations(path: str, num_blocks: int) -> np.ndarray:
+    """The generation array of ``num_blocks`` blocks in ``path``, mapped (zeros when new). Every rank
+    sizes the file alike, so whichever maps first makes it; the mapping outlives the file's removal."""
+    with open(path, "r+b") as file:
+        if os.fstat(file.fileno()).st_size != num_blocks * 8:
+            os.ftruncate(file.fileno(), num_blocks * 8)
     return np.memmap(path, dtype=np.int64, mode="r+", shape=(num_blocks,))
 
 
@@ -89,7 +94,7 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
     if size > 1:
         # One rank per core share unless the environment says otherwise (OMP_NUM_THREADS).
         if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
         backend = "nccl" if spec.runner.device.type == "cuda" else "gloo"
         torch.distributed.init_process_group(
             backend, init_method=spec.distributed_init, rank=spec.runner.tp_rank, world_size=size
@@ -99,51 +104,46 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
     steps.connect(steps_address)
     outputs = context.socket(zmq.PUSH)
     outputs.connect(outputs_address)
-    shared: list[str] = []  # generation files to remove on the way out
+    rank = spec.runner.tp_rank
+    rank_frame = str(rank).encode()
     try:
         make_agent = None
         kv_transfer = spec.kv_transfer
         if kv_transfer is not None:
+            assert spec.generations_path is not None
 
             def make_agent(kv_cache: torch.Tensor) -> TransferAgent:
-                generations, path = shared_generations(kv_cache.shape[0])
-                shared.append(path)
-                return TransferAgent(kv_transfer, kv_cache, generations, spec.compat_hash, spec.kv_head_ranges)
+                assert kv_transfer is not None and spec.generations_path is not None
+                generations = shared_generations(spec.generations_path, kv_cache.shape[0])
+                return TransferAgent(kv_transfer, kv_cache, generations, spec.compat_hash, spec.kv_head_ranges, rank)
 
         runner = ModelRunner(spec.model_config, spec.runner, make_agent)
         agent = runner.kv_connector
-        outputs.send(
-            msgspec.msgpack.encode(
-                WorkerReady(
-                    spec.runner.tp_rank,
-                    runner.num_blocks,
-                    runner.describe(),
-                    getattr(agent, "port", None),
-                    shared[0] if shared else None,
-                )
-            )
-        )
+        ready = WorkerReady(rank, runner.num_blocks, runner.describe(), getattr(agent, "port", None))
+        outputs.send_multipart([rank_frame, msgspec.msgpack.encode(ready)])
         decoder = StepDecoder()
-        answers = spec.runner.tp_rank == 0  # every rank runs each step; rank 0's output is the one read
+        # Every rank runs each step; rank 0's output is the one read, and the other ranks of a P/D
+        # engine add what their own transfer agents reported.
+        reports = rank > 0 and agent is not None
         while True:
             work = decoder.decode(steps.recv())
             if work is None:
                 break
             output = runner.execute_model(work)
-            if answers:
-                outputs.send(encode_output(output))
+            if rank == 0:
+                outputs.send_multipart([rank_frame, encode_output(output)])
+            elif reports:
+                outputs.send_multipart([rank_frame, encode_output(RankReport(output.kv_connector_output))])
         runner.close()
     except Exception as error:
         logger.exception("worker failed")
         with contextlib.suppress(zmq.ZMQError):
-            outputs.send(msgspec.msgpack.encode(WorkerFailed(f"{type(error).__name__}: {error}")))
+            failed = WorkerFailed(f"rank {rank}: {type(error).__name__}: {error}")
+            outputs.send_multipart([rank_frame, msgspec.msgpack.encode(failed)])
         raise
     finally:
         if size > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        for path in shared:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
         steps.close(linger=0)
         outputs.close(linger=1000)
         context.term()

@@ -6,7 +6,7 @@ and the step's shape. The worker keeps every scheduled request's state between s
 (:class:`WorkerRequest`, read by the model runner as a ``ScheduledRequest``) and drops it when the
 request finishes or is preempted (a preempted request comes back as new, from position 0), as vLLM's
 cached request state does. Encoded with msgspec (msgpack); the answer is the runner's own
-``ModelRunnerOutput``.
+``ModelRunnerOutput`` (rank 0), and a :class:`RankReport` from every other rank of a P/D engine.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.kvtransfer.work import TransferWork
 from pdserve.worker.interface import ModelRunnerOutput, SamplingOptions, ScheduledRequest, SchedulerOutput
 
@@ -200,6 +201,13 @@ class StepDecoder:
             set(message.finished_req_ids),
             message.kv_connector_metadata,
         )
+
+
+class RankReport(msgspec.Struct, tag="report"):
+    """A P/D engine's rank other than 0, each step: what its transfer agent reported (the core joins
+    every rank's reports, ``kvtransfer.aggregate``)."""
+
+    kv_connector_output: KVConnectorOutput | None
 
 
 encode_output = msgspec.msgpack.Encoder().encode

@@ -384,7 +384,7 @@ def test_examples_valid() -> None:
     """Built-in kinds against Kubernetes; PDServices against the CRD, as the API server would check them."""
     schema = crd("pdservices")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     services = []
-    for name in ("pdservice.yaml", "pdservice-cpu.yaml"):
+    for name in ("pdservice.yaml", "pdservice-cpu.yaml", "pdservice-tensor-parallel.yaml"):
         for doc in example_docs(name):
             if doc["kind"] == "PDService":
                 assert doc["apiVersion"] == "pdserve.io/v1alpha1"
@@ -393,13 +393,17 @@ def test_examples_valid() -> None:
                 services.append(doc)
             else:
                 kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
-    gpu, cpu = services
+    gpu, cpu, parallel = services
     assert gpu["spec"]["model"]["source"] == "pvc" and gpu["spec"]["model"]["claimName"]
     assert gpu["spec"]["router"]["replicas"] == gpu["spec"]["prefill"]["replicas"] == 1
     assert gpu["spec"]["decode"]["replicas"] == 1
     assert gpu["spec"]["prefill"]["gpus"] == gpu["spec"]["decode"]["gpus"] == 1
     assert cpu["spec"]["prefill"]["gpus"] == cpu["spec"]["decode"]["gpus"] == 0
     assert cpu["spec"]["kvTransfer"]["backend"] == "tcp"
+    # Tensor parallelism per pool; gpus left to follow the size (one GPU per rank).
+    assert parallel["spec"]["prefill"]["tensorParallelSize"] == 2
+    assert parallel["spec"]["decode"]["tensorParallelSize"] == 4
+    assert "gpus" not in parallel["spec"]["prefill"] and "gpus" not in parallel["spec"]["decode"]
 
 
 def test_crd_schema_check_is_not_vacuous() -> None:
@@ -407,7 +411,15 @@ def test_crd_schema_check_is_not_vacuous() -> None:
     schema = crd("pdservices")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     assert schema["properties"]["spec"]["properties"]["decode"] == schema["properties"]["spec"]["properties"]["prefill"]
     (good,) = [doc for doc in example_docs("pdservice-cpu.yaml") if doc["kind"] == "PDService"]
-    for path, value in ((("decode", "gpus"), "1"), (("kvTransfer", "backend"), "rdma"), (("prefill", "replicas"), -1)):
+    for path, value in (
+        (("decode", "gpus"), "1"),
+        (("kvTransfer", "backend"), "rdma"),
+        (("prefill", "replicas"), -1),
+        (("prefill", "tensorParallelSize"), 0),
+        (("decode", "tensorParallelSize"), 65),
+        (("decode", "tensorParallelSize"), "2"),
+        (("decode", "shmSize"), "lots"),
+    ):
         bad = copy.deepcopy(good)
         bad["spec"][path[0]][path[1]] = value
         with pytest.raises(jsonschema.ValidationError):

@@ -42,15 +42,20 @@ class Engine:
         compat: str = COMPAT,
         faults: KVFaults | None = None,
         heads: list[tuple[int, int]] | None = None,
+        kv_cache: Any = None,
+        generations: np.ndarray | None = None,
+        rank: int = 0,
         **config: Any,
     ) -> None:
+        """``heads``: the engine's KV heads per rank; ``rank``: whose agent this is, over ``kv_cache``
+        (default: a small cache of another layout, filled or zeros) and ``generations`` (the engine's)."""
         config.setdefault("transfer_timeout", 3.0)
         config.setdefault("transport", "tcp")
         self.config = KVTransferConfig(faults=faults or KVFaults(), **config)
-        self.kv_cache = _kv_cache(filled)
+        self.kv_cache = kv_cache if kv_cache is not None else _kv_cache(filled)
         self.initial = self.kv_cache.clone()
-        self.generations = np.zeros(NUM_BLOCKS, dtype=np.int64)
-        self.agent = TransferAgent(self.config, self.kv_cache, self.generations, compat, heads)
+        self.generations = generations if generations is not None else np.zeros(NUM_BLOCKS, dtype=np.int64)
+        self.agent = TransferAgent(self.config, self.kv_cache, self.generations, compat, heads, rank)
         self.seen = KVConnectorOutput()
 
     def poll(self) -> KVConnectorOutput:

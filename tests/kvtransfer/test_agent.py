@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.config import KVFaults
+from pdserve.kvtransfer.layout import head_mapping_problem
 from pdserve.kvtransfer.work import LoadSpec, TransferWork
 from tests.kvtransfer.agents import BLOCK_BYTES, NUM_BLOCKS, assert_untouched, engines, load
 
@@ -290,7 +290,7 @@ def test_replies_from_two_prefill_engines_with_the_same_request_id_land_in_their
 
 
 def test_head_mapping_needs_every_local_head_somewhere_on_the_remote():
-    problem = messages.head_mapping_problem
+    problem = head_mapping_problem
     assert problem([(0, 8)], [(0, 8)]) is None
     assert problem([(0, 8)], [(0, 4), (4, 8)]) is None  # decode TP 1 from prefill TP 2
     assert problem([(0, 4), (4, 8)], [(0, 8)]) is None  # decode TP 2 from prefill TP 1

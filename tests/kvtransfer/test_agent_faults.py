@@ -150,11 +150,11 @@ def test_an_exception_writing_pulled_bytes_fails_that_pull_only():
         write_local = transport.write_local
         calls = []
 
-        def write_once_fails(block_ids: list[int], data: memoryview) -> None:
+        def write_once_fails(block_ids: list[int], data: memoryview, heads: tuple[int, int] | None) -> None:
             calls.append(block_ids)
             if len(calls) == 1:
                 raise RuntimeError("out of device memory (simulated)")
-            write_local(block_ids, data)
+            write_local(block_ids, data, heads)
 
         transport.write_local = write_once_fails  # type: ignore[method-assign]
         prefill.agent.submit(TransferWork(holds=[("p1", [1]), ("p2", [2])]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,7 @@ from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.agent import TransferAgent
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import PDConnectorScheduler
-from pdserve.kvtransfer.params import RemotePrefill, prompt_hash
+from pdserve.kvtransfer.params import RemotePrefill, parse_remote_prefill, prompt_hash
 from pdserve.kvtransfer.work import LoadSpec, TransferWork
 
 
@@ -58,10 +59,9 @@ def test_a_peer_with_another_kv_layout_is_refused_at_the_handshake():
         decode.close()
 
 
-def test_params_for_another_prompt_or_engine_are_never_pulled():
-    connector = PDConnectorScheduler(KVTransferConfig(transport="tcp"), "ours", 16, 5000, np.zeros(8, dtype=np.int64))
-    prompt = list(range(40))
-    base = {
+def _decode_leg(prompt: list[int]) -> dict:
+    """A decode leg's params: three blocks of ``prompt`` held by engine "e" at 127.0.0.1:5000 (TP 1)."""
+    return {
         "do_remote_prefill": True,
         "remote_engine_id": "e",
         "remote_request_id": "p",
@@ -74,6 +74,12 @@ def test_params_for_another_prompt_or_engine_are_never_pulled():
         "kv_compat_hash": "ours",
         "remote_lease_seconds": 30,
     }
+
+
+def test_params_for_another_prompt_or_engine_are_never_pulled():
+    connector = PDConnectorScheduler(KVTransferConfig(transport="tcp"), "ours", 16, [5000], np.zeros(8, dtype=np.int64))
+    prompt = list(range(40))
+    base = _decode_leg(prompt)
     for name, params in (
         ("other text", base | {"remote_prompt_hash": prompt_hash(prompt[::-1])}),
         ("other length", base | {"remote_num_tokens": 39}),
@@ -84,6 +90,17 @@ def test_params_for_another_prompt_or_engine_are_never_pulled():
         assert connector.get_num_new_matched_tokens(request, 0) == (0, False), name
     work = connector.build_connector_meta()
     assert len(work.releases) == 3 and not work.tracks and not work.loads  # prefill is still told to free
+
+
+def test_every_prefill_rank_port_is_parsed_and_malformed_ones_are_refused():
+    base = _decode_leg(list(range(40)))
+    one = parse_remote_prefill(base)
+    assert one.tp_size == 1 and one.rank_address(0) == ("127.0.0.1", 5000)  # vLLM's params: one rank
+    two = parse_remote_prefill(base | {"remote_ports": [5000, 5007]})
+    assert two.tp_size == 2 and two.rank_address(1) == ("127.0.0.1", 5007)
+    for ports in ([], [5001, 5002], [5000, 0], [5000, 70000], [5000, "x"], [5000] * 65, "5000"):
+        with pytest.raises(ValueError, match="remote_ports"):
+            parse_remote_prefill(base | {"remote_ports": ports})
 
 
 @settings(max_examples=300, deadline=None)

@@ -40,7 +40,7 @@ def _config(**overrides: Any) -> KVTransferConfig:
 def _connector(generations: np.ndarray | None = None, block_size: int = BLOCK_SIZE, **config: Any):
     if generations is None:
         generations = np.zeros(NUM_BLOCKS, dtype=np.int64)
-    return PDConnectorScheduler(_config(**config), COMPAT, block_size, PORT, generations)
+    return PDConnectorScheduler(_config(**config), COMPAT, block_size, [PORT], generations)
 
 
 def _request(request_id: str, prompt: list[int], params: dict[str, Any] | None = None) -> Request:
@@ -98,7 +98,7 @@ def _assert_empty(connector: PDConnectorScheduler) -> None:
 def test_a_prefill_leg_ending_by_length_holds_exactly_its_prompt_blocks(prompt_len, block_ids, held):
     generations = np.arange(NUM_BLOCKS, dtype=np.int64) * 10 + 1
     config = _config(host="10.1.2.3", lease_seconds=12.5)
-    connector = PDConnectorScheduler(config, COMPAT, BLOCK_SIZE, PORT, generations)
+    connector = PDConnectorScheduler(config, COMPAT, BLOCK_SIZE, [PORT], generations)
     prompt = list(range(1000, 1000 + prompt_len))
     request = _request("leg", prompt, {"do_remote_decode": True})
 
@@ -113,6 +113,7 @@ def test_a_prefill_leg_ending_by_length_holds_exactly_its_prompt_blocks(prompt_l
         "remote_block_ids": held,
         "remote_host": "10.1.2.3",
         "remote_port": PORT,
+        "remote_ports": [PORT],
         "remote_block_generations": [int(generations[b]) for b in held],
         "remote_num_tokens": prompt_len,
         "remote_prompt_hash": prompt_hash(prompt),

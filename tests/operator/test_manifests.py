@@ -81,6 +81,16 @@ def test_engine_command_has_the_cli_flags_then_the_users():
     assert decode[decode.index("--served-model-name") + 1] == "llm"
 
 
+def test_engine_command_passes_the_tensor_parallel_size_before_the_users_flags():
+    fields = {"prefill": {"tensorParallelSize": 2, "engineArgs": ["--max-model-len", "8192"]}}
+    command = container(engine_pod("llm", "prefill", full(**fields)))["command"]
+    assert command[-4:] == ["--tensor-parallel-size", "2", "--max-model-len", "8192"]
+    assert command[command.index("--kv-secret-file") + 2] == "--tensor-parallel-size"
+    # Size 1 is the engine's default: the command stays as it was.
+    decode = container(engine_pod("llm", "decode", full(**fields)))["command"]
+    assert "--tensor-parallel-size" not in decode and "-tp" not in decode
+
+
 def test_router_command_discovers_its_own_pods():
     pod = router_pod("llm", "ns", full(router={"args": ["--routing", "prefix-load"]}))
     assert container(pod)["command"] == [
@@ -135,6 +145,56 @@ def test_gpus_and_rdma_merge_into_the_users_resources():
         "limits": {"memory": "32Gi", "nvidia.com/gpu": "2", "rdma/hca_shared_devices_a": "1"},
     }
     assert container(engine_pod("llm", "decode", full(decode={"gpus": 0})))["resources"] == {}
+
+
+def test_gpus_follow_the_tensor_parallel_size():
+    pod = engine_pod("llm", "decode", full(decode={"tensorParallelSize": 4}))
+    assert container(pod)["resources"] == {"limits": {"nvidia.com/gpu": "4"}}
+    cpu = engine_pod("llm", "decode", full(decode={"tensorParallelSize": 4, "gpus": 0}))
+    assert container(cpu)["resources"] == {}
+    assert "--tensor-parallel-size" in container(cpu)["command"]  # CPU ranks: processes, no GPUs
+
+
+def shm(pod):
+    """The pod's /dev/shm volume and the engine's mount of it (None, None when it has none)."""
+    volumes = [v for v in pod["spec"]["volumes"] if v["name"] == "shm"]
+    mounts = [m for m in container(pod)["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert len(volumes) == len(mounts) <= 1
+    return (volumes[0], mounts[0]) if volumes else (None, None)
+
+
+@pytest.mark.parametrize(
+    ("pool", "size"),
+    [
+        ({"tensorParallelSize": 2}, "2Gi"),
+        ({"tensorParallelSize": 4, "gpus": 0}, "4Gi"),
+        ({"tensorParallelSize": 8, "shmSize": "512Mi"}, "512Mi"),
+        ({"shmSize": "256Mi"}, "256Mi"),  # size 1: only when asked for
+        ({}, None),
+        ({"tensorParallelSize": 1, "gpus": 2}, None),
+    ],
+)
+def test_tensor_parallel_pods_get_a_memory_backed_dev_shm(pool, size):
+    pod = engine_pod("llm", "decode", full(decode=pool))
+    volume, mount = shm(pod)
+    if size is None:
+        assert volume is None  # the runtime's 64 MiB /dev/shm: one rank has no peer to share it with
+        return
+    assert volume == {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": size}}
+    assert mount == {"name": "shm", "mountPath": "/dev/shm"}
+    assert shm(engine_pod("llm", "prefill", full(decode=pool))) == (None, None)  # per pool
+
+
+def test_engine_pods_are_annotated_with_their_tensor_parallel_size():
+    fields = {"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4}}
+    objs = by_kind_name(objects(**fields))
+    for role, size in (("prefill", "2"), ("decode", "4")):
+        template = objs["Deployment", f"llm-{role}"]["spec"]["template"]
+        assert template["metadata"]["annotations"] == {"pdserve.io/tensor-parallel-size": size}
+    # Size 1 is said too, so that a pool set back to 1 does not keep an old value.
+    pod = engine_pod("llm", "prefill", full())
+    assert pod["metadata"]["annotations"] == {"pdserve.io/tensor-parallel-size": "1"}
+    assert "annotations" not in router_pod("llm", "ns", full())["metadata"]
 
 
 def test_grace_period_covers_the_kv_lease():
@@ -316,7 +376,8 @@ def test_objects_pass_the_kubernetes_schemas():
     model = {"source": "huggingface", "repo": "Qwen/Qwen3-0.6B"}
     fields = {"model": model, "prefill": {"nodeSelector": {"a": "b"}, "tolerations": [{"operator": "Exists"}]}}
     secret = manifests.kv_secret("llm", "ns", full(), "0" * 64)
-    for obj in [*objects(**fields), *objects(), secret]:
+    parallel = {"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4, "shmSize": "1.5Gi"}}
+    for obj in [*objects(**fields), *objects(), *objects(**parallel), secret]:
         kubernetes_validate.validate(without_nulls(obj), "1.30", strict=True)
 
 
@@ -342,6 +403,11 @@ def test_pod_commands_parse_with_the_real_cli():
         )
         assert args.kv_lease_seconds == 2.5
         assert args.kv_secret_file == "/etc/pdserve/kv-secret/kv-secret"
+    parallel = full(prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 4, "gpus": 0})
+    for role, size in (("prefill", 2), ("decode", 4)):
+        args = parser.parse_args(container(engine_pod("llm", role, parallel))["command"][1:])
+        assert args.tensor_parallel_size == size
+    assert parser.parse_args(container(engine_pod("llm", "decode", full()))["command"][1:]).tensor_parallel_size == 1
     args = parser.parse_args(container(router_pod("llm", "ns", full()))["command"][1:])
     assert (args.discovery, args.namespace, args.selector) == ("kubernetes", "ns", "app.kubernetes.io/instance=llm")
     assert args.kv_secret_file == "/etc/pdserve/kv-secret/kv-secret"

@@ -265,3 +265,42 @@ def test_an_invalid_change_leaves_what_runs(kube_cluster, kube_namespace, operat
     wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["reason"] == "InvalidSpec")
     kube_cluster.wait_idle()
     assert kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace) == before
+
+
+def test_tensor_parallel_pools_and_too_few_gpus(kube_cluster, kube_namespace, operator):
+    deploy(kube_cluster, kube_namespace, prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 4})
+
+    def template(role):
+        return kube_cluster.get(DEPLOYMENTS, f"llm-{role}", kube_namespace)["spec"]["template"]
+
+    for role, size in (("prefill", "2"), ("decode", "4")):
+        pod = template(role)
+        (engine,) = pod["spec"]["containers"]
+        assert engine["command"][-2:] == ["--tensor-parallel-size", size]
+        assert engine["resources"]["limits"] == {"nvidia.com/gpu": size}  # gpus follow the size
+        assert {"name": "shm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
+        shm = {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{size}Gi"}}
+        assert shm in pod["spec"]["volumes"]
+        assert pod["metadata"]["annotations"]["pdserve.io/tensor-parallel-size"] == size
+    # The API server's defaults leave gpus to the operator (they follow the size it fills in).
+    stored = kube_cluster.get(PDSERVICES, "llm", kube_namespace)["spec"]
+    assert stored["decode"]["tensorParallelSize"] == 4 and "gpus" not in stored["decode"]
+    # Fewer GPUs than ranks: InvalidSpec, naming both fields, and what runs is left as it was.
+    before = kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace)
+    kube_cluster.patch(PDSERVICES, "llm", {"spec": {"decode": {"gpus": 2}}}, kube_namespace)
+    condition = wait_for(
+        lambda: (
+            ready_condition(kube_cluster, kube_namespace)["reason"] == "InvalidSpec"
+            and ready_condition(kube_cluster, kube_namespace)
+        )
+    )
+    assert "spec.decode.gpus (2) must be 0 (CPU) or at least spec.decode.tensorParallelSize (4)" in condition["message"]
+    kube_cluster.wait_idle()
+    assert kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace) == before
+    # Back to one rank: no flag, no /dev/shm volume, the annotation says 1.
+    kube_cluster.patch(PDSERVICES, "llm", {"spec": {"decode": {"tensorParallelSize": 1}}}, kube_namespace)
+    wait_for(lambda: "--tensor-parallel-size" not in template("decode")["spec"]["containers"][0]["command"])
+    pod = template("decode")
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["model", "scratch", "kv-secret"]
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert pod["metadata"]["annotations"] == {"pdserve.io/tensor-parallel-size": "1"}

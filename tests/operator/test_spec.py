@@ -20,12 +20,30 @@ def spec_schema() -> dict:
 
 @pytest.mark.parametrize(
     "fields",
-    [{}, {"prefill": {"replicas": 3}, "kvTransfer": {"backend": "tcp"}}, {"kvTransfer": {"secretName": "kv"}}],
+    [
+        {},
+        {"prefill": {"replicas": 3}, "kvTransfer": {"backend": "tcp"}},
+        {"kvTransfer": {"secretName": "kv"}},
+        {"decode": {"tensorParallelSize": 4}},
+    ],
 )
 def test_defaults_are_the_crds(fields):
     expected = spec(**fields)
     apply_defaults(spec_schema(), expected)
+    # The one default the CRD cannot hold: gpus follows the pool's tensorParallelSize.
+    for role in ("prefill", "decode"):
+        assert "default" not in spec_schema()["properties"][role]["properties"]["gpus"]
+        expected[role]["gpus"] = expected[role]["tensorParallelSize"]
     assert with_defaults(spec(**fields)) == expected
+
+
+def test_gpus_default_to_the_tensor_parallel_size():
+    full = with_defaults(spec(prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 4, "gpus": 8}))
+    assert (full["prefill"]["tensorParallelSize"], full["prefill"]["gpus"]) == (2, 2)
+    assert (full["decode"]["tensorParallelSize"], full["decode"]["gpus"]) == (4, 8)  # a value given stays
+    assert with_defaults(spec())["prefill"]["gpus"] == 1  # tensorParallelSize 1: one GPU, as before
+    # An unusable size is reported by problems(); the default then stays the plain 1.
+    assert with_defaults(spec(decode={"tensorParallelSize": "4"}))["decode"]["gpus"] == 1
 
 
 def test_defaults_leave_the_argument_alone():
@@ -40,6 +58,11 @@ def test_a_valid_spec_has_no_problems():
     assert problems("llm", spec(model={"source": "hostPath", "hostPath": "/data/m", "path": "qwen/v1"})) == []
     assert problems("llm", spec(prefill={"engineArgs": ["--max-model-len", "8192", "--kv-events-port=0"]})) == []
     assert problems("llm", spec(kvTransfer={"secretName": "team-kv.v2"})) == []
+    assert problems("llm", spec(prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 4})) == []
+    assert problems("llm", spec(decode={"tensorParallelSize": 4, "gpus": 8, "shmSize": "512Mi"})) == []
+    # CPU pods run their ranks as processes: any size goes with gpus 0.
+    assert problems("llm", spec(prefill={"tensorParallelSize": 4, "gpus": 0})) == []
+    assert problems("llm", spec(decode={"tensorParallelSize": 64, "gpus": 64})) == []
 
 
 @pytest.mark.parametrize(
@@ -70,11 +93,98 @@ def test_a_valid_spec_has_no_problems():
         ({"kvTransfer": {"leaseSeconds": 0}}, "spec.kvTransfer.leaseSeconds must be a number >= 1"),
         ({"kvTransfer": {"backend": "rdma"}}, "spec.kvTransfer.backend"),
         ({"decode": "big"}, "spec.decode must be an object"),
+        ({"decode": {"engineArgs": ["--tensor-parallel-size", "2"]}}, "must not set --tensor-parallel-size"),
+        ({"decode": {"engineArgs": ["--tensor-parallel-size=2"]}}, "must not set --tensor-parallel-size"),
+        ({"prefill": {"engineArgs": ["--tensor", "2"]}}, "must not set --tensor-parallel-size"),  # argparse prefix
+        ({"prefill": {"engineArgs": ["-tp", "2"]}}, "spec.prefill.engineArgs must not set -tp"),
+        ({"prefill": {"engineArgs": ["-tp=2"]}}, "must not set -tp"),
+        ({"prefill": {"engineArgs": ["-t", "2"]}}, "must not set -tp"),  # argparse prefix of -tp
+        ({"decode": {"engineArgs": ["--distributed-executor-backend", "mp"]}}, "--distributed-executor-backend"),
+        ({"decode": {"engineArgs": ["--dist=mp"]}}, "must not set --distributed-executor-backend"),
+        ({"prefill": {"tensorParallelSize": 0}}, "spec.prefill.tensorParallelSize must be an integer from 1 to 64"),
+        ({"prefill": {"tensorParallelSize": -2}}, "spec.prefill.tensorParallelSize must be an integer from 1 to 64"),
+        ({"decode": {"tensorParallelSize": 65}}, "spec.decode.tensorParallelSize must be an integer from 1 to 64"),
+        ({"decode": {"tensorParallelSize": 2.0}}, "spec.decode.tensorParallelSize must be an integer"),
+        ({"decode": {"tensorParallelSize": "2"}}, "spec.decode.tensorParallelSize must be an integer"),
+        ({"decode": {"tensorParallelSize": True}}, "spec.decode.tensorParallelSize must be an integer"),
+        ({"decode": {"tensorParallelSize": None}}, "spec.decode.tensorParallelSize must be an integer"),
+        ({"prefill": {"shmSize": ""}}, "spec.prefill.shmSize must be a Kubernetes quantity"),
+        ({"prefill": {"shmSize": "lots"}}, "spec.prefill.shmSize must be a Kubernetes quantity"),
+        ({"decode": {"shmSize": "-1Gi"}}, "spec.decode.shmSize must be a Kubernetes quantity"),
+        ({"decode": {"shmSize": 1024}}, "spec.decode.shmSize must be a Kubernetes quantity"),
     ],
 )
 def test_problems_name_the_field(fields, fragment):
     found = problems("llm", spec(**fields))
     assert any(fragment in problem for problem in found), found
+
+
+@pytest.mark.parametrize(
+    "flags", [["-tp", "2"], ["--tensor-parallel-size=4"], ["--distributed-executor-backend", "mp"]]
+)
+def test_tensor_parallel_flags_point_at_the_pool_field(flags):
+    (found,) = problems("llm", spec(decode={"engineArgs": ["--max-model-len", "8192", *flags]}))
+    assert found.startswith("spec.decode.engineArgs must not set ")
+    assert found.endswith("(set spec.decode.tensorParallelSize instead)")
+
+
+def test_flags_that_only_look_reserved_are_left_alone():
+    # Values that start with a dash (a negative number, a lone "-") name no flag, and neither do
+    # flags that merely share letters with a reserved one.
+    args = ["--max-model-len", "8192", "--block-size", "-1", "--tokenizer", "-", "--max-num-seqs", "2"]
+    assert problems("llm", spec(prefill={"engineArgs": args})) == []
+
+
+@pytest.mark.parametrize(("gpus", "size"), [(1, 2), (2, 4), (3, 4), (63, 64)])
+def test_fewer_gpus_than_ranks_is_invalid(gpus, size):
+    assert problems("llm", spec(prefill={"gpus": gpus, "tensorParallelSize": size})) == [
+        f"spec.prefill.gpus ({gpus}) must be 0 (CPU) or at least spec.prefill.tensorParallelSize ({size}): "
+        "each tensor-parallel rank needs a GPU of its own"
+    ]
+
+
+def test_a_bad_size_is_reported_once():
+    # No gpus-versus-ranks sentence on top of the size's own, whatever gpus says.
+    found = problems("llm", spec(decode={"tensorParallelSize": 0, "gpus": 1}))
+    assert found == ["spec.decode.tensorParallelSize must be an integer from 1 to 64"]
+    assert problems("llm", spec(decode={"tensorParallelSize": 4, "gpus": -1})) == [
+        "spec.decode.gpus must be an integer >= 0"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("size", "valid"),
+    [(1, True), (2, True), (64, True), (0, False), (-1, False), (65, False), (1.5, False), ("2", False)],
+)
+def test_tensor_parallel_bounds_are_the_same_in_the_crd_and_the_operator(size, valid):
+    fields = {"decode": {"tensorParallelSize": size, "gpus": 0}}
+    assert (problems("llm", spec(**fields)) == []) is valid
+    schema = spec_schema()["properties"]["decode"]["properties"]["tensorParallelSize"]
+    in_schema = isinstance(size, int) and schema["minimum"] <= size <= schema["maximum"]
+    assert in_schema is valid
+
+
+@pytest.mark.parametrize(
+    ("size", "valid"),
+    [
+        ("1Gi", True),
+        ("512Mi", True),
+        ("1.5Gi", True),
+        ("2G", True),
+        ("1073741824", True),
+        ("1e9", True),
+        ("", False),
+        ("1 Gi", False),
+        ("1gi", False),
+        ("-1Gi", False),
+        ("Gi", False),
+        ("100m", False),
+    ],
+)
+def test_shm_sizes_are_quantities_in_the_crd_and_the_operator(size, valid):
+    assert (problems("llm", spec(decode={"shmSize": size})) == []) is valid
+    schema = spec_schema()["properties"]["decode"]["properties"]["shmSize"]
+    assert (re.search(schema["pattern"], size) is not None and len(size) >= schema["minLength"]) is valid
 
 
 SECRET_NAMES = [

@@ -37,16 +37,20 @@ class Cluster:
         with_router: bool = True,
         secret: str | None = None,
         router_flags: tuple[str, ...] = (),
+        model: str | None = None,
     ) -> Cluster:
-        """``secret``: the cluster secret every process gets (in its environment); None: none (loopback only)."""
-        model = str(ensure_demo_model())
+        """``secret``: the cluster secret every process gets (in its environment); None: none (loopback only).
+        ``model``: a model folder (the demo model's tokenizer); None: the demo model."""
+        demo = str(ensure_demo_model())
+        tokenizer = ("--tokenizer", demo) if model is not None else ()
+        model = model or demo
         env = server_env() if secret is None else dict(server_env(), **{SECRET_ENV: secret})
         cluster = cls()
         for role, count, flags in (("prefill", num_prefill, prefill_flags), ("decode", num_decode, decode_flags)):
             role_env = dict(env, PDSERVE_KV_FAULTS=decode_faults) if role == "decode" and decode_faults else env
             for index in range(count):
                 port = free_port()
-                argv = engine_argv(role, port, model, *ENGINE_FLAGS, *flags, transport=transport)
+                argv = engine_argv(role, port, model, *ENGINE_FLAGS, *tokenizer, *flags, transport=transport)
                 process = Process(f"{role}-{index}", argv, role_env, port, str(tmp_path / f"{role}-{index}.log"))
                 (cluster.prefills if role == "prefill" else cluster.decodes).append(process)
         try:
@@ -90,3 +94,24 @@ def wait_for(condition, timeout: float, message: str, interval: float = 0.1):
             return value
         assert time.monotonic() < deadline, message
         time.sleep(interval)
+
+
+def assert_a_cached_prefix_is_not_pulled_again(decode_url: str, complete) -> None:
+    """Two prompts sharing 10 full blocks, each completed through ``complete(prompt)``: the second pulls
+    only its 2 blocks past them (the rest is in the decode engine's prefix cache)."""
+    import random
+
+    from pdserve.testing.metrics import scrape
+
+    rng = random.Random(11)
+    prefix = [rng.randrange(10, 1000) for _ in range(160)]  # 10 full blocks
+
+    def pulled() -> float:
+        return scrape(decode_url)["pdserve_kv_transfer_bytes_total"]
+
+    before = pulled()
+    complete(prefix + [rng.randrange(10, 1000) for _ in range(20)])  # 180 tokens: 12 blocks
+    first = pulled() - before
+    complete(prefix + [rng.randrange(10, 1000) for _ in range(20)])  # same 10 blocks, new tail
+    second = pulled() - first - before
+    assert first > 0 and second == first / 12 * 2, (first, second)

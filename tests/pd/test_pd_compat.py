@@ -134,7 +134,12 @@ def test_a_decode_engine_never_pulls_another_checkpoints_kv(pair_of_models):
     same_leg = _completion(
         pair_of_models["same"].url, PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
-    forged = dict(same_leg["kv_transfer_params"], remote_port=params["remote_port"], remote_host=params["remote_host"])
+    forged = dict(
+        same_leg["kv_transfer_params"],
+        remote_port=params["remote_port"],
+        remote_ports=params["remote_ports"],
+        remote_host=params["remote_host"],
+    )
     assert _completion(decode.url, PROMPT, kv_transfer_params=forged)["choices"][0]["text"] == expected
     after = scrape(decode.url)
     assert metric(after, "pdserve_kv_transfer_bytes_total") == metric(before, "pdserve_kv_transfer_bytes_total")

@@ -11,7 +11,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.models.demo import ensure_demo_model
 from pdserve.testing.metrics import scrape
-from tests.pd.cluster import Cluster, post
+from tests.pd.cluster import Cluster, assert_a_cached_prefix_is_not_pulled_again, post
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -98,16 +98,4 @@ def test_streamed_chat_through_the_router(cluster):
 def test_a_prefix_cached_on_decode_is_not_pulled_again(cluster):
     if len(cluster.decodes) > 1:
         pytest.skip("which decode engine serves a request is the router's choice")
-    rng = random.Random(11)
-    prefix = [rng.randrange(10, 1000) for _ in range(160)]  # 10 full blocks
-
-    def pulled() -> float:
-        return scrape(cluster.decodes[0].url)["pdserve_kv_transfer_bytes_total"]
-
-    before = pulled()
-    _complete(cluster, prefix + [rng.randrange(10, 1000) for _ in range(20)])  # 180 tokens: 12 blocks
-    first = pulled() - before
-    _complete(cluster, prefix + [rng.randrange(10, 1000) for _ in range(20)])  # same 10 blocks, new tail
-    second = pulled() - first - before
-    block_bytes = first / 12
-    assert first > 0 and second == 2 * block_bytes, (first, second)
+    assert_a_cached_prefix_is_not_pulled_again(cluster.decodes[0].url, lambda prompt: _complete(cluster, prompt))

@@ -97,7 +97,7 @@ def test_a_side_channel_that_never_answers_times_out_and_recomputes(engines):
     silent = context.socket(zmq.ROUTER)  # accepts connections and messages, answers nothing
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     try:
-        params = _prefill_leg(prefill, prompt) | {"remote_port": port}
+        params = _prefill_leg(prefill, prompt) | {"remote_port": port, "remote_ports": [port]}
         text, elapsed = _decode_with(engines, prompt, params)
         assert text == reference and elapsed < 30  # bounded by --kv-transfer-timeout 3
     finally:

@@ -63,7 +63,8 @@ def test_serve_colocated_answers_and_stops_cleanly_on_sigterm():
 def test_serve_disaggregated_runs_router_prefill_and_decode_and_stops_them_all():
     ensure_demo_model()
     port = free_port()
-    process = _serve(port, "--max-model-len", "512", "--kv-transfer", "tcp")
+    # The decode engine splits the model over two worker processes: it pulls each rank's KV heads.
+    process = _serve(port, "--max-model-len", "512", "--kv-transfer", "tcp", "--decode-tp", "2")
     try:
         _wait_healthy(process, port, 180)
         # > 256 tokens: worth a prefill leg
@@ -71,7 +72,9 @@ def test_serve_disaggregated_runs_router_prefill_and_decode_and_stops_them_all()
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             assert 'pdserve_router_requests_total{path="disagg"} 1.0' in response.read().decode()
         children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
-        assert len(children) == 3  # router, prefill, decode
+        assert len(children) == 3  # router, prefill, decode (whose workers are its own children)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            assert 'pdserve_router_requests_total{path="fallback"} 0.0' in response.read().decode()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
         for pid in children:  # every child (and its engine core) is gone
@@ -80,7 +83,7 @@ def test_serve_disaggregated_runs_router_prefill_and_decode_and_stops_them_all()
         if process.poll() is None:
             process.kill()
     output = process.stdout.read()
-    assert f"serving at http://127.0.0.1:{port}/v1" in output
+    assert f"decode at TP 2) serving at http://127.0.0.1:{port}/v1" in output
     assert "not authenticated" not in output  # the children share the secret serve made for them
 
 
@@ -115,8 +118,11 @@ def test_serve_colocated_splits_the_model_over_two_worker_processes():
     assert "tensor parallel 2" in output  # the start-up log says the layout
 
 
-def test_serve_refuses_tensor_parallel_pd_engines_for_now():
+def test_serve_refuses_pool_tp_sizes_in_colocated_mode():
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "serve", "-tp", "2"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "colocated", "--decode-tp", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    assert result.returncode == 2 and "--tensor-parallel-size" in result.stderr
+    assert result.returncode == 2 and "--decode-tp" in result.stderr
