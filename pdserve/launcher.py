@@ -122,7 +122,8 @@ def run_disaggregated(
     children: list[Child] = []
     try:
         roles = [PREFILL.name] * num_prefill + [DECODE.name] * num_decode
-        core_sets = split_cores([sizes[role] for role in roles]) or [None] * len(roles)
+        split = split_cores([sizes[role] for role in roles])
+        core_sets: list[list[int] | None] = list(split) if split else [None] * len(roles)
         counts = {PREFILL.name: 0, DECODE.name: 0}
         for role, cores in zip(roles, core_sets, strict=True):
             engine_port = free_port(host)

@@ -207,8 +207,8 @@ class Transport(ABC):
         assert heads is not None
         first, end = self._head_view(block_ids, heads)
         shape = (len(block_ids), *self.kv_cache.shape[1:3], end - first, *self.kv_cache.shape[4:])
-        source = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).view(self.kv_cache.dtype).view(shape)
-        self.kv_cache[block_ids, :, :, first:end] = source.to(self.kv_cache.device)
+        part = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).view(self.kv_cache.dtype).view(shape)
+        self.kv_cache[block_ids, :, :, first:end] = part.to(self.kv_cache.device)
 
     def close(self) -> None:
         return None
@@ -330,10 +330,10 @@ class NixlTransport(Transport):
     def add_peer(self, address: tuple[str, int], reply: messages.HandshakeReply) -> None:
         self.forget_peer(address)
         info = reply.transport_info
-        heads = reply.kv_head_ranges[reply.rank] if reply.kv_head_ranges else (0, self.layout.num_heads)
-        layout = self.layout.with_heads(reply.block_bytes, tuple(heads))
+        start, end = reply.kv_head_ranges[reply.rank] if reply.kv_head_ranges else (0, self.layout.num_heads)
+        layout = self.layout.with_heads(reply.block_bytes, (start, end))
         if self.layout.num_layers and layout.block_bytes != sum(n for _, n in layout.regions(None, whole=False)):
-            raise ValueError(f"its blocks are {reply.block_bytes} bytes, not what KV heads {heads} take")
+            raise ValueError(f"its blocks are {reply.block_bytes} bytes, not what KV heads [{start}, {end}) take")
         name = self.agent.add_remote_agent(info["agent_metadata"])
         self._peers[address] = _NixlPeer(
             name.decode() if isinstance(name, bytes) else name,
