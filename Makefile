@@ -32,6 +32,7 @@ test: lint
 test-slow: setup
 	$(BIN)/python -m pytest -m slow --durations=10
 	PDSERVE_TEST_EXECUTOR=mp $(BIN)/python -m pytest -m "not slow" tests/pd tests/test_llm.py --durations=5
+	PDSERVE_TEST_EXECUTOR=async $(BIN)/python -m pytest -m "not slow" tests/pd tests/test_llm.py --durations=5
 
 bench: setup
 	$(BIN)/pip install --quiet -e '.[bench]'

@@ -15,9 +15,9 @@ Sections, each recorded in the result file whether it passes, fails or is skippe
 4. decode_step (needs transformers): the ~110M Llama's decode step at batch 8 and 64 against its
    weight-read time at copy bandwidth.
 5. worker_process (needs pyzmq and msgspec): the model in a worker process of its own
-   (``--distributed-executor-backend mp``, TP 1, CUDA in the worker) gives the in-process greedy
-   tokens. Multi-GPU NCCL (TP > 1) cannot run on a one-GPU machine; its code path is gloo's but for
-   the backend name.
+   (``--distributed-executor-backend mp``, TP 1, CUDA in the worker), with and without async
+   scheduling, gives the in-process greedy tokens. Multi-GPU NCCL (TP > 1) cannot run on a one-GPU
+   machine; its code path is gloo's but for the backend name.
 
 ``--dry-run`` runs the same code on CPU at tiny shapes with Triton's interpreter (what CI does, to
 keep this script working where no GPU is lent). Prints as it goes; with ``--out FILE``, also writes JSON there.
@@ -292,17 +292,19 @@ def check_worker_process() -> dict:
     prompts = [torch.randint(10, 1000, (n,), generator=gen).tolist() for n in (5, 40, 130)]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     settings = dict(device=DEVICE.type, dtype="float32", kv_cache_memory=64 << 20, gpu_memory_utilization=0.3)
-    tokens = {}
-    for backend in ("uni", "mp"):
+    tokens, seconds = {}, {}
+    for backend in ("uni", "mp", "async"):
         start = time.perf_counter()
-        with LLM(str(ensure_demo_model()), distributed_executor_backend=backend, **settings) as llm:
+        executor = "mp" if backend == "async" else backend
+        with LLM(
+            str(ensure_demo_model()),
+            distributed_executor_backend=executor,
+            async_scheduling=backend == "async",
+            **settings,
+        ) as llm:
             tokens[backend] = [output.outputs[0].token_ids for output in llm.generate(prompts, greedy)]
-        tokens[f"{backend}_seconds"] = round(time.perf_counter() - start, 2)
-    return {
-        "passed": tokens["uni"] == tokens["mp"],
-        "uni_seconds": tokens["uni_seconds"],
-        "mp_seconds": tokens["mp_seconds"],
-    }
+        seconds[f"{backend}_seconds"] = round(time.perf_counter() - start, 2)
+    return {"passed": tokens["uni"] == tokens["mp"] == tokens["async"], **seconds}
 
 
 def main() -> None:

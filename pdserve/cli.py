@@ -62,6 +62,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="where the model runs: uni, in the engine core's process; mp, in a worker process of its own",
     )
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="schedule the next step while the workers run this one (implies mp)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -189,6 +195,7 @@ _FORWARDED_ENGINE_FLAGS = (
     "gpu_memory_utilization",
     "enable_prefix_caching",
     "distributed_executor_backend",
+    "async_scheduling",
     "kv_transfer",
     "kv_lease_seconds",
     "kv_transfer_timeout",
@@ -245,6 +252,7 @@ def _engine_args(args: argparse.Namespace, role: Role, secret: bytes | None):  #
         role=role.name,
         distributed_executor_backend=args.distributed_executor_backend,
         tensor_parallel_size=args.tensor_parallel_size,
+        async_scheduling=args.async_scheduling,
         kv_transfer=kv_transfer,
         kv_events_host=args.kv_side_channel_host or args.host,
         kv_events_port=None if args.kv_events_port < 0 else args.kv_events_port,

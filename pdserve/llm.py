@@ -87,6 +87,7 @@ class LLM:
         max_logprobs: int = 20,
         distributed_executor_backend: str = "uni",
         tensor_parallel_size: int = 1,
+        async_scheduling: bool = False,
     ) -> None:
         args = EngineArgs(
             model=model,
@@ -103,6 +104,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             distributed_executor_backend=distributed_executor_backend,
             tensor_parallel_size=tensor_parallel_size,
+            async_scheduling=async_scheduling,
         )
         self.engine, self.model_config = args.build_engine_core()
         self.tokenizer = load_tokenizer(tokenizer or args.resolved_model())

@@ -22,7 +22,7 @@ def llm(tmp_path_factory):
         str(ensure_demo_model(tmp_path_factory.mktemp("cache"))),
         kv_cache_memory=64 << 20,
         max_model_len=512,
-        distributed_executor_backend=engine_executor(),
+        **engine_executor(),
     )
 
 

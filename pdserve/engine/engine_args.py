@@ -56,6 +56,8 @@ class EngineArgs:
     distributed_executor_backend: str = "uni"
     # Ranks the model is split over, one worker process each (more than 1 implies "mp").
     tensor_parallel_size: int = 1
+    # Schedule step N+1 while the workers run step N (implies "mp": the workers need processes of their own).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         role = engine_role(self.role)
@@ -65,7 +67,7 @@ class EngineArgs:
             raise ValueError(f"the {role.name} role moves no KV blocks: kv_transfer settings need a P/D role")
         if self.kv_transfer is not None:  # the role says whether peers may read this engine's blocks
             self.kv_transfer = replace(self.kv_transfer, serves_blocks=role.serves_blocks)
-        if self.tensor_parallel_size > 1:
+        if self.tensor_parallel_size > 1 or self.async_scheduling:
             self.distributed_executor_backend = "mp"
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
@@ -170,4 +172,4 @@ class EngineArgs:
             connector,
             generations,
         )
-        return EngineCore(scheduler, executor), model_config
+        return EngineCore(scheduler, executor, self.async_scheduling), model_config

@@ -4,6 +4,12 @@ The core owns the scheduler (and through it all KV memory state) and a model exe
 wherever the caller puts it: in-process for the offline API and tests, or in its own process
 behind ZMQ for the servers (``core_process``). Callers use only the methods here; nothing
 outside the core reaches into the scheduler's KV-cache manager or block pool.
+
+With async scheduling (workers in processes of their own) a step is one ahead: the core schedules
+and sends step N+1, then takes step N's output, so the workers go from one step to the next while
+the core does its own work (scheduling, the step's encoding, applying outputs). Each step's outputs
+come back one call later; a schedule with nothing to compute runs synchronously after the step in
+flight (it only polls the KV connector and carries finished ids).
 """
 
 from __future__ import annotations
@@ -15,13 +21,21 @@ from pdserve.engine.block_hash import BlockHash
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
-from pdserve.worker.interface import ModelExecutor
+from pdserve.worker.interface import ModelExecutor, PipelinedModelExecutor, SchedulerOutput
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, model_executor: ModelExecutor) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        model_executor: ModelExecutor | PipelinedModelExecutor,
+        async_scheduling: bool = False,
+    ) -> None:
+        """``async_scheduling`` needs a ``PipelinedModelExecutor`` (workers in processes of their own)."""
         self.scheduler = scheduler
         self.model_executor = model_executor
+        self.async_scheduling = async_scheduling
+        self._in_flight: SchedulerOutput[Request] | None = None  # async: sent, output not taken yet
         # True when the last step computed nothing (it only waited on KV transfers): the process
         # loop then sleeps briefly instead of spinning.
         self.last_step_idle = False
@@ -53,17 +67,32 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.last_step_idle = scheduler_output.total_num_scheduled_tokens == 0
+        if self.async_scheduling and not self.last_step_idle:
+            executor: PipelinedModelExecutor = self.model_executor  # type: ignore[assignment]
+            executor.submit(scheduler_output)
+            outputs = self._finish_in_flight()
+            self._in_flight = scheduler_output
+            return outputs
+        outputs = self._finish_in_flight()
         # An empty schedule still runs the executor: it polls the KV connector's worker side,
         # which is how loads land and held blocks get released while nothing computes.
         runner_output = self.model_executor.execute_model(scheduler_output)
-        self.last_step_idle = scheduler_output.total_num_scheduled_tokens == 0
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        """Take the output of the step in flight (async scheduling), if any, and apply it."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return []
+        executor: PipelinedModelExecutor = self.model_executor  # type: ignore[assignment]
+        return self.scheduler.update_from_output(in_flight, executor.receive())
 
     def close(self) -> None:
         self.model_executor.close()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._in_flight is not None or self.scheduler.has_work()
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -57,6 +57,7 @@ class Request:
         "max_output_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
         "output_token_ids",
@@ -92,6 +93,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens a scheduled step samples for this request that have not come back yet: the scheduler
+        # counts them as known (async scheduling schedules the next step before they arrive).
+        self.num_output_placeholders = 0
         # Prompt tokens served from the local prefix cache on first scheduling (usage's cached_tokens).
         self.num_cached_tokens = -1
         self.num_preemptions = 0

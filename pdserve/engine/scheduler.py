@@ -6,6 +6,11 @@ the token budget, ``max_num_seqs`` and KV memory allow. When a running request c
 block, the most recently admitted running request is preempted (its blocks freed, recomputed
 later; its own freed blocks usually come back as prefix-cache hits). Aborts work in any state.
 
+A step that will sample a token for a request counts that token as a placeholder until its output
+comes back, so the next step can be scheduled before it does (async scheduling, ``EngineCore``):
+a running request's next token is scheduled ahead, unless its length cap makes the placeholder its
+last; a stop (EOS, stop token or string) found later wastes one step's compute for that request.
+
 KV transfer enters only through the connector hooks (pdserve.kvtransfer.base): remote loads
 park a request in WAITING_FOR_REMOTE_KVS, and a finished request's blocks may be held for a
 remote reader until the worker reports the send done.
@@ -32,6 +37,7 @@ from pdserve.worker.interface import ModelRunnerOutput, SchedulerOutput, TokenLo
 logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
@@ -235,7 +241,11 @@ class Scheduler:
         while index < len(running) and budget > 0:
             request = running[index]
             num_computed = request.num_computed_tokens
-            num_new = request.num_tokens - num_computed
+            placeholders = request.num_output_placeholders
+            num_new = request.num_tokens + placeholders - num_computed
+            if num_new <= 0 or request.num_output_tokens + placeholders >= request.max_output_tokens:
+                index += 1  # its last token is on its way: nothing more to compute for it
+                continue
             if num_new > budget:
                 num_new = budget
             while kv.allocate_slots(request, num_new) is None:
@@ -250,6 +260,8 @@ class Scheduler:
                 start_positions.append(num_computed)
                 block_tables.append(block_table(request.request_id))
                 request.num_computed_tokens = num_computed + num_new
+                if num_computed + num_new == request.num_tokens + placeholders:  # it samples a token
+                    request.num_output_placeholders = placeholders + 1
                 budget -= num_new
                 index += 1
                 continue
@@ -289,7 +301,9 @@ class Scheduler:
         parked: list[Request] = []  # still loading remote KV: keep their place in the queue
         while waiting and budget > 0 and len(running) < max_num_seqs:
             request = waiting[0]
-            if request.status == _WAITING_FOR_REMOTE_KVS:
+            if request.status == _WAITING_FOR_REMOTE_KVS or request.num_output_placeholders:
+                # Loading remote KV, or preempted while its last token is on its way (its recompute
+                # needs that token).
                 parked.append(waiting.popleft())
                 continue
 
@@ -334,6 +348,8 @@ class Scheduler:
             start_positions.append(num_computed)
             block_tables.append(block_ids)
             request.num_computed_tokens = num_computed + num_new
+            if num_computed + num_new == request.num_tokens:  # it samples a token
+                request.num_output_placeholders = 1
             budget -= num_new
         waiting.extendleft(reversed(parked))
         return budget
@@ -382,7 +398,13 @@ class Scheduler:
             self._collect_prompt_logprobs(runner_output.prompt_logprobs)
         for index, request in enumerate(scheduler_output.requests):
             token = sampled[index]
-            if token < 0 or request.status != _RUNNING:
+            if token < 0:
+                continue
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
+            # A request preempted after this step was scheduled keeps the token (async scheduling).
+            was_preempted = request.status == _PREEMPTED
+            if request.status != _RUNNING and not was_preempted:
                 continue
             request.append_output_token(token)
             status = self._check_stop(request, token)
@@ -396,6 +418,8 @@ class Scheduler:
             if request.prompt_logprobs is not None and len(request.output_token_ids) == 1:
                 output.prompt_logprobs = request.prompt_logprobs
             if status is not None:
+                if was_preempted:
+                    self.waiting.remove(request)
                 request.status = status
                 any_finished = True
                 output.finish_reason = status.finish_reason

@@ -27,21 +27,29 @@ def server_env(threads: int = 1) -> dict[str, str]:
     return env
 
 
-# Which executor the test suites' engines use (uni or mp): make test-slow runs the P/D and LLM suites again with mp.
+# How the test suites' engines run their model: uni (in the core's process), mp (a worker process) or
+# async (a worker process, with async scheduling). make test-slow runs the P/D and LLM suites again
+# with mp and with async.
 TEST_EXECUTOR_ENV = "PDSERVE_TEST_EXECUTOR"
+TEST_EXECUTORS = ("uni", "mp", "async")
 
 
-def engine_executor() -> str:
-    """The executor backend tests give their engines (``PDSERVE_TEST_EXECUTOR``, default uni)."""
-    return os.environ.get(TEST_EXECUTOR_ENV, "uni")
+def engine_executor() -> dict[str, str | bool]:
+    """The engine settings for the tests' executor (``PDSERVE_TEST_EXECUTOR``, default uni)."""
+    name = os.environ.get(TEST_EXECUTOR_ENV, "uni")
+    if name not in TEST_EXECUTORS:
+        raise ValueError(f"{TEST_EXECUTOR_ENV} must be one of {', '.join(TEST_EXECUTORS)}, got {name!r}")
+    return {"distributed_executor_backend": "uni" if name == "uni" else "mp", "async_scheduling": name == "async"}
 
 
 def cpu_engine_flags(kv_cache_memory: str, max_model_len: int = 512, served_model_name: str = "demo") -> list[str]:
     """An engine's flags for a CPU run beside others: a KV cache of ``kv_cache_memory`` (e.g. "8MiB"), warnings only,
     on the tests' executor (``engine_executor``)."""
+    executor = engine_executor()
     return [
         "--distributed-executor-backend",
-        engine_executor(),
+        str(executor["distributed_executor_backend"]),
+        "--async-scheduling" if executor["async_scheduling"] else "--no-async-scheduling",
         "--device",
         "cpu",
         "--max-model-len",

@@ -127,3 +127,16 @@ class ModelExecutor(Protocol):
     def close(self) -> None:
         """Release the device memory and the KV connector's worker side."""
         ...
+
+
+class PipelinedModelExecutor(ModelExecutor, Protocol):
+    """An executor whose devices run in other processes: a step can be sent before the previous
+    one's output is taken, so the core schedules while the devices compute (async scheduling)."""
+
+    def submit(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> None:
+        """Start a step; steps run in the order submitted."""
+        ...
+
+    def receive(self) -> ModelRunnerOutput:
+        """The output of the oldest submitted step not yet received (blocks until it is done)."""
+        ...

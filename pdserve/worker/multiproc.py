@@ -116,12 +116,20 @@ class MultiprocExecutor:
         return f"{self._description}; in worker process{'es' if len(self.processes) > 1 else ''} {pids}"
 
     def execute_model(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        return self.receive()
+
+    def submit(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> None:
+        """Send a step to the workers without waiting for it (they run steps in the order sent)."""
         frame = self._encoder.encode(scheduler_output)
         try:
             for steps in self._steps:
                 steps.send(frame, zmq.NOBLOCK)
         except zmq.Again:  # nobody reads: a worker is gone
             raise WorkerDiedError(self._exit_reason()) from None
+
+    def receive(self) -> ModelRunnerOutput:
+        """The output of the oldest step sent and not yet received."""
         reports = self._reports
         output: ModelRunnerOutput | None = None
         rank_outputs: list[KVConnectorOutput | None] = [None] * len(self.processes)

@@ -130,6 +130,7 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
             if work is None:
                 break
             output = runner.execute_model(work)
+            decoder.sampled(work, output.sampled_token_ids)
             if rank == 0:
                 outputs.send_multipart([rank_frame, encode_output(output)])
             elif reports:

@@ -2,7 +2,9 @@
 
 The core sends each step only what the worker cannot know: requests it has not seen in full
 (:class:`NewRequest`), the tokens and block ids each known request gained since it was last sent,
-and the step's shape. The worker keeps every scheduled request's state between steps
+and the step's shape. The tokens a worker samples it appends itself (``StepDecoder.sampled``), so
+the core never sends them back, and a step can go out before the previous one's tokens came back
+(async scheduling). The worker keeps every scheduled request's state between steps
 (:class:`WorkerRequest`, read by the model runner as a ``ScheduledRequest``) and drops it when the
 request finishes or is preempted (a preempted request comes back as new, from position 0), as vLLM's
 cached request state does. Encoded with msgspec (msgpack); the answer is the runner's own
@@ -87,7 +89,8 @@ WorkerInput = Step | Shutdown
 
 class StepEncoder:
     """The core's side: turns each ``SchedulerOutput`` into a :class:`Step`, remembering per request
-    how many tokens and block ids the worker has."""
+    how many tokens and block ids the worker has (counting the token a step samples, which the
+    worker appends itself)."""
 
     def __init__(self) -> None:
         self._sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens, block ids) the worker has
@@ -100,7 +103,9 @@ class StepEncoder:
         new_requests: list[NewRequest] = []
         new_tokens: list[list[int]] = []
         new_blocks: list[list[int]] = []
-        for request, block_ids in zip(output.requests, output.block_ids, strict=True):
+        for request, block_ids, start, num_new in zip(
+            output.requests, output.block_ids, output.start_positions, output.num_scheduled_tokens, strict=True
+        ):
             request_id = request.request_id
             known = sent.get(request_id)
             num_tokens = request.num_tokens
@@ -115,11 +120,16 @@ class StepEncoder:
                 )
                 new_tokens.append([])
                 new_blocks.append(list(block_ids))
+                num_worker_tokens = num_tokens
             else:
+                # The core may be behind the worker (a sampled token not back yet); it is ahead of it
+                # only by tokens it added itself, which are sent.
                 num_sent_tokens, num_sent_blocks = known
                 new_tokens.append(request.all_token_ids[num_sent_tokens:] if num_tokens > num_sent_tokens else [])
                 new_blocks.append(block_ids[num_sent_blocks:])
-            sent[request_id] = (num_tokens, len(block_ids))
+                num_worker_tokens = max(num_sent_tokens, num_tokens)
+            samples = start + num_new == num_worker_tokens  # the worker appends what it samples
+            sent[request_id] = (num_worker_tokens + samples, len(block_ids))
         return self._encode(
             Step(
                 new_requests,
@@ -201,6 +211,13 @@ class StepDecoder:
             set(message.finished_req_ids),
             message.kv_connector_metadata,
         )
+
+    @staticmethod
+    def sampled(work: SchedulerOutput[WorkerRequest], sampled_token_ids: list[int]) -> None:
+        """Append each token the step sampled to its request (the core does not send them back)."""
+        for request, token in zip(work.requests, sampled_token_ids, strict=True):
+            if token >= 0:
+                request.token_ids.append(token)
 
 
 class RankReport(msgspec.Struct, tag="report"):

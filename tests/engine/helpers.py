@@ -17,17 +17,23 @@ from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.kvtransfer.base import ConnectorRequest, KVConnectorOutput, KVConnectorScheduler
+from pdserve.testing.deferred import DeferredExecutor
 from pdserve.testing.fake_runner import FakeModelRunner, reference_generate
 
 VOCAB = 50
 EOS = 7
 
 
-def make_engine(connector: KVConnectorScheduler | None = None, **config: Any) -> EngineCore:
+def make_engine(
+    connector: KVConnectorScheduler | None = None, async_scheduling: bool = False, **config: Any
+) -> EngineCore:
+    """An engine over the fake runner; with ``async_scheduling``, the runner one step behind the core
+    (``DeferredExecutor``), as a worker process is."""
     scheduler_config = SchedulerConfig(**config)
     worker = connector.worker if isinstance(connector, FakeRemoteConnector) else None
     runner = FakeModelRunner(scheduler_config.num_blocks, scheduler_config.block_size, VOCAB, worker)
-    return EngineCore(Scheduler(scheduler_config, connector), runner)
+    executor = DeferredExecutor(runner) if async_scheduling else runner
+    return EngineCore(Scheduler(scheduler_config, connector), executor, async_scheduling)
 
 
 def expected_output(request: Request) -> tuple[list[int], str]:
@@ -55,7 +61,10 @@ def run_to_completion(engine: EngineCore, max_steps: int = 10_000) -> dict[str, 
     raise AssertionError(f"engine still has work after {max_steps} steps")
 
 
-def check_invariants(scheduler: Scheduler) -> None:
+def check_invariants(scheduler: Scheduler, max_placeholders: int = 0) -> None:
+    """``max_placeholders``: sampled tokens a request may have on their way between steps (0 when
+    each step's output is applied within it; with async scheduling, the tokens of the step in flight
+    and of the one scheduled ahead of it)."""
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
     block_size = kv.block_size
@@ -82,7 +91,8 @@ def check_invariants(scheduler: Scheduler) -> None:
     for request in scheduler.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_REMOTE_KVS)
     for request in scheduler.requests.values():
-        assert 0 <= request.num_computed_tokens <= request.num_tokens, request
+        assert 0 <= request.num_output_placeholders <= max_placeholders, request
+        assert 0 <= request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders, request
         owned_tokens = kv.num_owned_blocks(request.request_id) * block_size
         if request.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS):
             # Computed tokens, those scheduled this step, and those being loaded all have slots.

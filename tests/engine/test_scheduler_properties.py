@@ -1,6 +1,7 @@
 """Property tests: random interleavings of add / step / abort against the scheduler, the KV-cache
 manager and the block pool, with invariants checked after every action and the output oracle
-checked for every request that finishes normally."""
+checked for every request that finishes normally; with and without async scheduling (the model one
+step behind the core, whose placeholders must never change an output)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 8),
         enable_prefix_caching=st.booleans(),
         prefixes=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=24), min_size=1, max_size=3),
+        async_scheduling=st.booleans(),
     )
-    def setup(self, block_size, num_blocks, budget, max_num_seqs, enable_prefix_caching, prefixes):
+    def setup(self, block_size, num_blocks, budget, max_num_seqs, enable_prefix_caching, prefixes, async_scheduling):
         self.connector = FakeRemoteConnector()
+        self.max_placeholders = 2 if async_scheduling else 0
         self.engine = make_engine(
             self.connector,
+            async_scheduling,
             num_blocks=num_blocks,
             block_size=block_size,
             max_model_len=num_blocks * block_size,
@@ -87,7 +91,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not self.engine.has_work():
                 return
             self._step()
-            check_invariants(self.scheduler)
+            check_invariants(self.scheduler, self.max_placeholders)
         raise AssertionError("the engine did not finish its work in 1000 steps")
 
     def _step(self):
@@ -111,7 +115,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def core_invariants(self):
         if hasattr(self, "scheduler"):
-            check_invariants(self.scheduler)
+            check_invariants(self.scheduler, self.max_placeholders)
 
     def teardown(self):
         if not hasattr(self, "engine"):
@@ -122,13 +126,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not self.engine.has_work():
                 break
             self.engine.step()
-            check_invariants(self.scheduler)
+            check_invariants(self.scheduler, self.max_placeholders)
         assert_nothing_leaks(self.scheduler)
         stats = self.scheduler.make_stats()
         event(f"preempted: {stats.num_preemptions > 0}")
         event(f"prefix hits: {stats.prefix_cache_hits > 0}")
         event(f"remote loads: {self.connector.num_loads > 0}")
         event(f"checked outputs: {min(len(self.checked), 5)}")
+        event(f"async scheduling: {self.engine.async_scheduling}")
 
 
 SchedulerMachine.TestCase.settings = settings(
@@ -175,14 +180,14 @@ def workloads(draw):
         "max_num_batched_tokens": draw(st.integers(1, 64)),
         "enable_prefix_caching": draw(st.booleans()),
     }
-    return config, requests
+    return config, requests, draw(st.booleans())
 
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workload_keeps_invariants_and_outputs(workload):
-    config, specs = workload
-    engine = make_engine(FakeRemoteConnector(), **config)
+    config, specs, async_scheduling = workload
+    engine = make_engine(FakeRemoteConnector(), async_scheduling, **config)
     requests = {}
     finished: dict[str, str] = {}
     aborted: set[str] = set()
@@ -203,7 +208,7 @@ def test_random_workload_keeps_invariants_and_outputs(workload):
         for output in engine.step():
             if output.finish_reason is not None:
                 finished[output.request_id] = output.finish_reason
-        check_invariants(engine.scheduler)
+        check_invariants(engine.scheduler, 2 if async_scheduling else 0)
         if step > last_event and not engine.has_work():
             break
     else:
@@ -216,3 +221,4 @@ def test_random_workload_keeps_invariants_and_outputs(workload):
     assert_nothing_leaks(engine.scheduler)
     event(f"preemptions: {min(engine.scheduler.num_preemptions, 3)}")
     event(f"prefix hits: {engine.scheduler.kv_cache_manager.prefix_cache_hits > 0}")
+    event(f"async scheduling: {async_scheduling}")

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import msgspec
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -20,7 +21,7 @@ from pdserve.models.demo import ensure_demo_model
 from pdserve.testing.processes import Process, cpu_engine_flags, engine_argv, server_env
 from pdserve.worker.interface import SchedulerOutput
 from pdserve.worker.multiproc import WorkerDiedError
-from pdserve.worker.step import StepDecoder, StepEncoder, WorkerSampling
+from pdserve.worker.step import Step, StepDecoder, StepEncoder, WorkerSampling
 from tests.pd.cluster import post
 
 PROMPTS = [
@@ -79,11 +80,12 @@ class _Request:
         return len(self.all_token_ids)
 
 
-def _step(requests, tables, scheduled, preempted=(), finished=()) -> SchedulerOutput:
+def _step(requests, tables, scheduled, preempted=(), finished=(), starts=None) -> SchedulerOutput:
+    """A step computing each request's last ``scheduled`` tokens (or from ``starts``)."""
     return SchedulerOutput(
         requests,
         scheduled,
-        [request.num_tokens - count for request, count in zip(requests, scheduled, strict=True)],
+        starts or [request.num_tokens - count for request, count in zip(requests, scheduled, strict=True)],
         tables,
         sum(scheduled),
         set(preempted),
@@ -98,16 +100,23 @@ def test_steps_carry_only_what_changed_and_rebuild_each_request():
     work = decoder.decode(frame)
     assert [r.all_token_ids for r in work.requests] == [[1, 2, 3, 4, 5], [9, 8]]
     assert work.block_ids == [[0, 1], [2]] and work.start_positions == [0, 0]
-    # A decode step: one new token each, one new block for a; only those travel.
+    decoder.sampled(work, [6, 7])  # the worker appends what it sampled; the core learns it from the output
     a.all_token_ids.append(6)
     b.all_token_ids.append(7)
+    # A decode step: one new block for a; neither the prompts nor the sampled tokens travel.
     frame = encoder.encode(_step([a, b], [[0, 1, 3], [2]], [1, 1]))
-    assert b"\x01\x02\x03\x04\x05" not in frame  # the prompt is not sent again
+    assert b"\x01\x02\x03\x04\x05" not in frame
+    assert msgspec.msgpack.decode(frame, type=Step).new_token_ids == [[], []]
     work = decoder.decode(frame)
     assert [r.all_token_ids for r in work.requests] == [[1, 2, 3, 4, 5, 6], [9, 8, 7]]
     assert work.block_ids == [[0, 1, 3], [2]] and work.start_positions == [5, 2]
-    # b preempted (its blocks freed) and a finished: a comes no more, b comes back whole.
+    decoder.sampled(work, [8, 4])
+    # Async scheduling: the next step goes out before the core has those tokens; the worker has them.
+    work = decoder.decode(encoder.encode(_step([a], [[0, 1, 3]], [1], starts=[6])))
+    assert work.requests[0].all_token_ids == [1, 2, 3, 4, 5, 6, 8] and work.start_positions == [6]
+    a.all_token_ids.append(8)
     b.all_token_ids.append(4)
+    # b preempted (its blocks freed) and a finished: a comes no more, b comes back whole.
     frame = encoder.encode(_step([b], [[5]], [4], preempted=["b"], finished=["a"]))
     work = decoder.decode(frame)
     assert set(decoder.requests) == {"b"}
