@@ -3,9 +3,11 @@ at TP 1 token for token: each decode rank pulls exactly its KV heads from the pr
 them (NIXL reads per head slice, or TCP reads of them), and every prefill rank frees its blocks.
 
 Real clusters of processes: each engine's ranks are worker processes (gloo on CPU) with a transfer
-agent each. The default suite runs P TP1 -> D TP2 over NIXL; ``make test-slow`` runs every pairing of
-TP 1 and 2 over both transports, TP 4 on either side over TCP (a model with 4 KV heads), and a model
-with one KV head at P TP2 -> D TP2 (each decode rank reads that head once, from one prefill rank).
+agent each. Everything here runs in ``make test-slow`` (the default suite's TP-2 P/D smoke is
+``pdserve serve --decode-tp 2`` in tests/server/test_cli_serve.py, and the rank agents' slicing over
+NIXL and TCP in tests/kvtransfer/test_agent_tp.py): every pairing of TP 1 and 2 over both
+transports, TP 4 on either side over TCP (a model with 4 KV heads), and a model with one KV head at
+P TP2 -> D TP2 (each decode rank reads that head once, from one prefill rank).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _tp(size: int) -> tuple[str, ...]:
 
 
 PAIRINGS = [
-    pytest.param(("nixl", 1, 2), id="nixl-P1-D2"),
+    pytest.param(("nixl", 1, 2), id="nixl-P1-D2", marks=pytest.mark.slow),
     pytest.param(("nixl", 2, 1), id="nixl-P2-D1", marks=pytest.mark.slow),
     pytest.param(("nixl", 2, 2), id="nixl-P2-D2", marks=pytest.mark.slow),
     pytest.param(("tcp", 1, 2), id="tcp-P1-D2", marks=pytest.mark.slow),

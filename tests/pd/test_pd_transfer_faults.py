@@ -31,7 +31,10 @@ def engines(tmp_path_factory):
     for name in ("decode", *FAULTS):
         role = "decode" if name == "decode" else "prefill"
         port = free_port()
-        argv = engine_argv(role, port, model, "--kv-transfer-timeout", "3", *ENGINE_FLAGS, transport="tcp")
+        # A short lease: the silent-peer test leaves a hold nobody releases, and stopping a prefill
+        # engine waits for its holds to end.
+        flags = ("--kv-transfer-timeout", "3", "--kv-lease-seconds", "6")
+        argv = engine_argv(role, port, model, *flags, *ENGINE_FLAGS, transport="tcp")
         process_env = env if name == "decode" else dict(env, PDSERVE_KV_FAULTS=name)
         processes[name] = Process(name, argv, process_env, port, str(folder / f"{name}.log"))
     try:
@@ -84,6 +87,7 @@ def test_a_fault_in_the_transfer_ends_in_a_recompute(engines, fault):
     assert text == reference and elapsed < 30
     # The decode told the prefill to free (or the read itself released the blocks).
     wait_for(lambda: scrape(prefill)["pdserve_kv_blocks_held_for_remote"] == 0, 10, "prefill kept the blocks")
+    assert scrape(prefill)["pdserve_kv_lease_expirations_total"] == 0  # freed by the decode, not the lease
     assert scrape(engines["decode"].url)["pdserve_kv_cache_usage_ratio"] == 0 or wait_for(
         lambda: scrape(engines["decode"].url)["pdserve_kv_cache_usage_ratio"] == 0, 10, "decode kept blocks"
     )
