@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -100,8 +101,24 @@ def base_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-async def start_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """Serve ``app`` on ``host:port`` (0: a free port) in the running loop; returns its runner and URL.
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (0: a free port), not yet listening: the port is this process's
+    from now on, however many other ports it binds before it serves (``start_app(reserved=...)``)."""
+    reserved = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        reserved.bind((host, port))
+    except BaseException:
+        reserved.close()
+        raise
+    return reserved
+
+
+async def start_app(
+    app: web.Application, host: str, port: int, reserved: socket.socket | None = None
+) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on ``host:port`` (0: a free port), or on the ``reserved`` socket, in the running
+    loop; returns its runner and URL.
 
     handler_cancellation: a client that leaves cancels its handler at once, whose cleanup aborts
     what the request started (engine requests, router legs), so nothing is held for nobody.
@@ -109,7 +126,7 @@ async def start_app(app: web.Application, host: str, port: int) -> tuple[web.App
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.SockSite(runner, reserved) if reserved is not None else web.TCPSite(runner, host, port)
         await site.start()
     except BaseException:
         await runner.cleanup()

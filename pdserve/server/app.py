@@ -20,7 +20,7 @@ import msgspec
 from aiohttp import web
 
 from pdserve.api.auth import RequestVerifier
-from pdserve.api.http import api_key_middleware, error_middleware, json_response, start_app
+from pdserve.api.http import api_key_middleware, error_middleware, json_response, reserve_port, start_app
 from pdserve.api.openapi import MAX_BODY_BYTES, ApiLimits, openapi_document
 from pdserve.api.protocol import (
     KVReleaseRequest,
@@ -210,7 +210,14 @@ async def start_engine_server(
     """Start the core process and the HTTP server; ``port`` 0 picks a free port. ``router_verifier``:
     P/D params and releases are taken only with the router's signature (None: from any client)."""
     folder = args.resolved_model()
-    client = await EngineCoreClient.start(args)
+    # The HTTP port is taken first: starting the core binds free ports of its own (side channels, one
+    # per rank, KV events), and one of those must never be the port this server was told to use.
+    reserved = reserve_port(host, port)
+    try:
+        client = await EngineCoreClient.start(args)
+    except BaseException:
+        reserved.close()
+        raise
     try:
         tokenizer = load_tokenizer(args.tokenizer or folder)
         eos_ids = ModelConfig.from_folder(folder).eos_token_ids or (
@@ -227,8 +234,9 @@ async def start_engine_server(
             serves_blocks=engine_role(args.role).serves_blocks,
             router_verifier=router_verifier,
         )
-        runner, url = await start_app(server.app(), host, port)
+        runner, url = await start_app(server.app(), host, port, reserved)
     except BaseException:
+        reserved.close()
         await client.shutdown()
         raise
     logger.info(
