@@ -243,8 +243,8 @@ class Scheduler:
             num_computed = request.num_computed_tokens
             placeholders = request.num_output_placeholders
             num_new = request.num_tokens + placeholders - num_computed
-            if num_new <= 0 or request.num_output_tokens + placeholders >= request.max_output_tokens:
-                index += 1  # its last token is on its way: nothing more to compute for it
+            if placeholders and (num_new <= 0 or request.num_output_tokens + placeholders >= request.max_output_tokens):
+                index += 1  # its last token is on its way (async scheduling): nothing more to compute for it
                 continue
             if num_new > budget:
                 num_new = budget
