@@ -29,10 +29,22 @@ STARTUP_TIMEOUT_S = 600.0
 STOP_GRACE_S = 15.0
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+    """A port free now, and never one this process handed out before: the probe's port is free
+    again once the probe closes, so two calls in a row can name the same port (seen in CI: a prefill
+    and a decode told to serve on one port; both bound it, the decode listened first and took the
+    prefill's requests). A port handed out is bound later by the child given it; until then only
+    this record keeps it from being handed out again."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def split_cores(ranks: list[int]) -> list[list[int]] | None:

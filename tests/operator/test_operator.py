@@ -6,9 +6,9 @@ its status here, and deletion is checked through owner references.
 
 import base64
 import re
-import socket
 import urllib.request
 
+from pdserve.launcher import free_port
 from tests.operator.helpers import (
     DEPLOYMENTS,
     NETWORK_POLICIES,
@@ -242,9 +242,7 @@ def test_status_follows_deployment_readiness(kube_cluster, kube_namespace, opera
 
 def test_all_namespaces_with_liveness_endpoint():
     # A cluster of its own: an operator of all namespaces would also serve the other tests' objects.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with (
         KubeCluster(crds=[CRD_DIR]) as cluster,
         running_operator(None, "--liveness", f"http://127.0.0.1:{port}/healthz"),

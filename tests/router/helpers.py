@@ -7,7 +7,6 @@ tests hand it coroutines."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -22,6 +21,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from pdserve.api.kv_events import EngineLoad, KVEventBatch, encode_batch
+from pdserve.launcher import free_port
 from pdserve.router import RouterConfig, RunningRouter, start_router
 
 KV_PARAMS = {
@@ -285,9 +285,7 @@ class Stub:
 
 def free_port_url() -> str:
     """A URL where nothing listens (connection refused)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 class Cluster:

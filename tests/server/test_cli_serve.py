@@ -126,3 +126,10 @@ def test_serve_refuses_pool_tp_sizes_in_colocated_mode():
         timeout=60,
     )
     assert result.returncode == 2 and "--decode-tp" in result.stderr
+
+
+def test_free_port_never_hands_out_a_port_twice():
+    # A released probe's port is free again at once; the kernel picks it again about once in 20,000
+    # pairs of calls, enough for two engines of one test cluster to be told the same port.
+    ports = [free_port() for _ in range(3000)]
+    assert len(set(ports)) == len(ports)
