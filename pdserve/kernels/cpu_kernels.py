@@ -21,10 +21,12 @@ results to float rounding); ``cpu_ops()`` returns None then and says why once.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import platform
+from pathlib import Path
 
 import torch
 
@@ -241,16 +243,26 @@ def cpu_ops():
     """The compiled extension (``decode_attention``, ``rms_norm``, ``rope_write_kv``), or None where it cannot be built
     (the reason is logged once)."""
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import get_default_build_root, load_inline
 
-        return load_inline(
-            name=f"pdserve_cpu_kernels_{_cpu_fingerprint()}",
-            cpp_sources=_SOURCE,
-            functions=["decode_attention", "rms_norm", "rope_write_kv"],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        name = f"pdserve_cpu_kernels_{_cpu_fingerprint()}"
+        directory = Path(get_default_build_root()) / "pdserve" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / "pdserve.flock", "w") as guard:
+            # One process at a time builds or loads here; the kernel drops this lock when its holder
+            # dies. torch's own lock file does not go away with a process killed mid-build, and
+            # every later load would wait for it forever: holding this lock, any such file is stale.
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (directory / "lock").unlink(missing_ok=True)
+            return load_inline(
+                name=name,
+                cpp_sources=_SOURCE,
+                functions=["decode_attention", "rms_norm", "rope_write_kv"],
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=False,
+            )
     except Exception as error:  # a missing compiler, headers or ninja: fall back, loudly
         logger.warning(
             "CPU kernels unavailable (%s); using torch ops",

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels module is imported: run on CPU
 
@@ -211,3 +214,17 @@ def test_triton_context_partitions_merge_exactly():
     for partition_blocks in (1, 3):
         actual = tri.paged_attention(query, k_cache, v_cache, metadata, 0.25, partition_blocks=partition_blocks)
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_lock_left_by_a_build_killed_midway_does_not_hang_the_next_load():
+    # torch's build lock outlives a process killed while building; the next engine must not wait on it forever.
+    from torch.utils.cpp_extension import get_default_build_root
+
+    from pdserve.kernels.cpu_kernels import _cpu_fingerprint
+
+    directory = Path(get_default_build_root()) / "pdserve" / f"pdserve_cpu_kernels_{_cpu_fingerprint()}"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "lock").touch()
+    code = "from pdserve.kernels.cpu_kernels import cpu_ops; assert cpu_ops() is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    assert not (directory / "lock").exists()

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -101,14 +102,34 @@ def test_sizes(text, size):
     assert parse_size(text) == size
 
 
+def _descendants_running(pid: int, command: str) -> list[int]:
+    """The processes below ``pid`` whose command line holds ``command`` (not other tests' processes)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        for child in frontier:
+            try:
+                if command in Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+                    found.append(child)
+            except OSError:
+                continue
+    return found
+
+
 def test_serve_colocated_splits_the_model_over_two_worker_processes():
     port = free_port()
     process = _serve(port, "--mode", "colocated", "--max-model-len", "256", "-tp", "2")
     try:
         _wait_healthy(process, port, 180)
         assert _complete(port, "hello", timeout=60)["choices"][0]["text"]
-        workers = subprocess.run(["pgrep", "-f", "pdserve.worker.process"], capture_output=True, text=True).stdout
-        assert len(workers.split()) == 2
+        assert len(_descendants_running(process.pid, "pdserve.worker.process")) == 2
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:
