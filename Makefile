@@ -28,11 +28,13 @@ test: lint
 	$(BIN)/python -m pytest -m "not slow" --durations=10
 
 # Long suites: chaos, soak, schemathesis against live servers, the multi-engine P/D scenarios, e2e; then the
-# P/D and offline-engine suites again with every engine's model in a worker process.
+# P/D, offline-engine and structured-output suites again with every engine's model in a worker process, and with
+# async scheduling.
+ENGINE_SUITES := tests/pd tests/test_llm.py tests/test_structured_outputs.py
 test-slow: setup
 	$(BIN)/python -m pytest -m slow --durations=10
-	PDSERVE_TEST_EXECUTOR=mp $(BIN)/python -m pytest -m "not slow" tests/pd tests/test_llm.py --durations=5
-	PDSERVE_TEST_EXECUTOR=async $(BIN)/python -m pytest -m "not slow" tests/pd tests/test_llm.py --durations=5
+	PDSERVE_TEST_EXECUTOR=mp $(BIN)/python -m pytest -m "not slow" $(ENGINE_SUITES) --durations=5
+	PDSERVE_TEST_EXECUTOR=async $(BIN)/python -m pytest -m "not slow" $(ENGINE_SUITES) --durations=5
 
 bench: setup
 	$(BIN)/pip install --quiet -e '.[bench]'

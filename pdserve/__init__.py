@@ -1,6 +1,6 @@
 """pdserve: prefill/decode-disaggregated LLM serving.
 
-``from pdserve import LLM, SamplingParams`` gives the offline API. Importing pdserve sets
+``from pdserve import LLM, SamplingParams, StructuredOutputsParams`` gives the offline API. Importing pdserve sets
 ``OMP_WAIT_POLICY=PASSIVE`` when it is unset: on small CPUs torch's spinning OpenMP threads
 otherwise make generation 5-8x slower. OpenMP reads it when torch is first imported, so import
 pdserve before torch, or export the variable yourself when torch comes first.
@@ -34,7 +34,7 @@ if os.environ.get("PDSERVE_CONFIGURE_LOGGING", "1") == "1" and not _logger.handl
     _logger.setLevel(logging.INFO)
     _logger.propagate = False
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -44,8 +44,8 @@ def __getattr__(name: str) -> Any:
         from pdserve.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from pdserve.engine.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from pdserve.engine import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

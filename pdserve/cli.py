@@ -68,6 +68,24 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="schedule the next step while the workers run this one (implies mp)",
     )
     parser.add_argument(
+        "--structured-outputs-backend",
+        choices=["xgrammar"],
+        default="xgrammar",
+        help="the grammar library of structured outputs (response_format, structured_outputs)",
+    )
+    parser.add_argument(
+        "--structured-outputs-compile-timeout",
+        type=float,
+        default=10.0,
+        help="seconds one grammar may take to compile; a request whose grammar takes longer gets a 400",
+    )
+    parser.add_argument(
+        "--structured-outputs-any-whitespace",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let JSON grammars allow free whitespace between tokens (off: compact JSON only)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -196,6 +214,9 @@ _FORWARDED_ENGINE_FLAGS = (
     "enable_prefix_caching",
     "distributed_executor_backend",
     "async_scheduling",
+    "structured_outputs_backend",
+    "structured_outputs_compile_timeout",
+    "structured_outputs_any_whitespace",
     "kv_transfer",
     "kv_lease_seconds",
     "kv_transfer_timeout",
@@ -253,6 +274,9 @@ def _engine_args(args: argparse.Namespace, role: Role, secret: bytes | None):  #
         distributed_executor_backend=args.distributed_executor_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=args.async_scheduling,
+        structured_outputs_backend=args.structured_outputs_backend,
+        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
+        structured_outputs_any_whitespace=args.structured_outputs_any_whitespace,
         kv_transfer=kv_transfer,
         kv_events_host=args.kv_side_channel_host or args.host,
         kv_events_port=None if args.kv_events_port < 0 else args.kv_events_port,

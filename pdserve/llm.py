@@ -22,6 +22,7 @@ from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.outputs import EngineCoreOutput, TokenLogprobs
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
 from pdserve.server.input_processor import InputProcessor, Prompt, PromptInput
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ class LLM:
         distributed_executor_backend: str = "uni",
         tensor_parallel_size: int = 1,
         async_scheduling: bool = False,
+        structured_outputs_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S,
+        structured_outputs_any_whitespace: bool = False,
     ) -> None:
         args = EngineArgs(
             model=model,
@@ -105,6 +108,8 @@ class LLM:
             distributed_executor_backend=distributed_executor_backend,
             tensor_parallel_size=tensor_parallel_size,
             async_scheduling=async_scheduling,
+            structured_outputs_compile_timeout=structured_outputs_compile_timeout,
+            structured_outputs_any_whitespace=structured_outputs_any_whitespace,
         )
         self.engine, self.model_config = args.build_engine_core()
         self.tokenizer = load_tokenizer(tokenizer or args.resolved_model())

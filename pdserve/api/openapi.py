@@ -185,6 +185,65 @@ def openapi_document(
 # ----- requests ------------------------------------------------------------------------------
 
 
+def _response_format() -> dict[str, Any]:
+    return {
+        "oneOf": [
+            {
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": {"enum": ["text", "json_object"]}},
+                "additionalProperties": False,
+            },
+            {
+                "type": "object",
+                "required": ["type", "json_schema"],
+                "properties": {
+                    "type": {"const": "json_schema"},
+                    "json_schema": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "schema": _nullable(
+                                {"type": "object", "description": "A JSON schema xgrammar can enforce"}
+                            ),
+                            "strict": _nullable({"type": "boolean"}),
+                            "description": _nullable({"type": "string"}),
+                        },
+                        "additionalProperties": False,
+                    },
+                },
+                "additionalProperties": False,
+            },
+        ],
+        "description": "OpenAI's response_format: free text, any JSON object, or JSON valid against a schema",
+    }
+
+
+def _structured_outputs() -> dict[str, Any]:
+    """vLLM's structured_outputs: exactly one constraint (and the whitespace switch)."""
+    constraints = {
+        "json": {"anyOf": [{"type": "string"}, {"type": "object"}], "description": "A JSON schema"},
+        "regex": {"type": "string", "description": "A regular expression in xgrammar's syntax"},
+        "choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+        "grammar": {"type": "string", "description": "An EBNF grammar in xgrammar's syntax"},
+        "json_object": {"const": True},
+    }
+    whitespace = _nullable({"type": "boolean"})
+    return {
+        "oneOf": [
+            {
+                "type": "object",
+                "required": [name],
+                "properties": {name: schema, "disable_any_whitespace": whitespace},
+                "additionalProperties": False,
+            }
+            for name, schema in constraints.items()
+        ],
+        "description": "Exactly one constraint on the output",
+    }
+
+
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}], "default": None}
 
@@ -218,6 +277,8 @@ def _constrain_requests(components: dict[str, Any], limits: ApiLimits | None, pd
         "stop_token_ids": _nullable({"type": "array", "items": _integer(0, _INT32_MAX)}),
         "max_tokens": _nullable(_integer(1, max_new)),
         "kv_transfer_params": _kv_transfer_params(pd, router),
+        "response_format": _nullable(_response_format()),
+        "structured_outputs": _nullable(_structured_outputs()),
     }
     for request in (completion, chat):
         request["properties"].update(shared)

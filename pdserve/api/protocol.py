@@ -29,6 +29,34 @@ class StreamOptions(Struct, omit_defaults=True):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` request object: exactly one constraint (checked by the engine's
+    StructuredOutputsParams)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+
 class _SamplingFields(Struct, kw_only=True):
     """Fields both endpoints share; None everywhere means "the default"."""
 
@@ -50,6 +78,8 @@ class _SamplingFields(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     kv_transfer_params: dict[str, Any] | None = None
 
 

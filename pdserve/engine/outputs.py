@@ -24,3 +24,6 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     # With the first output token: one entry per prompt token after the first.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # With finish_reason "error": the HTTP status its caller gets (None: 503, the engine failed it;
+    # 400: its input could not be served, e.g. a grammar that did not compile).
+    error_status: int | None = None

@@ -13,6 +13,7 @@ from typing import Any
 
 from pdserve.engine.block_hash import BlockHash
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_outputs import RequestGrammar
 from pdserve.worker.interface import TokenLogprobs
 
 
@@ -20,13 +21,14 @@ class RequestStatus(enum.IntEnum):
     """Ordered so that ``status > RequestStatus.PREEMPTED`` means finished."""
 
     WAITING = 0
-    WAITING_FOR_REMOTE_KVS = 1
-    RUNNING = 2
-    PREEMPTED = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = 1
+    WAITING_FOR_REMOTE_KVS = 2
+    RUNNING = 3
+    PREEMPTED = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
 
     @property
     def is_finished(self) -> bool:
@@ -67,6 +69,7 @@ class Request:
         "sampling_params",
         "status",
         "stop_reason",
+        "structured_output",
     )
 
     def __init__(
@@ -105,6 +108,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Filled chunk by chunk when sampling_params.prompt_logprobs is set (TokenLogprobs entries).
         self.prompt_logprobs: list[TokenLogprobs] | None = None
+        # Its grammar and matcher when it asked for structured output (StructuredOutputManager sets it).
+        self.structured_output: RequestGrammar | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ that into an OpenAI-style 400 with ``param`` set.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this temperature sampling is greedy (vLLM's threshold): dividing logits by a tiny
 # temperature would overflow long before it changed the argmax.
@@ -35,6 +36,55 @@ def _is_number(value: object) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """The constraint on a request's output (vLLM's ``StructuredOutputsParams``): exactly one of a
+    JSON schema, any JSON object, a regex, a list of choices or an EBNF grammar (xgrammar's dialect).
+
+    ``disable_any_whitespace``: JSON without free whitespace between tokens (None: the engine's
+    default, which is to disable it: a model trained on compact JSON can otherwise wander into
+    endless whitespace).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs",
+                f"exactly one of json, regex, choice, grammar or json_object must be given, got {given or 'none'}",
+            )
+        kind = given[0]
+        value = getattr(self, kind)
+        checks = {
+            "json": isinstance(value, str | dict),
+            "regex": isinstance(value, str),
+            "grammar": isinstance(value, str),
+            "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) for c in value),
+            "json_object": value is True,
+        }
+        if not checks[kind]:
+            raise SamplingParamsError(f"structured_outputs.{kind}", f"has the wrong type: {type(value).__name__}")
+        if self.disable_any_whitespace is not None and not isinstance(self.disable_any_whitespace, bool):
+            raise SamplingParamsError("structured_outputs.disable_any_whitespace", "must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, regex, choice, grammar or json_object."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     presence_penalty: float = 0.0
@@ -55,6 +105,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +176,11 @@ class SamplingParams:
             "include_stop_str_in_output",
         ):
             require(isinstance(getattr(self, name), bool), name, "must be a boolean")
+        require(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
+        )
 
     @property
     def is_greedy(self) -> bool:

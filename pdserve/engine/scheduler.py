@@ -32,13 +32,14 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kvtransfer.base import KVConnectorOutput, KVConnectorScheduler, NoKVConnector
-from pdserve.worker.interface import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pdserve.worker.interface import ModelRunnerOutput, SchedulerOutput, StepGrammar, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
+_WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 
 
 @dataclass
@@ -86,6 +87,18 @@ class SchedulerStats:
     kv_loads_abandoned: int = 0  # loads the watchdog ended because the worker side never reported them
     kv_holds_refused: int = 0  # finished prefill legs not held: the held share of the cache was at its cap
     num_blocks_quarantined: int = 0  # blocks of abandoned loads, kept out of use until no write can land
+    # Structured outputs (set by the engine core): grammars compiling now, compiles failed (cumulative),
+    # and since the last stats the compile time of each grammar and the bitmask fill time of each step.
+    num_waiting_for_grammar: int = 0
+    grammar_compile_failures: int = 0
+    grammar_compile_seconds: list[float] = field(default_factory=list)
+    grammar_bitmask_seconds: list[float] = field(default_factory=list)
+
+
+def _waiting_status(request: Request) -> RequestStatus:
+    """A queued request waits for its grammar until the grammar is compiled."""
+    grammar = request.structured_output
+    return _WAITING_FOR_GRAMMAR if grammar is not None and not grammar.ready else RequestStatus.WAITING
 
 
 class Scheduler:
@@ -144,6 +157,7 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         request.max_output_tokens = room if max_tokens is None else min(max_tokens, room)
         self.requests[request.request_id] = request
+        request.status = _waiting_status(request)
         self.waiting.append(request)
         self.connector.request_added(request)
 
@@ -235,6 +249,7 @@ class Scheduler:
         start_positions: list[int] = []
         block_tables: list[list[int]] = []
         preempted_ids: set[str] = set()
+        grammar_rows: list[int] = []  # scheduled requests whose sampled token a grammar constrains
 
         running = self.running
         index = 0
@@ -262,6 +277,8 @@ class Scheduler:
                 request.num_computed_tokens = num_computed + num_new
                 if num_computed + num_new == request.num_tokens + placeholders:  # it samples a token
                     request.num_output_placeholders = placeholders + 1
+                    if request.structured_output is not None:
+                        grammar_rows.append(len(scheduled) - 1)
                 budget -= num_new
                 index += 1
                 continue
@@ -269,7 +286,9 @@ class Scheduler:
 
         # Admitting new work while the running set is shedding blocks would just thrash.
         if not preempted_ids:
-            budget = self._schedule_waiting(budget, scheduled, num_scheduled, start_positions, block_tables)
+            budget = self._schedule_waiting(
+                budget, scheduled, num_scheduled, start_positions, block_tables, grammar_rows
+            )
 
         finished_ids = self._finished_since_last_step
         self._finished_since_last_step = set()
@@ -282,6 +301,7 @@ class Scheduler:
             preempted_req_ids=preempted_ids,
             finished_req_ids=finished_ids,
             kv_connector_metadata=self.connector.build_connector_meta(),
+            grammar=StepGrammar(grammar_rows) if grammar_rows else None,
         )
 
     def _schedule_waiting(
@@ -291,6 +311,7 @@ class Scheduler:
         num_scheduled: list[int],
         start_positions: list[int],
         block_tables: list[list[int]],
+        grammar_rows: list[int],
     ) -> int:
         kv = self.kv_cache_manager
         waiting = self.waiting
@@ -306,6 +327,13 @@ class Scheduler:
                 # needs that token).
                 parked.append(waiting.popleft())
                 continue
+            if request.status == _WAITING_FOR_GRAMMAR:
+                if request.structured_output is not None and request.structured_output.ready:
+                    request.status = RequestStatus.WAITING
+                elif kv.owns_blocks(request.request_id) or not self.connector.expects_remote_kv(request):
+                    parked.append(waiting.popleft())
+                    continue
+                # else: admitted now for its remote KV, which is pulled while its grammar compiles
 
             hit_blocks: list[KVCacheBlock] = []
             num_external = 0
@@ -320,6 +348,12 @@ class Scheduler:
             else:
                 num_local = 0
             num_computed = request.num_computed_tokens + num_local + num_external
+            if request.status == _WAITING_FOR_GRAMMAR and not load_async:
+                # Expected remote KV, but nothing is to be pulled (the prompt is cached here): it
+                # would compute and sample now, and its grammar is not ready. Rare; it is looked
+                # up again next step (the prefix-cache counters count each look).
+                parked.append(waiting.popleft())
+                continue
             num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
 
             if (
@@ -350,6 +384,8 @@ class Scheduler:
             request.num_computed_tokens = num_computed + num_new
             if num_computed + num_new == request.num_tokens:  # it samples a token
                 request.num_output_placeholders = 1
+                if request.structured_output is not None:
+                    grammar_rows.append(len(scheduled) - 1)
             budget -= num_new
         waiting.extendleft(reversed(parked))
         return budget
@@ -365,7 +401,7 @@ class Scheduler:
                 # The whole prompt arrived; recompute its last token to get logits for the next one.
                 request.num_computed_tokens = request.num_tokens - 1
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            request.status = RequestStatus.WAITING
+            request.status = _waiting_status(request)
         self.waiting.extendleft(reversed(ready))
 
     def _preempt(self, request: Request) -> None:
@@ -408,6 +444,17 @@ class Scheduler:
                 continue
             request.append_output_token(token)
             status = self._check_stop(request, token)
+            grammar = request.structured_output
+            if grammar is not None:
+                if not grammar.accept(token):
+                    status = RequestStatus.FINISHED_ERROR
+                    request.stop_reason = (
+                        "no token of the model's vocabulary continues the grammar here"
+                        if grammar.dead_end
+                        else f"token {token} broke the request's grammar"  # an unmasked sample: a bug
+                    )
+                elif grammar.is_terminated:
+                    status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
             if status is None and logprobs is None and request.prompt_logprobs is None:
                 outputs.append(EngineCoreOutput(request.request_id, [token]))
                 continue
@@ -424,6 +471,8 @@ class Scheduler:
                 any_finished = True
                 output.finish_reason = status.finish_reason
                 output.stop_reason = request.stop_reason
+                if grammar is not None and grammar.dead_end:
+                    output.error_status = 400  # the constraint cannot be met with this vocabulary
                 output.num_cached_tokens = max(request.num_cached_tokens, 0)
                 output.kv_transfer_params = self._release(request)
             outputs.append(output)
@@ -569,6 +618,22 @@ class Scheduler:
         outputs.append(
             EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason="the remote KV transfer failed")
         )
+
+    def fail_requests(self, failures: Iterable[tuple[Request, str]], error_status: int) -> list[EngineCoreOutput]:
+        """End unfinished requests with an error (``error_status``: the HTTP status their callers
+        get); one output each, saying why."""
+        outputs = []
+        for request, message in failures:
+            if request.is_finished:
+                continue
+            request.stop_reason = message
+            self.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+            outputs.append(
+                EngineCoreOutput(
+                    request.request_id, [], finish_reason="error", stop_reason=message, error_status=error_status
+                )
+            )
+        return outputs
 
     # ----- observation ----------------------------------------------------------------------
 

@@ -130,6 +130,11 @@ class KVConnectorScheduler(ABC):
         """Work for the worker side that needs a step even when nothing is scheduled."""
         return False
 
+    def expects_remote_kv(self, request: ConnectorRequest) -> bool:
+        """The request's prompt KV may come from elsewhere when it is admitted (its pull can
+        start before it can compute, e.g. while its grammar compiles)."""
+        return False
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """(tokens loadable from elsewhere past ``num_computed_tokens``, whether the load is async)."""

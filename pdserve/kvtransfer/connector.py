@@ -51,6 +51,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         return self.decode.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def expects_remote_kv(self, request: ConnectorRequest) -> bool:
+        return self.decode.expects_remote_kv(request)
+
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:

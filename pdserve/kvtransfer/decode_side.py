@@ -84,6 +84,9 @@ class DecodeSide:
         if remote is not None:
             self.outbox.pending.releases.append((remote.request_id, remote))
 
+    def expects_remote_kv(self, request: ConnectorRequest) -> bool:
+        return request.request_id in self._remote
+
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         if request.request_id not in self._remote:
             return 0, False

@@ -80,6 +80,8 @@ class ChoiceRunner:
             elif output.finish_reason == "error":
                 result.finish_reason = "error"
                 self.metrics.observe("error", arrival, result.first_token_time, time.monotonic(), len(result.token_ids))
+                if output.error_status == 400:  # its input could not be served (a grammar that did not compile)
+                    raise ProtocolError(str(output.stop_reason), status=400)
                 raise ProtocolError(
                     f"the request failed: {output.stop_reason}", status=503, error_type="service_unavailable"
                 )
@@ -90,6 +92,8 @@ class ChoiceRunner:
                 result.kv_transfer_params = output.kv_transfer_params
             result.text += text
             if result.finish_reason is not None:
+                if result.finish_reason == "length" and params.structured_outputs is not None:
+                    self.metrics.structured_length_capped.inc()
                 self.metrics.observe(
                     result.finish_reason, arrival, result.first_token_time, time.monotonic(), len(result.token_ids)
                 )

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.api.protocol import ResponseFormat, StructuredOutputs
 from pdserve.api.tokenizer import TemplateKwargsError, apply_chat_template, encode_prompt
-from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.engine.grammar import check_grammar, grammar_spec
+from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 
@@ -133,6 +135,8 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise SamplingParamsError(name, f"at most {self.max_logprobs} are allowed, got {value}")
+        if params.structured_outputs is not None:
+            check_grammar(grammar_spec(params.structured_outputs))
 
     def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
         """One SamplingParams per choice (``n`` of them), all built before any is queued.
@@ -147,6 +151,30 @@ class InputProcessor:
         if params.n == 1 or params.seed is None:
             return [base] * params.n
         return [dataclasses.replace(base, seed=_wrap_int64(params.seed + choice)) for choice in range(params.n)]
+
+
+def structured_outputs_from(
+    response_format: ResponseFormat | None, structured_outputs: StructuredOutputs | None
+) -> tuple[StructuredOutputsParams | None, str]:
+    """The constraint an HTTP request asks for, from OpenAI's ``response_format`` or vLLM's
+    ``structured_outputs`` (not both), and the field that names it in errors."""
+    wants_format = response_format is not None and response_format.type != "text"
+    if wants_format and structured_outputs is not None:
+        raise InputError("response_format", "give response_format or structured_outputs, not both")
+    if structured_outputs is not None:
+        fields = {name: getattr(structured_outputs, name) for name in structured_outputs.__struct_fields__}
+        return StructuredOutputsParams(**fields), "structured_outputs"
+    if not wants_format:
+        return None, ""
+    assert response_format is not None
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True), "response_format"
+    if response_format.json_schema is None:
+        raise InputError("response_format.json_schema", "a json_schema response format needs its json_schema")
+    schema = response_format.json_schema.schema
+    if schema is None:
+        return StructuredOutputsParams(json_object=True), "response_format.json_schema"
+    return StructuredOutputsParams(json=schema), "response_format.json_schema.schema"
 
 
 def _is_token_id(value: object) -> bool:

@@ -39,6 +39,9 @@ _LATENCY_BUCKETS = (
 )
 
 
+_FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
 class _SchedulerCollector:
     def __init__(self, stats: Callable[[], SchedulerStats | None], cache_config: dict[str, str]) -> None:
         self._stats = stats
@@ -60,6 +63,10 @@ class _SchedulerCollector:
                 stats.kv_cache_usage,
             ),
             "pdserve_kv_blocks_held_for_remote": ("KV blocks held for remote decode", stats.num_blocks_held_for_remote),
+            "pdserve_num_requests_waiting_for_grammar": (
+                "Requests whose structured-output grammar is compiling",
+                stats.num_waiting_for_grammar,
+            ),
             "pdserve_kv_blocks_quarantined": (
                 "KV blocks of abandoned loads kept out of use until no write into them can land",
                 stats.num_blocks_quarantined,
@@ -90,6 +97,10 @@ class _SchedulerCollector:
             "pdserve_kv_holds_refused": (
                 "Finished prefill legs whose blocks were not held (the held share was at --kv-max-held-fraction)",
                 stats.kv_holds_refused,
+            ),
+            "pdserve_grammar_compile_failures": (
+                "Structured-output grammars that failed to compile or ran out of time (their requests got a 400)",
+                stats.grammar_compile_failures,
             ),
             "pdserve_kv_loads_abandoned": (
                 "KV loads the scheduler's watchdog failed because the transfer agent never reported them",
@@ -143,12 +154,39 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.grammar_compile_seconds = Histogram(
+            "pdserve_grammar_compile_seconds",
+            "Time to compile one structured-output grammar (a cached one is not compiled again)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.grammar_bitmask_seconds = Histogram(
+            "pdserve_grammar_bitmask_seconds",
+            "Time to fill one step's token bitmask (overlapped with the step's forward)",
+            buckets=_FAST_BUCKETS,
+            registry=self.registry,
+        )
+        self.structured_requests = Counter(
+            "pdserve_structured_output_requests",
+            "Requests with a structured-output constraint, by kind (json, json_object, regex, choice, grammar)",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.structured_length_capped = Counter(
+            "pdserve_structured_output_length_capped",
+            "Structured-output choices that reached max_tokens before their grammar was complete",
+            registry=self.registry,
+        )
         self.registry.register(_SchedulerCollector(stats, cache_config))
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         """Called with every stats snapshot from the core: records what happened since the last one."""
         for seconds in stats.kv_transfer_seconds:
             self.kv_transfer_seconds.observe(seconds)
+        for seconds in stats.grammar_compile_seconds:
+            self.grammar_compile_seconds.observe(seconds)
+        for seconds in stats.grammar_bitmask_seconds:
+            self.grammar_bitmask_seconds.observe(seconds)
 
     def observe(
         self, finish_reason: str, arrival: float, first_token: float | None, end: float, num_output_tokens: int

@@ -14,6 +14,7 @@ its signed ``X-PDServe-Router-Auth`` header (pdserve/api/auth.py), checked befor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -44,13 +45,13 @@ from pdserve.api.protocol import (
     sse_event,
 )
 from pdserve.engine.outputs import TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.kvtransfer.decode_side import unusable_reason
 from pdserve.kvtransfer.params import parse_remote_prefill, wants_remote_decode
 from pdserve.kvtransfer.prefill_side import is_prefill_leg, prefill_leg_sampling
 from pdserve.server.choices import ChoiceRunner
 from pdserve.server.core_client import EngineCoreClient
-from pdserve.server.input_processor import InputError, InputProcessor
+from pdserve.server.input_processor import InputError, InputProcessor, structured_outputs_from
 from pdserve.server.metrics import EngineMetrics
 from pdserve.server.responses import (
     Children,
@@ -362,8 +363,19 @@ class OpenAIServing:
             raise InputError("stream", str(error)) from error
         if prefill_leg:
             fields = prefill_leg_sampling(fields)
-        params = SamplingParams(**fields)
-        self.processor.check_params(params)
+        structured, structured_param = structured_outputs_from(body.response_format, body.structured_outputs)
+        params = SamplingParams(**fields, structured_outputs=structured)
+        try:
+            self.processor.check_params(params)
+        except SamplingParamsError as error:
+            if error.param.startswith("structured_outputs") and structured_param != "structured_outputs":
+                raise InputError(structured_param, str(error).split(": ", 1)[-1]) from error
+            raise
+        if prefill_leg and structured is not None:
+            # Checked, but the prefill leg samples nothing anyone reads: its decode applies the grammar.
+            params = dataclasses.replace(params, structured_outputs=None)
+        elif structured is not None:
+            self.metrics.structured_requests.labels(structured.kind).inc()
         if params.n > MAX_N:
             raise InputError("n", f"n must be at most {MAX_N}")
         if params.n > 1 and body.kv_transfer_params:

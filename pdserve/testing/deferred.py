@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from pdserve.worker.interface import ModelExecutor, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pdserve.worker.step import StepDecoder, StepEncoder
+from pdserve.worker.step import StepDecoder, StepEncoder, encode_bitmask
 
 
 class DeferredExecutor:
@@ -21,16 +21,19 @@ class DeferredExecutor:
         self.runner = runner
         self._encoder = StepEncoder()
         self._decoder = StepDecoder()
-        self._pending: deque[tuple[bytes, Any]] = deque()
+        self._pending: deque[tuple[bytes, Any, list[bytes]]] = deque()
 
     def submit(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> None:
         metadata = scheduler_output.kv_connector_metadata
         frame = self._encoder.encode(replace(scheduler_output, kv_connector_metadata=None))
-        self._pending.append((frame, metadata))
+        bitmask_frames: list[bytes] = []  # the grammar bitmask the core sends later, as a worker gets it
+        if scheduler_output.grammar is not None:
+            scheduler_output.grammar.on_bitmask = lambda bitmask: bitmask_frames.append(encode_bitmask(bitmask))
+        self._pending.append((frame, metadata, bitmask_frames))
 
     def receive(self) -> ModelRunnerOutput:
-        frame, metadata = self._pending.popleft()
-        work = self._decoder.decode(frame)
+        frame, metadata, bitmask_frames = self._pending.popleft()
+        work = self._decoder.decode(frame, lambda: bitmask_frames.pop(0))
         assert work is not None
         work.kv_connector_metadata = metadata
         output = self.runner.execute_model(work)

@@ -9,9 +9,12 @@ i-th scheduled request) so the hot loops touch no per-request wrapper objects.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
 
 from pdserve.kvtransfer.base import KVConnectorOutput
 
@@ -81,6 +84,51 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+class StepGrammar:
+    """A step's structured-output constraint: the scheduled requests (``rows``, indices into the
+    step's requests, ascending) whose sampled token a grammar constrains, and their packed token
+    bitmask (int32 ``[len(rows), ceil(vocab / 32)]``, bit t of a row set where token t is allowed).
+
+    The bitmask is filled while the forward runs, so it comes apart from the step: the core calls
+    :meth:`set_bitmask` (a pipelined executor forwards it through ``on_bitmask``), the runner takes
+    it with :meth:`bitmask` just before sampling, waiting if it must. A worker in another process
+    builds its copy with ``fetch``: the function that reads the bitmask the core sent after the step.
+    """
+
+    __slots__ = ("_bitmask", "_error", "_fetch", "_ready", "on_bitmask", "rows")
+
+    def __init__(self, rows: list[int], fetch: Callable[[], np.ndarray] | None = None) -> None:
+        self.rows = rows
+        self._fetch = fetch
+        self._bitmask: np.ndarray | None = None
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self.on_bitmask: Callable[[np.ndarray], None] | None = None
+
+    def set_bitmask(self, bitmask: np.ndarray) -> None:
+        self._bitmask = bitmask
+        self._ready.set()
+        if self.on_bitmask is not None:
+            self.on_bitmask(bitmask)
+
+    def set_error(self, error: BaseException) -> None:
+        """Filling failed: the runner's :meth:`bitmask` raises it (the step fails, not hangs)."""
+        self._error = error
+        self._ready.set()
+
+    def bitmask(self) -> np.ndarray:
+        if self._bitmask is not None:
+            return self._bitmask
+        if self._fetch is not None:
+            self._bitmask = self._fetch()
+            return self._bitmask
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError("the step's grammar bitmask could not be filled") from self._error
+        assert self._bitmask is not None
+        return self._bitmask
+
+
 # The scheduler's own request class; the worker reads it as a ScheduledRequest.
 RequestT = TypeVar("RequestT", bound=ScheduledRequest, covariant=True)
 
@@ -102,6 +150,8 @@ class SchedulerOutput(Generic[RequestT]):
     finished_req_ids: set[str] = field(default_factory=set)
     # Opaque work order for the worker side of the KV connector (loads to start, ...).
     kv_connector_metadata: Any = None
+    # The grammar constraint on this step's samples, if any request under a grammar samples.
+    grammar: StepGrammar | None = None
 
 
 @dataclass(slots=True)

@@ -139,7 +139,12 @@ class ModelRunner:
         logprobs: list[TokenLogprobs | None] | None = None
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows]).float()
-            token_ids, row_logprobs = self.sampler.sample(logits, [requests[i] for i in sample_requests])
+            grammar = None
+            step_grammar = scheduler_output.grammar
+            if step_grammar is not None:  # its rows, as rows of these logits
+                row_of = {index: row for row, index in enumerate(sample_requests)}
+                grammar = ([row_of[index] for index in step_grammar.rows], step_grammar.bitmask())
+            token_ids, row_logprobs = self.sampler.sample(logits, [requests[i] for i in sample_requests], grammar)
             for index, token_id in zip(sample_requests, token_ids, strict=True):
                 sampled[index] = token_id
             if row_logprobs is not None:

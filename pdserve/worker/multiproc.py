@@ -32,7 +32,7 @@ from pdserve.kvtransfer.aggregate import RankReports
 from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.worker.interface import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.worker.process import WorkerFailed, WorkerReady, WorkerSpec, generations_file, shared_generations
-from pdserve.worker.step import RankReport, StepEncoder, decode_output, encode_shutdown
+from pdserve.worker.step import RankReport, StepEncoder, decode_output, encode_bitmask, encode_shutdown
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,12 @@ class MultiprocExecutor:
 
     def submit(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> None:
         """Send a step to the workers without waiting for it (they run steps in the order sent)."""
-        frame = self._encoder.encode(scheduler_output)
+        self._broadcast(self._encoder.encode(scheduler_output))
+        if scheduler_output.grammar is not None:
+            # Its bitmask follows when the core has filled it; every rank samples, so every rank gets it.
+            scheduler_output.grammar.on_bitmask = lambda bitmask: self._broadcast(encode_bitmask(bitmask))
+
+    def _broadcast(self, frame: bytes) -> None:
         try:
             for steps in self._steps:
                 steps.send(frame, zmq.NOBLOCK)

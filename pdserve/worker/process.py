@@ -126,10 +126,12 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
         # engine add what their own transfer agents reported.
         reports = rank > 0 and agent is not None
         while True:
-            work = decoder.decode(steps.recv())
+            work = decoder.decode(steps.recv(), steps.recv)
             if work is None:
                 break
             output = runner.execute_model(work)
+            if work.grammar is not None:
+                work.grammar.bitmask()  # taken off the socket even if nothing sampled
             decoder.sampled(work, output.sampled_token_ids)
             if rank == 0:
                 outputs.send_multipart([rank_frame, encode_output(output)])

@@ -1,7 +1,8 @@
 """Sampler: turns a batch of logits into next tokens, one row per request, with vLLM's semantics.
 
 Order: penalties (repetition over prompt and output tokens, frequency and presence over output
-tokens) → greedy argmax, or temperature → min-p → top-k → top-p → a draw. Each draw is an
+tokens) → the grammar's token bitmask (structured outputs: disallowed tokens get -inf) → greedy
+argmax, or temperature → min-p → top-k → top-p → a draw. Each draw is an
 exponential race (argmax of probs / Exp(1) noise); a request with a seed draws its noise from its
 own generator, so its tokens do not depend on whatever else shares the batch. Logprobs are those
 of the raw logits (before any processing).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from pdserve.worker.interface import SamplingOptions, ScheduledRequest, TokenLogprobs
@@ -29,9 +31,13 @@ class Sampler:
             self.generators.pop(request_id, None)
 
     def sample(
-        self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[ScheduledRequest],
+        grammar: tuple[list[int], np.ndarray] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        """Next token of each row of ``logits [rows, vocab]`` (float32), and logprobs where asked."""
+        """Next token of each row of ``logits [rows, vocab]`` (float32, modified in place), and
+        logprobs where asked; ``grammar``: (rows, their packed token bitmask) to constrain."""
         params = [request.sampling_params for request in requests]
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -43,6 +49,10 @@ class Sampler:
             logits = logits.clone()
             for i in penalised:
                 apply_penalties(logits[i], requests[i], self.vocab_size)
+        if grammar is not None:
+            # After the penalties: a penalty scales logits, and a masked -inf scaled by a penalty that
+            # rounds to 0 would become NaN.
+            apply_token_bitmask(logits, *grammar)
 
         sampled = torch.empty(len(params), dtype=torch.int64, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
@@ -80,6 +90,17 @@ class Sampler:
                     self.generators[request.request_id] = generator
                 noise[row].exponential_(generator=generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
+    """Set to -inf, in place, each token of ``logits[rows[i]]`` whose bit in ``bitmask[i]`` is clear
+    (packed int32 words, little-endian bit order: token t is bit t % 32 of word t // 32)."""
+    vocab = logits.shape[-1]
+    packed = torch.from_numpy(bitmask).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, request: ScheduledRequest, vocab_size: int) -> None:

@@ -7,20 +7,30 @@ the core never sends them back, and a step can go out before the previous one's 
 (async scheduling). The worker keeps every scheduled request's state between steps
 (:class:`WorkerRequest`, read by the model runner as a ``ScheduledRequest``) and drops it when the
 request finishes or is preempted (a preempted request comes back as new, from position 0), as vLLM's
-cached request state does. Encoded with msgspec (msgpack); the answer is the runner's own
-``ModelRunnerOutput`` (rank 0), and a :class:`RankReport` from every other rank of a P/D engine.
+cached request state does. A step whose samples a grammar constrains is followed by a
+:class:`GrammarBitmask` frame, sent once the core has filled it (while the workers run the
+forward). Encoded with msgspec (msgpack); the answer is the runner's own ``ModelRunnerOutput``
+(rank 0), and a :class:`RankReport` from every other rank of a P/D engine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.kvtransfer.work import TransferWork
-from pdserve.worker.interface import ModelRunnerOutput, SamplingOptions, ScheduledRequest, SchedulerOutput
+from pdserve.worker.interface import (
+    ModelRunnerOutput,
+    SamplingOptions,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepGrammar,
+)
 
 
 class WorkerSampling(msgspec.Struct, frozen=True, array_like=True):
@@ -78,13 +88,25 @@ class Step(msgspec.Struct, array_like=True, tag="step"):
     preempted_req_ids: list[str]
     finished_req_ids: list[str]
     kv_connector_metadata: TransferWork | None = None
+    grammar_rows: list[int] | None = None  # a GrammarBitmask frame for these rows follows
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True, tag="bitmask"):
+    """The token bitmask of the step sent just before (``StepGrammar``), as int32 bytes."""
+
+    words_per_row: int
+    data: bytes
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
     pass
 
 
-WorkerInput = Step | Shutdown
+WorkerInput = Step | GrammarBitmask | Shutdown
+
+
+def encode_bitmask(bitmask: np.ndarray) -> bytes:
+    return msgspec.msgpack.encode(GrammarBitmask(bitmask.shape[1], np.ascontiguousarray(bitmask, np.int32).tobytes()))
 
 
 class StepEncoder:
@@ -142,6 +164,7 @@ class StepEncoder:
                 sorted(output.preempted_req_ids),
                 sorted(output.finished_req_ids),
                 output.kv_connector_metadata,
+                output.grammar.rows if output.grammar is not None else None,
             )
         )
 
@@ -181,11 +204,16 @@ class StepDecoder:
         self.requests: dict[str, WorkerRequest] = {}
         self._decode = msgspec.msgpack.Decoder(WorkerInput).decode
 
-    def decode(self, frame: bytes) -> SchedulerOutput[WorkerRequest] | None:
-        """The step's work order, or None for a shutdown."""
+    def decode(
+        self, frame: bytes, next_frame: Callable[[], bytes] | None = None
+    ) -> SchedulerOutput[WorkerRequest] | None:
+        """The step's work order, or None for a shutdown; ``next_frame`` reads the frame after this
+        one (the step's grammar bitmask, when it has one)."""
         message = self._decode(frame)
         if isinstance(message, Shutdown):
             return None
+        if not isinstance(message, Step):
+            raise ValueError(f"expected a step, got {type(message).__name__}")
         requests = self.requests
         for request_id in (*message.preempted_req_ids, *message.finished_req_ids):
             requests.pop(request_id, None)
@@ -210,7 +238,23 @@ class StepDecoder:
             set(message.preempted_req_ids),
             set(message.finished_req_ids),
             message.kv_connector_metadata,
+            self._grammar(message.grammar_rows, next_frame),
         )
+
+    def _grammar(self, rows: list[int] | None, next_frame: Callable[[], bytes] | None) -> StepGrammar | None:
+        if rows is None:
+            return None
+        if next_frame is None:
+            raise ValueError("a step with a grammar needs the frame that follows it")
+        read = next_frame
+
+        def fetch() -> np.ndarray:
+            message = self._decode(read())
+            if not isinstance(message, GrammarBitmask):
+                raise ValueError(f"expected the step's grammar bitmask, got {type(message).__name__}")
+            return np.frombuffer(message.data, dtype=np.int32).reshape(-1, message.words_per_row).copy()
+
+        return StepGrammar(rows, fetch)
 
     @staticmethod
     def sampled(work: SchedulerOutput[WorkerRequest], sampled_token_ids: list[int]) -> None:

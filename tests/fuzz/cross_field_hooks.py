@@ -7,10 +7,13 @@ the server refuses with a 400 naming the field:
   ``max_completion_tokens``);
 - ``min_tokens`` is at most ``max_tokens``;
 - prompts x ``n`` of one request is at most what the engine runs at once (``n``);
-- P/D engines only: ``remote_block_generations`` has one entry per ``remote_block_ids`` entry.
+- P/D engines only: ``remote_block_generations`` has one entry per ``remote_block_ids`` entry;
+- ``response_format`` (other than text) and ``structured_outputs`` are not both given, and the constraint is one
+  xgrammar can enforce (its regex and EBNF syntax, the JSON-schema keywords it supports).
 
 Schema-valid requests beyond one are brought within it (the smallest change: a lower ``max_tokens``, ``min_tokens``
-or ``n``, a shorter block list), or, for a prompt too long for any output, not sent. Everything else, and every
+or ``n``, a shorter block list, no ``response_format`` beside ``structured_outputs``), or, for a prompt too long for
+any output or a constraint that cannot be enforced, not sent. Everything else, and every
 schema-invalid request, is sent as generated, with every check at its defaults. The limits come from the
 document's ``x-pdserve-limits``; prompts are counted with the tokenizer at ``PDSERVE_FUZZ_TOKENIZER`` (default:
 the demo model's).
@@ -27,6 +30,8 @@ from schemathesis import GenerationMode
 
 from pdserve.api.openapi import read_limits
 from pdserve.api.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from pdserve.engine.grammar import check_grammar, grammar_spec
+from pdserve.engine.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 _GENERATION = ("/v1/completions", "/v1/chat/completions")
@@ -86,9 +91,27 @@ def filter_case(context, case) -> bool:
     """A prompt that leaves no room for one output token is refused whatever else the request says."""
     if not _applies(context, case):
         return True
+    if not _enforceable(case.body):
+        return False
     limits = read_limits(context.operation.schema.raw_schema)
     lengths = _prompt_lengths(context.operation.path, case.body)
     return limits is None or lengths is None or max(lengths) < limits.max_model_len
+
+
+def _enforceable(body: dict[str, Any]) -> bool:
+    """The request's structured-output constraint (if any) passes the engine's own check."""
+    constraint = body.get("structured_outputs")
+    response_format = body.get("response_format")
+    if constraint is None and isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        constraint = None if schema is None else {"json": schema}
+    if not isinstance(constraint, dict):
+        return True
+    try:
+        check_grammar(grammar_spec(StructuredOutputsParams(**constraint)))
+    except (SamplingParamsError, TypeError):
+        return False
+    return True
 
 
 @schemathesis.hook
@@ -100,6 +123,8 @@ def map_case(context, case):
     if limits is None or lengths is None or max(lengths) >= limits.max_model_len:
         return case
     body = case.body
+    if body.get("structured_outputs") is not None:
+        body.pop("response_format", None)
     room = limits.max_model_len - max(lengths)
     if context.operation.path == "/v1/chat/completions":
         field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

@@ -1,16 +1,21 @@
 """Disaggregated serving through the router equals colocated serving, token for token: 1P1D over
 NIXL and over TCP, 2P2D over NIXL, and 1P1D over NIXL with each engine's model (and transfer agent)
-in a worker process of its own, each a real cluster of processes started once."""
+in a worker process of its own, each a real cluster of processes started once. Structured outputs
+too: the decode applies the grammar, the outputs equal colocated ones with the same seeds."""
 
 from __future__ import annotations
 
+import json
 import random
 
+import jsonschema
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.sampling_params import StructuredOutputsParams
 from pdserve.models.demo import ensure_demo_model
 from pdserve.testing.metrics import scrape
+from pdserve.testing.schemas import SCHEMAS
 from tests.pd.cluster import Cluster, assert_a_cached_prefix_is_not_pulled_again, post
 
 pytestmark = pytest.mark.timeout(600)
@@ -99,3 +104,47 @@ def test_a_prefix_cached_on_decode_is_not_pulled_again(cluster):
     if len(cluster.decodes) > 1:
         pytest.skip("which decode engine serves a request is the router's choice")
     assert_a_cached_prefix_is_not_pulled_again(cluster.decodes[0].url, lambda prompt: _complete(cluster, prompt))
+
+
+@pytest.fixture(scope="module")
+def structured_expected() -> list[str]:
+    llm = LLM(str(ensure_demo_model()), device="cpu", max_model_len=512, num_kv_blocks=256)
+    outputs = llm.generate(_structured_prompts(), [_structured_params(i) for i in range(len(SCHEMAS[:4]))])
+    return [output.outputs[0].text for output in outputs]
+
+
+def _structured_prompts() -> list[list[int]]:
+    return [prompt[: 20 + 9 * i] for i, prompt in enumerate(_prompts()[:4])]
+
+
+def _structured_params(index: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=300,
+        temperature=1.0,
+        seed=40 + index,
+        structured_outputs=StructuredOutputsParams(json=SCHEMAS[index]),
+    )
+
+
+def test_structured_outputs_through_the_router_equal_colocated(cluster, structured_expected):
+    # The prefill leg checks the schema but applies nothing; the decode compiles it while it pulls
+    # the prompt's KV and applies it from its first token: the same seeded outputs as colocated.
+    texts = []
+    for index, prompt in enumerate(_structured_prompts()):
+        answer = _complete(
+            cluster,
+            prompt,
+            max_tokens=300,
+            temperature=1.0,
+            seed=40 + index,
+            structured_outputs={"json": SCHEMAS[index]},
+        )
+        assert answer["choices"][0]["finish_reason"] == "stop"
+        texts.append(answer["choices"][0]["text"])
+        jsonschema.validate(json.loads(texts[-1]), SCHEMAS[index])
+    assert texts == structured_expected
+    status, answer = post(
+        cluster.router.url + "/v1/completions",
+        {"model": "demo", "prompt": [1, 2, 3], "max_tokens": 5, "structured_outputs": {"regex": "(["}},
+    )
+    assert status == 400 and answer["error"]["param"] == "structured_outputs.regex"

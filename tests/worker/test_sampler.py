@@ -3,6 +3,7 @@ as defined, filters that never let excluded tokens through, and logprob entries.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pdserve.engine.request import Request
@@ -105,3 +106,40 @@ def test_logprobs_are_of_the_raw_logits_with_ranks_and_top_n():
     assert entry.top_token_ids == raw.topk(3).indices.tolist()
     (forced,) = logprob_entries(raw[None], [int(raw.argmin())], [0])
     assert forced.rank == VOCAB and forced.top_token_ids == []
+
+
+def _bitmask(allowed_per_row: list[set[int]]) -> np.ndarray:
+    packed = np.zeros((len(allowed_per_row), (VOCAB + 31) // 32), dtype=np.int64)
+    for row, allowed in enumerate(allowed_per_row):
+        for token in allowed:
+            packed[row, token // 32] |= 1 << (token % 32)
+    return packed.astype(np.uint32).view(np.int32)  # xgrammar's int32 words, bit 31 included
+
+
+def test_the_grammar_bitmask_lets_only_allowed_tokens_through():
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    allowed = [{3, 31, 32, 63}, {0}, {17, 40}]
+    requests = [
+        _request("greedy", temperature=0.0),
+        _request("free", temperature=1.0, seed=1),  # not constrained: row 1 of the bitmask is not its
+        _request("drawn", temperature=2.0, top_k=50, seed=2, logprobs=1),
+    ]
+    for seed in range(20):
+        logits = _logits(3, seed)
+        raw = torch.log_softmax(logits, dim=-1)
+        tokens, logprobs = sampler.sample(logits.clone(), requests, ([0, 2], _bitmask([allowed[0], allowed[2]])))
+        assert tokens[0] == max(allowed[0], key=lambda t: logits[0, t].item())
+        assert tokens[2] in allowed[2]
+        # Logprobs are the raw model's, before the mask.
+        assert abs(logprobs[2].logprob - raw[2, tokens[2]].item()) < 1e-5
+
+
+def test_a_penalty_that_rounds_to_zero_cannot_unmask_a_token():
+    # 2.2e-308 is 0 in float32: a masked -inf scaled by it would be NaN, and NaN rows sample token 0.
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    request = _request(
+        "p", prompt=list(range(VOCAB)), temperature=1.0, seed=3, repetition_penalty=2.2250738585072014e-308
+    )
+    for seed in range(10):
+        tokens, _ = sampler.sample(_logits(1, seed), [request], ([0], _bitmask([{5, 9}])))
+        assert tokens[0] in (5, 9)

@@ -1,0 +1,87 @@
+"""Grammar specs of structured outputs: normalised (one cache key per constraint), checked before a
+request is accepted (bad syntax, keywords xgrammar would ignore, size), and compiled into grammars
+that only allow valid JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.engine.grammar import MAX_SPEC_BYTES, GrammarError, GrammarSpec, check_grammar, grammar_of, grammar_spec
+from pdserve.engine.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+
+def test_specs_are_normalised():
+    a = grammar_spec(StructuredOutputsParams(json={"type": "object", "required": ["b"], "properties": {"b": {}}}))
+    b = grammar_spec(StructuredOutputsParams(json='{"properties": {"b": {}}, "required": ["b"], "type": "object"}'))
+    assert a == b and a.kind == "json" and not a.any_whitespace
+    loose = grammar_spec(StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=False))
+    assert loose.any_whitespace
+    choice = grammar_spec(StructuredOutputsParams(choice=['say "hi"', "bye"]))
+    assert choice == GrammarSpec("grammar", 'root ::= "say \\"hi\\"" | "bye"')
+    assert grammar_spec(StructuredOutputsParams(json_object=True)).kind == "json_object"
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({}, "structured_outputs"),
+        ({"regex": "a", "choice": ["a"]}, "structured_outputs"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"choice": ["a", 1]}, "structured_outputs.choice"),
+        ({"regex": 5}, "structured_outputs.regex"),
+        ({"json_object": False}, "structured_outputs"),
+    ],
+)
+def test_exactly_one_well_typed_constraint(fields, param):
+    with pytest.raises(SamplingParamsError) as error:
+        StructuredOutputsParams(**fields)
+    assert error.value.param == param
+
+
+@pytest.mark.parametrize(
+    "params, param, words",
+    [
+        (StructuredOutputsParams(regex="(ab"), "structured_outputs.regex", "parenthesis"),
+        (StructuredOutputsParams(grammar="root ::= foo"), "structured_outputs.grammar", "foo"),
+        (StructuredOutputsParams(json="{not json"), "structured_outputs.json", "not valid JSON"),
+        (StructuredOutputsParams(json={"type": "frog"}), "structured_outputs.json", "frog"),
+        (StructuredOutputsParams(json={"$ref": "#/$defs/missing"}), "structured_outputs.json", "missing"),
+        (
+            StructuredOutputsParams(json={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
+            "structured_outputs.json",
+            "not",
+        ),
+        (
+            StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+            "structured_outputs.json",
+            "uniqueItems",
+        ),
+        (
+            StructuredOutputsParams(json={"type": "string", "pattern": "^a+$", "maxLength": 4}),
+            "structured_outputs.json",
+            "pattern",
+        ),
+        (StructuredOutputsParams(regex="a" * (MAX_SPEC_BYTES + 1)), "structured_outputs.regex", "bytes"),
+    ],
+)
+def test_what_cannot_be_enforced_is_refused_naming_the_field(params, param, words):
+    with pytest.raises(GrammarError) as error:
+        check_grammar(grammar_spec(params))
+    assert error.value.param == param
+    assert words in str(error.value)
+
+
+def test_a_property_named_like_a_keyword_is_fine():
+    schema = {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}}
+    check_grammar(grammar_spec(StructuredOutputsParams(json=schema)))
+
+
+def test_json_strings_never_allow_raw_control_characters():
+    # xgrammar's rule for length-bounded strings lets raw control characters through; ours does not.
+    for schema in ({"type": "string", "maxLength": 5}, {"type": "object", "properties": {"a": {"type": "string"}}}):
+        text = str(grammar_of(grammar_spec(StructuredOutputsParams(json=json.dumps(schema)))))
+        for line in text.splitlines():
+            if "[^" in line and '\\"' in line:  # a class of string characters
+                assert "\\0-\\x1f" in line, line
