@@ -327,13 +327,18 @@ class Scheduler:
                 # needs that token).
                 parked.append(waiting.popleft())
                 continue
-            if request.status == _WAITING_FOR_GRAMMAR:
-                if request.structured_output is not None and request.structured_output.ready:
-                    request.status = RequestStatus.WAITING
-                elif kv.owns_blocks(request.request_id) or not self.connector.expects_remote_kv(request):
+            grammar = request.structured_output
+            grammar_pending = grammar is not None and not grammar.ready
+            if grammar_pending:
+                # Whatever its status says (a failed load sends a request back to WAITING): it may
+                # not sample before its grammar is ready.
+                if kv.owns_blocks(request.request_id) or not self.connector.expects_remote_kv(request):
+                    request.status = _WAITING_FOR_GRAMMAR
                     parked.append(waiting.popleft())
                     continue
                 # else: admitted now for its remote KV, which is pulled while its grammar compiles
+            elif request.status == _WAITING_FOR_GRAMMAR:
+                request.status = RequestStatus.WAITING
 
             hit_blocks: list[KVCacheBlock] = []
             num_external = 0
@@ -348,7 +353,7 @@ class Scheduler:
             else:
                 num_local = 0
             num_computed = request.num_computed_tokens + num_local + num_external
-            if request.status == _WAITING_FOR_GRAMMAR and not load_async:
+            if grammar_pending and not load_async:
                 # Expected remote KV, but nothing is to be pulled (the prompt is cached here): it
                 # would compute and sample now, and its grammar is not ready. Rare; it is looked
                 # up again next step (the prefix-cache counters count each look).
@@ -610,7 +615,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         if self.connector.recompute_failed_loads:
             self.kv_cache_manager.free(request)
-            request.status = RequestStatus.WAITING  # keeps its place; admitted again as a new request
+            request.status = _waiting_status(request)  # keeps its place; admitted again as a new request
             return
         self.waiting.remove(request)
         request.status = RequestStatus.FINISHED_ERROR

@@ -144,7 +144,9 @@ class StructuredOutputManager:
             return failed
         now = time.monotonic()
         for request_id, (request, grammar) in list(self.pending.items()):
-            if grammar.future.done():
+            if request.is_finished:  # aborted while compiling: nothing to report
+                del self.pending[request_id]
+            elif grammar.future.done():
                 del self.pending[request_id]
                 error = grammar.future.exception()
                 if error is not None:
