@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # 17 s: the script's logic, checked with every long suite
 def test_gpu_check_dry_run_passes_every_section(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -169,7 +169,9 @@ class TransferAgent:
         self._inbox.put(work)
         with self._wake_lock, contextlib.suppress(zmq.Again):
             # A full wake pipe means wake-ups are pending already: the agent finds this work too.
-            self._wake_send.send(b"", zmq.NOBLOCK)
+            # A closed one means the agent thread has stopped (close() raced it): nobody to wake.
+            if not self._wake_send.closed:
+                self._wake_send.send(b"", zmq.NOBLOCK)
 
     def collect(self) -> KVConnectorOutput | None:
         with self._results_lock:
@@ -203,7 +205,8 @@ class TransferAgent:
                 peer.socket.close(linger=0)
             self._server.close(linger=0)
             self._wake_recv.close(linger=0)
-            self._wake_send.close(linger=0)
+            with self._wake_lock:  # the engine thread sends on it under this lock
+                self._wake_send.close(linger=0)
             self.transport.close()
             self._context.term()
 

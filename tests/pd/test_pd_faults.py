@@ -106,6 +106,7 @@ def test_decode_abort_before_the_pull_frees_prefill_by_notification(cluster):
     )
 
 
+@pytest.mark.slow  # 20 s of chaos: make test keeps the budget (the other fault tests stay)
 def test_prefill_killed_while_requests_wait_then_restarted(cluster):
     prompts = [_prompt(f"kill {i}") for i in range(3)]
     expected = [_reference(cluster, p) for p in prompts]
