@@ -77,7 +77,11 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
         params = [request.sampling_params for request in requests]
-        temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        # A temperature beyond the dtype's range would be inf, and a masked -inf / inf is NaN.
+        limit = torch.finfo(logits.dtype).max
+        temperatures = torch.tensor(
+            [min(p.temperature, limit) for p in params], dtype=logits.dtype, device=logits.device
+        )
         logits = filter_logits(logits / temperatures[:, None], params)
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs).exponential_()

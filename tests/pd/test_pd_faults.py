@@ -92,7 +92,7 @@ def test_decode_abort_before_the_pull_frees_prefill_by_notification(cluster):
     )
     assert connection.getresponse().status == 200
     wait_for(
-        lambda: scrape(cluster.decodes[0].url)["pdserve_num_requests_waiting_for_remote_kv"] == 1,
+        lambda: scrape(cluster.decodes[0].url).get("pdserve_num_requests_waiting_for_remote_kv") == 1,
         10,
         "the decode request never waited for its pull",
     )
@@ -124,7 +124,7 @@ def test_prefill_killed_while_requests_wait_then_restarted(cluster):
     for thread in threads:
         thread.start()
     wait_for(
-        lambda: scrape(cluster.decodes[0].url)["pdserve_num_requests_waiting_for_remote_kv"] == len(prompts),
+        lambda: scrape(cluster.decodes[0].url).get("pdserve_num_requests_waiting_for_remote_kv") == len(prompts),
         10,
         "requests did not reach WAITING_FOR_REMOTE_KVS",
     )

@@ -134,12 +134,15 @@ def test_the_grammar_bitmask_lets_only_allowed_tokens_through():
         assert abs(logprobs[2].logprob - raw[2, tokens[2]].item()) < 1e-5
 
 
-def test_a_penalty_that_rounds_to_zero_cannot_unmask_a_token():
+def test_a_penalty_or_temperature_beyond_float32_cannot_unmask_a_token():
     # 2.2e-308 is 0 in float32: a masked -inf scaled by it would be NaN, and NaN rows sample token 0.
     sampler = Sampler(VOCAB, torch.device("cpu"))
     request = _request(
         "p", prompt=list(range(VOCAB)), temperature=1.0, seed=3, repetition_penalty=2.2250738585072014e-308
     )
+    # 3.9e307 is inf in float32: a masked -inf divided by it would be NaN too.
+    hot = _request("t", temperature=3.892187498351313e307, seed=4, repetition_penalty=2.5e307)
     for seed in range(10):
-        tokens, _ = sampler.sample(_logits(1, seed), [request], ([0], _bitmask([{5, 9}])))
-        assert tokens[0] in (5, 9)
+        for constrained in (request, hot):
+            tokens, _ = sampler.sample(_logits(1, seed), [constrained], ([0], _bitmask([{5, 9}])))
+            assert tokens[0] in (5, 9)
