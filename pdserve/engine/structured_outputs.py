@@ -1,5 +1,5 @@
 """StructuredOutputManager: the engine core's side of structured outputs. It compiles each
-request's grammar on a small thread pool (with a per-compile time bound and xgrammar's cache,
+request's grammar on a small thread pool (with a per-request time bound and a cache of compiles
 keyed by the spec), holds each request's matcher (:class:`RequestGrammar`), and fills a step's
 token bitmask: one row per sampled request under a grammar, bit t set where token t may come next.
 
