@@ -17,6 +17,8 @@ import sys
 
 from pdserve.api.auth import SECRET_ENV
 from pdserve.api.roles import COLOCATED, DECODE, POOL_ROLES, PREFILL, ROUTER, ROUTER_PORT, Role, engine_role
+from pdserve.engine.reasoning import REASONING_PARSERS
+from pdserve.server.tool_parsers import TOOL_PARSERS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -84,6 +86,20 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="let JSON grammars allow free whitespace between tokens (off: compact JSON only)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="how the model marks its thinking: it goes into reasoning_content, and structured outputs and "
+        "tool calls apply to the answer after it",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help='read tool calls from answers (tool_choice "auto", the default with tools); hermes: '
+        "Qwen's <tool_call>{...}</tool_call>",
     )
     parser.add_argument(
         "--tensor-parallel-size",
@@ -217,6 +233,8 @@ _FORWARDED_ENGINE_FLAGS = (
     "structured_outputs_backend",
     "structured_outputs_compile_timeout",
     "structured_outputs_any_whitespace",
+    "reasoning_parser",
+    "tool_call_parser",
     "kv_transfer",
     "kv_lease_seconds",
     "kv_transfer_timeout",
@@ -277,6 +295,7 @@ def _engine_args(args: argparse.Namespace, role: Role, secret: bytes | None):  #
         structured_outputs_backend=args.structured_outputs_backend,
         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
         structured_outputs_any_whitespace=args.structured_outputs_any_whitespace,
+        reasoning_parser=args.reasoning_parser,
         kv_transfer=kv_transfer,
         kv_events_host=args.kv_side_channel_host or args.host,
         kv_events_port=None if args.kv_events_port < 0 else args.kv_events_port,
@@ -311,7 +330,14 @@ async def _run_engine(args: argparse.Namespace, role: Role) -> None:
 
             verifier = RequestVerifier(secret)
     running = await start_engine_server(
-        _engine_args(args, role, secret), args.host, args.port, args.served_model_name, args.api_key, limits, verifier
+        _engine_args(args, role, secret),
+        args.host,
+        args.port,
+        args.served_model_name,
+        args.api_key,
+        limits,
+        verifier,
+        args.tool_call_parser,
     )
     print(f"pdserve {role.name} engine serving {running.server.model_name} at {running.url}/v1", flush=True)
     client = running.server.client

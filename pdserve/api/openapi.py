@@ -316,6 +316,7 @@ def _constrain_requests(components: dict[str, Any], limits: ApiLimits | None, pd
             }
         ),
     )
+    components["FunctionDefinition"]["properties"]["name"] = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
     if pd:
         for request in (completion, chat):
             request["allOf"] = copy.deepcopy(_PD_CONDITIONS)

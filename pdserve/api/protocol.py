@@ -106,10 +106,25 @@ class TextContentPart(Struct, kw_only=True):
     text: str
 
 
+class FunctionCall(Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text of the arguments
+
+
+class ToolCall(Struct, kw_only=True):
+    """A call of one of the request's tools: in an assistant message of the history, or in an answer."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         """The message's content as one string (text parts joined)."""
@@ -143,8 +158,34 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 TEMPLATE_LIST_KWARGS = ("tools", "documents")
 
 
+class FunctionDefinition(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True, forbid_unknown_fields=True):
+    """``tool_choice`` naming the one function the answer must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -211,9 +252,11 @@ class ChatLogprobs(Struct):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(Struct):
+class ChatResponseMessage(Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the thinking, apart from the answer (with a reasoning parser)
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatChoice(Struct):
@@ -234,9 +277,25 @@ class ChatCompletionResponse(Struct):
     kv_transfer_params: dict[str, Any] | None = None
 
 
+class DeltaFunctionCall(Struct, omit_defaults=True):
+    name: str | None = None  # in a call's first delta only
+    arguments: str | None = None  # the next fragment of the arguments' JSON text
+
+
+class DeltaToolCall(Struct, kw_only=True, omit_defaults=True):
+    """A streamed piece of a tool call: its first one carries the id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -4,6 +4,7 @@ one (the offline LLM, the engine-core process of the servers). The engine's role
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from dataclasses import dataclass, replace
@@ -11,8 +12,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from pdserve.api.roles import COLOCATED, engine_role
+from pdserve.api.tokenizer import load_tokenizer
 from pdserve.engine.block_pool import new_block_generations
 from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.reasoning import ReasoningMarkers, blank_token_test, reasoning_parser
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S, StructuredOutputManager
 from pdserve.kvtransfer.agent import TransferAgent
@@ -66,6 +69,12 @@ class EngineArgs:
     structured_outputs_backend: str = "xgrammar"
     structured_outputs_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S
     structured_outputs_any_whitespace: bool = False
+    # How a reasoning model marks its thinking (pdserve.engine.reasoning): the core keeps grammars off
+    # the thinking, the API server moves it into reasoning_content. None: outputs are answers only.
+    reasoning_parser: str | None = None
+    # Import path ("module:Class") of a ModelRunner subclass to run instead (in-process executor only):
+    # the tests' scripted runner, which makes a real model emit fixed token sequences.
+    model_runner_cls: str | None = None
 
     def __post_init__(self) -> None:
         role = engine_role(self.role)
@@ -86,6 +95,10 @@ class EngineArgs:
             raise ValueError(
                 f"the structured outputs compile timeout must be > 0 s, got {self.structured_outputs_compile_timeout}"
             )
+        if self.reasoning_parser is not None:
+            reasoning_parser(self.reasoning_parser)  # raises for an unknown one
+        if self.model_runner_cls is not None and self.distributed_executor_backend != "uni":
+            raise ValueError("a model runner class replaces the in-process runner: it needs the uni executor")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed executor backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
@@ -160,7 +173,8 @@ class EngineArgs:
                 agents.append(agent)
                 return agent
 
-            runner = ModelRunner(model_config, runner_config, make_agent if kv_transfer is not None else None)
+            runner_cls = _import_class(self.model_runner_cls) if self.model_runner_cls else ModelRunner
+            runner = runner_cls(model_config, runner_config, make_agent if kv_transfer is not None else None)
             executor, num_blocks, description = runner, runner.num_blocks, runner.describe()
             if agents:
                 generations, agent_ports = agents[0].generations, [agents[0].port]
@@ -189,11 +203,25 @@ class EngineArgs:
             connector,
             generations,
         )
+        reasoning = None
+        if self.reasoning_parser is not None:
+            tokenizer = load_tokenizer(self.tokenizer or folder)
+            markers = ReasoningMarkers.of(reasoning_parser(self.reasoning_parser), tokenizer)
+            reasoning = (markers, blank_token_test(tokenizer))
         structured_outputs = StructuredOutputManager(
             self.tokenizer or folder,
             model_config.vocab_size,
             model_config.eos_token_ids,
             self.structured_outputs_compile_timeout,
             self.structured_outputs_any_whitespace,
+            reasoning,
         )
         return EngineCore(scheduler, executor, self.async_scheduling, structured_outputs), model_config
+
+
+def _import_class(path: str) -> type[ModelRunner]:
+    module, _, name = path.partition(":")
+    runner_cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(runner_cls, type) and issubclass(runner_cls, ModelRunner)):
+        raise ValueError(f"{path} is not a ModelRunner subclass")
+    return runner_cls

@@ -13,6 +13,7 @@ for. Compiling (token tables, per tokenizer) happens in the engine core
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +159,21 @@ def grammar_of(spec: GrammarSpec) -> Any:
     if spec.kind == "regex":
         return xgrammar.Grammar.from_regex(spec.text)
     return xgrammar.Grammar.from_ebnf(spec.text)
+
+
+def json_schema_rules(schema: dict[str, Any], rule: str, any_whitespace: bool = False) -> str:
+    """EBNF rules (xgrammar's dialect) for JSON valid against ``schema``, its top rule named ``rule``:
+    to embed a JSON value in a larger grammar (a tool call's markup around its arguments)."""
+    import xgrammar
+
+    text = str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_whitespace))
+    text = text.replace(_LOOSE_STRING_CHARACTER, _STRICT_STRING_CHARACTER)
+    # Its rules are "root" and "root_..." / "basic_...": only the top rule's own name changes, and
+    # never inside a string literal or a character class.
+    return _ROOT_REFERENCE.sub(lambda match: rule if match.group(0) == "root" else match.group(0), text)
+
+
+_ROOT_REFERENCE = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\broot\b(?!_)')
 
 
 def _subschemas(schema: Any) -> list[dict[str, Any]]:

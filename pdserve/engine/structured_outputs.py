@@ -8,6 +8,10 @@ The scheduler never waits for a compile: a request whose grammar is not ready is
 KV meanwhile. The matcher takes each sampled token once, in ``Scheduler.update_from_output``; it
 lives as long as the request (a preempted request keeps its output tokens, so its matcher state
 stays right).
+
+With a reasoning parser the grammar constrains the answer only: while a request thinks its row
+allows every token and its tokens bypass the matcher, which starts after the end marker. Where
+the model may choose to think (Qwen3), its first token may also be the start marker.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import concurrent.futures
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from pdserve.engine.grammar import GrammarSpec, grammar_of, grammar_spec
+from pdserve.engine.reasoning import ReasoningMarkers, ReasoningStart
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +39,16 @@ CACHED_GRAMMARS = 512
 class RequestGrammar:
     """One request's grammar: compiling (``ready`` False), then a matcher over its output tokens."""
 
-    __slots__ = ("dead_end", "deadline", "future", "matcher", "spec")
+    __slots__ = ("dead_end", "deadline", "future", "markers", "matcher", "may_think", "spec", "thinking")
 
-    def __init__(self, spec: GrammarSpec, future: Future[Any], timeout: float) -> None:
+    def __init__(
+        self,
+        spec: GrammarSpec,
+        future: Future[Any],
+        timeout: float,
+        markers: ReasoningMarkers | None = None,
+        start: ReasoningStart = ReasoningStart.ANSWER,
+    ) -> None:
         self.spec = spec
         self.future = future
         self.deadline = time.monotonic() + timeout
@@ -43,6 +56,9 @@ class RequestGrammar:
         # The grammar allows a next character no token of the vocabulary starts with (a literal the
         # tokenizer cannot spell): whatever is sampled breaks it, and the request ends with a 400.
         self.dead_end = False
+        self.markers = markers
+        self.thinking = start is ReasoningStart.THINKING  # the grammar waits for the end marker
+        self.may_think = start is ReasoningStart.OPTIONAL  # until the first token: the start marker may open
 
     @property
     def ready(self) -> bool:
@@ -50,12 +66,33 @@ class RequestGrammar:
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it."""
+        markers = self.markers
+        if self.thinking:
+            assert markers is not None
+            self.thinking = token_id != markers.end_id
+            return True
+        if self.may_think:
+            assert markers is not None
+            self.may_think = False
+            if token_id == markers.start_id:
+                self.thinking = True
+                return True
         return bool(self.matcher.accept_token(token_id))
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was taken: nothing may follow."""
-        return bool(self.matcher.is_terminated())
+        return not self.thinking and bool(self.matcher.is_terminated())
+
+    def fill_row(self, bitmask: Any, row: int) -> None:
+        """Write the tokens that may come next into ``bitmask[row]`` (a torch int32 tensor of all-ones rows)."""
+        if self.thinking or self.matcher.is_terminated():
+            return  # any token (a terminated grammar's token is dropped: the request is over)
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.may_think:
+            assert self.markers is not None
+            word, bit = divmod(self.markers.start_id, 32)
+            bitmask[row, word] |= _as_int32(1 << bit)
 
 
 class StructuredOutputManager:
@@ -66,14 +103,17 @@ class StructuredOutputManager:
         stop_token_ids: list[int],
         compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S,
         any_whitespace: bool = False,
+        reasoning: tuple[ReasoningMarkers, Callable[[int], bool]] | None = None,
     ) -> None:
         """``vocab_size``: the model's (the logits' width, at least the tokenizer's vocabulary);
-        ``stop_token_ids``: the tokens that end the output once the grammar is complete."""
+        ``stop_token_ids``: the tokens that end the output once the grammar is complete;
+        ``reasoning``: the reasoning parser's markers and the tokenizer's whitespace test."""
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self.compile_timeout = compile_timeout
         self.any_whitespace = any_whitespace
+        self.reasoning = reasoning
         self.words_per_row = (vocab_size + 31) // 32
         self._pool: ThreadPoolExecutor | None = None
         self._compiler: Any = None
@@ -102,7 +142,11 @@ class StructuredOutputManager:
                 compiles.popitem(last=False)
         else:
             compiles.move_to_end(spec)
-        grammar = RequestGrammar(spec, future, self.compile_timeout)
+        markers, start = None, ReasoningStart.ANSWER
+        if self.reasoning is not None:
+            markers, is_blank = self.reasoning
+            start = markers.start_of(request.prompt_token_ids, is_blank)
+        grammar = RequestGrammar(spec, future, self.compile_timeout, markers, start)
         request.structured_output = grammar
         if future.done():  # compiled before: ready at once
             grammar.matcher = self._matcher(future.result())
@@ -179,14 +223,12 @@ class StructuredOutputManager:
     # ----- each step --------------------------------------------------------------------------------
 
     def fill_bitmask(self, grammars: list[RequestGrammar]) -> np.ndarray:
-        """The packed bitmask ``[len(grammars), words_per_row]`` (int32) of the next token of each;
-        a terminated grammar's row allows everything (its token is dropped: the request is over)."""
+        """The packed bitmask ``[len(grammars), words_per_row]`` (int32) of the next token of each."""
         import torch
 
         bitmask = torch.full((len(grammars), self.words_per_row), -1, dtype=torch.int32)
         for row, grammar in enumerate(grammars):
-            if not grammar.matcher.is_terminated():
-                grammar.matcher.fill_next_token_bitmask(bitmask, row)
+            grammar.fill_row(bitmask, row)
         packed = bitmask.numpy()
         for empty in np.flatnonzero(~packed.any(axis=1)).tolist():
             grammars[empty].dead_end = True
@@ -195,3 +237,8 @@ class StructuredOutputManager:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _as_int32(value: int) -> int:
+    """A 32-bit word's bit pattern as the signed int a torch int32 holds."""
+    return value - (1 << 32) if value >= 1 << 31 else value

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, overload
 
+from pdserve.api.chat import conversation
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.engine.block_hash import first_block_extra_keys, hash_block_tokens
 
@@ -125,14 +126,10 @@ class PromptReader:
         return first
 
     async def _chat_ids(self, parsed: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": message.role, "content": message.text()} for message in parsed.messages]
+        messages, template_kwargs = conversation(parsed)  # as the engine renders it (tools included)
         size = sum(len(message["content"]) for message in messages)
         return await self._run(
-            size,
-            self._render_chat,
-            messages,
-            parsed.add_generation_prompt is not False,
-            parsed.chat_template_kwargs or {},
+            size, self._render_chat, messages, parsed.add_generation_prompt is not False, template_kwargs
         )
 
     def _render_chat(

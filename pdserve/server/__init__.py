@@ -8,5 +8,7 @@ touches a tensor or blocks its event loop on the model.
 - ``input_processor``: prompts and sampling settings checked and turned into core requests
   (shared with the offline ``pdserve.llm.LLM``);
 - ``responses``: OpenAI response shapes (usage, logprobs, SSE);
+- ``tools``, ``tool_parsers``, ``reasoning``, ``chat_output``: tool calling and reasoning output
+  (a chat answer read into reasoning_content, content and tool_calls);
 - ``core_client``, ``detokenizer``, ``metrics``.
 """

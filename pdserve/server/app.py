@@ -35,6 +35,7 @@ from pdserve.api.tokenizer import load_tokenizer
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.sampling_params import SamplingParamsError
 from pdserve.models.config import ModelConfig
+from pdserve.server.chat_output import ChatParsers
 from pdserve.server.core_client import EngineCoreClient, EngineDeadError
 from pdserve.server.input_processor import InputError, InputProcessor
 from pdserve.server.metrics import EngineMetrics
@@ -64,6 +65,7 @@ class EngineServer:
         kv_transfer: bool = False,
         serves_blocks: bool = False,
         router_verifier: RequestVerifier | None = None,
+        chat_parsers: ChatParsers | None = None,
     ) -> None:
         self.client = client
         self.api_key = api_key
@@ -88,6 +90,7 @@ class EngineServer:
             kv_transfer,
             serves_blocks,
             router_verifier,
+            chat_parsers,
         )
         self.created = int(time.time())
         self._openapi: bytes | None = None
@@ -206,10 +209,15 @@ async def start_engine_server(
     api_key: str | None = None,
     limits: ServerLimits | None = None,
     router_verifier: RequestVerifier | None = None,
+    tool_call_parser: str | None = None,
 ) -> RunningServer:
     """Start the core process and the HTTP server; ``port`` 0 picks a free port. ``router_verifier``:
-    P/D params and releases are taken only with the router's signature (None: from any client)."""
+    P/D params and releases are taken only with the router's signature (None: from any client).
+    ``tool_call_parser``: reads tool calls from answers (``tool_choice`` "auto"); the reasoning
+    parser is the engine's (``args.reasoning_parser``)."""
     folder = args.resolved_model()
+    tokenizer = load_tokenizer(args.tokenizer or folder)
+    chat_parsers = ChatParsers.of(tokenizer, args.reasoning_parser, tool_call_parser)  # raises before anything starts
     # The HTTP port is taken first: starting the core binds free ports of its own (side channels, one
     # per rank, KV events), and one of those must never be the port this server was told to use.
     reserved = reserve_port(host, port)
@@ -219,7 +227,6 @@ async def start_engine_server(
         reserved.close()
         raise
     try:
-        tokenizer = load_tokenizer(args.tokenizer or folder)
         eos_ids = ModelConfig.from_folder(folder).eos_token_ids or (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         )
@@ -233,6 +240,7 @@ async def start_engine_server(
             kv_transfer=engine_role(args.role).kv_transfer,
             serves_blocks=engine_role(args.role).serves_blocks,
             router_verifier=router_verifier,
+            chat_parsers=chat_parsers,
         )
         runner, url = await start_app(server.app(), host, port, reserved)
     except BaseException:

@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.api.auth import ROUTER_AUTH_HEADER, RequestVerifier
+from pdserve.api.chat import ConversationError, conversation
 from pdserve.api.http import json_response
 from pdserve.api.protocol import (
     KV_PARAMS_REJECTED_HEADER,
@@ -45,10 +46,11 @@ from pdserve.api.protocol import (
     sse_event,
 )
 from pdserve.engine.outputs import TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from pdserve.kvtransfer.decode_side import unusable_reason
 from pdserve.kvtransfer.params import parse_remote_prefill, wants_remote_decode
 from pdserve.kvtransfer.prefill_side import is_prefill_leg, prefill_leg_sampling
+from pdserve.server.chat_output import ChatOutputReader, ChatParsers, ChatPiece
 from pdserve.server.choices import ChoiceRunner
 from pdserve.server.core_client import EngineCoreClient
 from pdserve.server.input_processor import InputError, InputProcessor, structured_outputs_from
@@ -61,6 +63,7 @@ from pdserve.server.responses import (
     start_sse,
     usage,
 )
+from pdserve.server.tools import tool_use
 
 MAX_N = 16
 KV_PARAMS_REJECTED_KEY = web.RequestKey("kv_params_rejected", str)
@@ -112,6 +115,7 @@ class OpenAIServing:
         kv_transfer: bool = False,
         serves_blocks: bool = False,
         router_verifier: RequestVerifier | None = None,
+        chat_parsers: ChatParsers | None = None,
     ) -> None:
         self.client = client
         self.processor = processor
@@ -127,6 +131,7 @@ class OpenAIServing:
         self.serves_blocks = serves_blocks  # takes prefill legs (holds blocks for peers): the prefill role
         # Checks that P/D params come from the router; None: taken from any client (no secret, or --kv-insecure).
         self.router_verifier = router_verifier
+        self.chat_parsers = chat_parsers or ChatParsers()
 
     # ----- endpoints ----------------------------------------------------------------------------
 
@@ -245,9 +250,13 @@ class OpenAIServing:
         self._check_model(body.model)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= self.processor.max_logprobs:
             raise InputError("top_logprobs", f"top_logprobs must be between 0 and {self.processor.max_logprobs}")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            messages, template_kwargs = conversation(body)
+        except ConversationError as error:
+            raise InputError(error.param, str(error)) from error
+        tools = tool_use(body, self.chat_parsers.tools)
         prompt = self.processor.chat_prompt(
-            messages, body.add_generation_prompt is not False, body.chat_template_kwargs
+            messages, body.add_generation_prompt is not False, template_kwargs
         ).token_ids
         max_tokens = body.max_tokens
         if body.max_completion_tokens is not None:
@@ -256,7 +265,7 @@ class OpenAIServing:
                 raise InputError("max_tokens", f"max_tokens must be between 1 and {self.processor.max_model_len - 1}")
             max_tokens = body.max_completion_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, logprobs)
+        params = self._sampling_params(body, max_tokens, logprobs, forced_tools=tools.constraint)
         self.processor.check_max_tokens(
             prompt,
             params.max_tokens,
@@ -266,19 +275,19 @@ class OpenAIServing:
         children = [(prompt, k) for k in range(params.n)]
         self._admit(len(children), "n")
         await self._screen_remote_prefill(request, body, [prompt], params)
+        readers = [self.chat_parsers.reader(prompt, tools) for _ in children]
         if body.stream:
-            return await self._stream_chat(request, body, request_id, children, params)
+            return await self._stream_chat(request, body, request_id, children, params, readers)
         results = await self.choices.gather(request_id, children, params, body.kv_transfer_params, body.cache_salt)
-        choices = [
-            ChatChoice(
-                index,
-                ChatResponseMessage(content=result.text),
-                self.logprobs.chat(result.logprobs) if body.logprobs else None,
-                result.finish_reason,
-                result.stop_reason,
-            )
-            for (_, index), result in zip(children, results, strict=True)
-        ]
+        choices = []
+        for (_, index), result, reader in zip(children, results, readers, strict=True):
+            message = ChatResponseMessage(content=result.text)
+            finish_reason = result.finish_reason
+            if reader is not None:
+                message.reasoning_content, message.content, message.tool_calls = reader.whole(result.text)
+                finish_reason = reader.finish_reason(finish_reason)
+            logprobs_of = self.logprobs.chat(result.logprobs) if body.logprobs else None
+            choices.append(ChatChoice(index, message, logprobs_of, finish_reason, result.stop_reason))
         return json_response(
             headers=_leg_headers(request),
             payload=ChatCompletionResponse(
@@ -349,8 +358,14 @@ class OpenAIServing:
             )
 
     def _sampling_params(
-        self, body: Any, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        body: Any,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        forced_tools: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
+        """``forced_tools``: the grammar of a forced tool call (tool_choice "required" or named)."""
         fields = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
         fields.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
@@ -364,6 +379,12 @@ class OpenAIServing:
         if prefill_leg:
             fields = prefill_leg_sampling(fields)
         structured, structured_param = structured_outputs_from(body.response_format, body.structured_outputs)
+        if forced_tools is not None:
+            if structured is not None:
+                raise InputError(
+                    "tool_choice", "a forced tool call constrains the answer: response_format cannot constrain it too"
+                )
+            structured, structured_param = forced_tools, "tools"
         params = SamplingParams(**fields, structured_outputs=structured)
         try:
             self.processor.check_params(params)
@@ -432,10 +453,12 @@ class OpenAIServing:
         request_id: str,
         children: Children,
         params: SamplingParams,
+        readers: list[ChatOutputReader | None],
     ) -> web.StreamResponse:
         response = await start_sse(request, _leg_headers(request))
         results = [ChoiceResult() for _ in children]
         created = int(time.time())
+        reader_of = {index: reader for (_, index), reader in zip(children, readers, strict=True)}
 
         def chunk(choices: list[ChatChunkChoice], chunk_usage: Usage | None = None) -> bytes:
             return sse_event(
@@ -452,15 +475,24 @@ class OpenAIServing:
             try:
                 async for delta in deltas:
                     logprobs = self.logprobs.chat(delta.logprobs) if body.logprobs else None
-                    await response.write(
-                        chunk(
-                            [
-                                ChatChunkChoice(
-                                    delta.index, ChatDelta(content=delta.text or None), logprobs, delta.finish_reason
-                                )
-                            ]
+                    reader = reader_of[delta.index]
+                    finish_reason = delta.finish_reason
+                    if reader is None:
+                        message = ChatDelta(content=delta.text or None)
+                    else:
+                        piece = reader.feed(delta.text)
+                        if finish_reason is not None:
+                            end = reader.finish()
+                            piece = ChatPiece(
+                                piece.reasoning + end.reasoning, piece.content + end.content, piece.calls + end.calls
+                            )
+                            finish_reason = reader.finish_reason(finish_reason)
+                        message = ChatDelta(
+                            content=piece.content or None,
+                            reasoning_content=piece.reasoning or None,
+                            tool_calls=piece.calls or None,
                         )
-                    )
+                    await response.write(chunk([ChatChunkChoice(delta.index, message, logprobs, finish_reason)]))
             except ProtocolError as error:
                 return await end_stream_with_error(response, error)
         if body.stream_options and body.stream_options.include_usage:

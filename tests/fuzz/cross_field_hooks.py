@@ -9,7 +9,10 @@ the server refuses with a 400 naming the field:
 - prompts x ``n`` of one request is at most what the engine runs at once (``n``);
 - P/D engines only: ``remote_block_generations`` has one entry per ``remote_block_ids`` entry;
 - ``response_format`` (other than text) and ``structured_outputs`` are not both given, and the constraint is one
-  xgrammar can enforce (its regex and EBNF syntax, the JSON-schema keywords it supports).
+  xgrammar can enforce (its regex and EBNF syntax, the JSON-schema keywords it supports);
+- chat: ``tool_choice`` is one the tools can serve (tools given, a named function among them, distinct names, "auto"
+  only with a tool-call parser, forced functions' parameter schemas enforceable), and the history's tool-call
+  arguments are JSON.
 
 Schema-valid requests beyond one are brought within it (the smallest change: a lower ``max_tokens``, ``min_tokens``
 or ``n``, a shorter block list, no ``response_format`` beside ``structured_outputs``), or, for a prompt too long for
@@ -22,16 +25,20 @@ the demo model's).
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import Any
 
 import schemathesis
 from schemathesis import GenerationMode
 
+from pdserve.api.chat import conversation
 from pdserve.api.openapi import read_limits
+from pdserve.api.protocol import ChatCompletionRequest, ProtocolError, decode_request
 from pdserve.api.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 from pdserve.engine.grammar import check_grammar, grammar_spec
 from pdserve.engine.sampling_params import SamplingParamsError, StructuredOutputsParams
+from pdserve.server.tools import tool_use
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 _GENERATION = ("/v1/completions", "/v1/chat/completions")
@@ -62,12 +69,12 @@ def _prompt_lengths(path: str, body: dict[str, Any]) -> list[int] | None:
     """Each prompt's token count as the engine counts it; None if it cannot be rendered (the server says why)."""
     tokenizer = _tokenizer()
     if path == "/v1/chat/completions":
-        messages = [{"role": message["role"], "content": _text(message.get("content"))} for message in body["messages"]]
         try:
+            messages, template_kwargs = conversation(_chat_request(body))
             ids = apply_chat_template(
-                tokenizer, messages, body.get("add_generation_prompt") is not False, body.get("chat_template_kwargs")
+                tokenizer, messages, body.get("add_generation_prompt") is not False, template_kwargs
             )
-        except ValueError:
+        except (ValueError, ProtocolError):
             return None
         return [len(ids)]
     prompt = body["prompt"]
@@ -78,20 +85,14 @@ def _prompt_lengths(path: str, body: dict[str, Any]) -> list[int] | None:
     return [len(encode_prompt(tokenizer, item)) if isinstance(item, str) else len(item) for item in prompt]
 
 
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part["text"] for part in content)
-
-
 @schemathesis.hook
 def filter_case(context, case) -> bool:
     """A prompt that leaves no room for one output token is refused whatever else the request says."""
     if not _applies(context, case):
         return True
     if not _enforceable(case.body):
+        return False
+    if context.operation.path == "/v1/chat/completions" and not _chat_servable(case.body):
         return False
     limits = read_limits(context.operation.schema.raw_schema)
     lengths = _prompt_lengths(context.operation.path, case.body)
@@ -110,6 +111,21 @@ def _enforceable(body: dict[str, Any]) -> bool:
     try:
         check_grammar(grammar_spec(StructuredOutputsParams(**constraint)))
     except (SamplingParamsError, TypeError):
+        return False
+    return True
+
+
+def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    return decode_request(json.dumps(body).encode(), ChatCompletionRequest)
+
+
+def _chat_servable(body: dict[str, Any]) -> bool:
+    """The request's conversation renders and its tool_choice can be served (by an engine without a tool parser)."""
+    try:
+        request = _chat_request(body)
+        conversation(request)
+        tool_use(request, None)
+    except (ValueError, ProtocolError):
         return False
     return True
 

@@ -46,7 +46,7 @@ def pair_of_models(tmp_path_factory):
     (served under the same name, as in a rollout), and a router over all of them."""
     tmp_path = tmp_path_factory.mktemp("compat")
     model = str(ensure_demo_model())
-    other = str(write_demo_model(tmp_path / "pdserve-demo-qwen3-v1", seed=SEED + 1))
+    other = str(write_demo_model(tmp_path / "pdserve-demo-qwen3-v2", seed=SEED + 1))
     env = server_env()
     processes = {}
     for name, role, folder in (("decode", "decode", model), ("same", "prefill", model), ("other", "prefill", other)):

@@ -20,11 +20,21 @@ def demo_engine_args(cache_dir, kv_cache_memory: int = 32 << 20, max_model_len: 
 class ServerThread:
     """Runs the asyncio server in its own thread, as a separate process would."""
 
-    def __init__(self, args: EngineArgs, api_key: str | None = None, limits: ServerLimits | None = None) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        api_key: str | None = None,
+        limits: ServerLimits | None = None,
+        tool_call_parser: str | None = None,
+    ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.running = self.call(start_engine_server(args, served_model_name="demo", api_key=api_key, limits=limits))
+        self.running = self.call(
+            start_engine_server(
+                args, served_model_name="demo", api_key=api_key, limits=limits, tool_call_parser=tool_call_parser
+            )
+        )
 
     def call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=300)

@@ -51,7 +51,7 @@ def test_serve_colocated_answers_and_stops_cleanly_on_sigterm():
     process = _serve(port, "--mode", "colocated", "--max-model-len", "256")
     try:
         _wait_healthy(process, port, 120)
-        assert _complete(port, "hello", timeout=30)["model"] == "pdserve-demo-qwen3-v1"
+        assert _complete(port, "hello", timeout=30)["model"] == "pdserve-demo-qwen3-v2"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:
