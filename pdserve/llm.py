@@ -91,6 +91,7 @@ class LLM:
         async_scheduling: bool = False,
         structured_outputs_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S,
         structured_outputs_any_whitespace: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
         args = EngineArgs(
             model=model,
@@ -110,6 +111,7 @@ class LLM:
             async_scheduling=async_scheduling,
             structured_outputs_compile_timeout=structured_outputs_compile_timeout,
             structured_outputs_any_whitespace=structured_outputs_any_whitespace,
+            reasoning_parser=reasoning_parser,
         )
         self.engine, self.model_config = args.build_engine_core()
         self.tokenizer = load_tokenizer(tokenizer or args.resolved_model())

@@ -71,6 +71,8 @@ class ScriptedModelRunner(ModelRunner):
         script = self.scripts.get(request.request_id)
         if script is None:
             prompt = self.tokenizer.decode(request.prompt_token_ids)
-            text = prompt.rpartition(SCRIPT_MARKER)[2].partition(_SCRIPT_END)[0].strip() if SCRIPT_MARKER in prompt else ""
+            text = ""
+            if SCRIPT_MARKER in prompt:
+                text = prompt.rpartition(SCRIPT_MARKER)[2].partition(_SCRIPT_END)[0].strip()
             script = self.scripts[request.request_id] = self.tokenizer.encode(text, add_special_tokens=False)
         return script

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
+from pdserve.api.tokenizer import load_tokenizer
 from pdserve.engine.grammar import MAX_SPEC_BYTES, GrammarError, GrammarSpec, check_grammar, grammar_of, grammar_spec
-from pdserve.engine.sampling_params import SamplingParamsError, StructuredOutputsParams
+from pdserve.engine.reasoning import REASONING_PARSERS, ReasoningMarkers, blank_token_test
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from pdserve.engine.structured_outputs import StructuredOutputManager
+from pdserve.models.demo import ensure_demo_model
 
 
 def test_specs_are_normalised():
@@ -85,3 +91,49 @@ def test_json_strings_never_allow_raw_control_characters():
         for line in text.splitlines():
             if "[^" in line and '\\"' in line:  # a class of string characters
                 assert "\\0-\\x1f" in line, line
+
+
+def test_a_grammar_waits_for_the_end_of_the_thinking():
+    """With a reasoning parser, a thinking request's bitmask row allows every token and its tokens
+    bypass the matcher; after the end marker the grammar constrains; where the model may choose to
+    think (Qwen3), its first row also allows the start marker."""
+    folder = str(ensure_demo_model())
+    tokenizer = load_tokenizer(folder)
+    markers = ReasoningMarkers.of(REASONING_PARSERS["qwen3"], tokenizer)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    manager = StructuredOutputManager(folder, 1024, [eos], reasoning=(markers, blank_token_test(tokenizer)))
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "integer"}))
+
+    def grammar_for(prompt: str):
+        request = Request(prompt, tokenizer.encode(prompt), params)
+        manager.add_request(request)
+        grammar = request.structured_output
+        grammar.matcher = manager._matcher(grammar.future.result(timeout=30))
+        return grammar
+
+    def allowed(grammar) -> set[int]:
+        row = manager.fill_bitmask([grammar])[0].view(np.uint32)
+        return {t for t in range(1024) if row[t // 32] >> (t % 32) & 1}
+
+    digits = {tokenizer.convert_tokens_to_ids(d) for d in "123"}
+    everything = set(range(1024))
+
+    opened = grammar_for("<|im_start|>assistant\n<think>\n")  # the template opened the thinking
+    assert allowed(opened) == everything
+    for token in tokenizer.encode("some thoughts, not JSON"):
+        assert opened.accept(token) and not opened.is_terminated
+    assert opened.accept(markers.end_id)
+    after = allowed(opened)
+    letters = set(tokenizer.encode(" the model"))
+    assert digits <= after and markers.start_id not in after and not letters & after
+    assert opened.accept(tokenizer.convert_tokens_to_ids("7")) and opened.accept(eos) and opened.is_terminated
+
+    optional = grammar_for("<|im_start|>assistant\n")
+    first = allowed(optional)
+    assert markers.start_id in first and digits <= first and not letters & first
+    assert optional.accept(markers.start_id) and allowed(optional) == everything  # it chose to think
+
+    answer = grammar_for("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking switched off
+    assert markers.start_id not in allowed(answer)
+    assert not answer.accept(markers.start_id)
+    manager.close()

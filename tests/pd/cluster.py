@@ -15,7 +15,7 @@ from pdserve.models.demo import ensure_demo_model
 from pdserve.testing.metrics import scrape as metrics  # noqa: F401 - tests/fuzz still import it from here
 from pdserve.testing.processes import Process, cpu_engine_flags, engine_argv, router_argv, server_env
 
-ENGINE_FLAGS = cpu_engine_flags("8MiB")
+ENGINE_FLAGS = cpu_engine_flags("8MiB", max_model_len=1024)  # room for a tools section (test_pd_parity)
 
 
 @dataclass

@@ -148,3 +148,37 @@ def test_structured_outputs_through_the_router_equal_colocated(cluster, structur
         {"model": "demo", "prompt": [1, 2, 3], "max_tokens": 5, "structured_outputs": {"regex": "(["}},
     )
     assert status == 400 and answer["error"]["param"] == "structured_outputs.regex"
+
+
+def test_forced_tool_calls_through_the_router(cluster):
+    """The router renders the tools into the prompt as the engines do; the decode forces the call."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.router.url + "/v1", api_key="unused")
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "tag": {"enum": ["red", "blue"]}},
+        "required": ["id", "tag"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "file_record", "parameters": schema}}]
+    request = dict(
+        model="demo",
+        messages=[{"role": "user", "content": "File it."}],
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=200,
+        temperature=1.0,
+        seed=6,
+    )
+    whole = client.chat.completions.create(**request).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    [call] = whole.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    arguments = "".join(
+        piece.function.arguments or ""
+        for chunk in client.chat.completions.create(stream=True, **request)
+        for piece in (chunk.choices[0].delta.tool_calls or [] if chunk.choices else [])
+    )
+    assert arguments == call.function.arguments

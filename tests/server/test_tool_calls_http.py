@@ -158,7 +158,10 @@ def test_no_thinking_when_the_answer_does_not_open_it(scripted):
 
 
 def test_thinking_then_a_tool_call(scripted):
-    script = '<think>Weather needs a city.</think>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    script = (
+        "<think>Weather needs a city.</think>\n"
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    )
     request = dict(model="demo", messages=_script(script), tools=TOOLS, max_tokens=100, temperature=0)
     choice = scripted.chat.completions.create(**request).choices[0]
     assert choice.message.reasoning_content == "Weather needs a city."
