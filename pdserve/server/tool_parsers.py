@@ -245,11 +245,14 @@ class HermesToolParser:
             "anyOf": [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": name}, "arguments": parameters},
+                    "properties": {
+                        "name": {"const": name},
+                        "arguments": rebased_refs(parameters, f"#/anyOf/{index}/properties/arguments"),
+                    },
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
                 }
-                for name, parameters in functions
+                for index, (name, parameters) in enumerate(functions)
             ]
         }
         repeat = ' ("\\n" tool_call)*' if parallel else ""
@@ -258,6 +261,20 @@ class HermesToolParser:
             'tool_call ::= "<tool_call>\\n" tool_call_json "\\n</tool_call>"\n'
             + json_schema_rules(call_schema, "tool_call_json")
         )
+
+
+def rebased_refs(schema: Any, base: str) -> Any:
+    """``schema`` moved to ``base`` (a JSON pointer) within a larger schema: its local ``$ref``s
+    ("#", "#/$defs/...") are rewritten to point where their targets now are."""
+    if isinstance(schema, list):
+        return [rebased_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {key: rebased_refs(value, base) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        moved["$ref"] = base + ref[1:]
+    return moved
 
 
 TOOL_PARSERS: dict[str, type[HermesToolParser]] = {"hermes": HermesToolParser}

@@ -68,7 +68,11 @@ def tool_use(request: ChatCompletionRequest, configured: ToolParser | None) -> T
         parallel = request.parallel_tool_calls is not False
     functions = [(names[index], _parameters(request, index)) for index in forced]
     parser = configured or HermesToolParser()
-    return ToolUse(parser, StructuredOutputsParams(grammar=parser.forced_grammar(functions, parallel)))
+    try:
+        grammar = parser.forced_grammar(functions, parallel)
+    except Exception as error:  # xgrammar refusing the functions' schemas together (each passed alone)
+        raise InputError("tools", f"the forced call's grammar cannot be built: {error}") from None
+    return ToolUse(parser, StructuredOutputsParams(grammar=grammar))
 
 
 def _parameters(request: ChatCompletionRequest, index: int) -> dict[str, Any]:

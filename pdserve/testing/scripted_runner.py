@@ -70,7 +70,7 @@ class ScriptedModelRunner(ModelRunner):
     def _script(self, request: ScheduledRequest) -> list[int]:
         script = self.scripts.get(request.request_id)
         if script is None:
-            prompt = self.tokenizer.decode(request.prompt_token_ids)
+            prompt = str(self.tokenizer.decode(request.prompt_token_ids))
             text = ""
             if SCRIPT_MARKER in prompt:
                 text = prompt.rpartition(SCRIPT_MARKER)[2].partition(_SCRIPT_END)[0].strip()

@@ -276,3 +276,30 @@ def test_history_tool_call_arguments_must_be_json(demo):
     with pytest.raises(openai.BadRequestError) as raised:
         demo.chat.completions.create(model="demo", messages=messages, max_tokens=4)
     assert raised.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_each_of_n_choices_calls_validly(demo):
+    defs_schema = {  # a local $ref: forced grammars put each schema elsewhere, and must rebase it
+        "$defs": {"zone": {"type": "string", "maxLength": 6}},
+        "type": "object",
+        "properties": {"zone": {"$ref": "#/$defs/zone"}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": defs_schema}}]
+    choices = demo.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "Time?"}],
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        n=2,
+        max_tokens=100,
+        temperature=1.0,
+        seed=12,
+    ).choices
+    assert [c.finish_reason for c in choices] == ["tool_calls", "tool_calls"]
+    arguments = [c.message.tool_calls[0].function.arguments for c in choices]
+    assert arguments[0] != arguments[1]  # each choice its own seed
+    for text in arguments:
+        jsonschema.validate(json.loads(text), defs_schema)
