@@ -17,7 +17,8 @@ from tests.pd.cluster import Cluster, free_port, post, wait_for
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module", params=["nixl", "tcp"])
+# The lease logic is the connector's, whatever the transport: make test runs NIXL, test-slow TCP too (budget).
+@pytest.fixture(scope="module", params=["nixl", pytest.param("tcp", marks=pytest.mark.slow)])
 def cluster(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"lease-{request.param}")
     cluster = Cluster.start(
