@@ -9,7 +9,8 @@ model's vocabulary size (byte-fallback BPE), since the workload is token ids.
 Workload (as bench/throughput.py): 64 requests of 128 random prompt tokens, 128 new tokens each, greedy, EOS
 ignored. llama.cpp: ``llama-server -np 64`` (continuous batching, ``cache_prompt`` off), all requests sent at
 once; its prompt and generation phases from ``llama-batched-bench`` (the same shapes). pdserve:
-``LLM.generate`` on the same prompts; its prompt phase timed alone (``max_tokens=1``), generation = the rest.
+``LLM.generate`` on the same prompts, prefix caching off; its prompt phase timed alone (``max_tokens=1``),
+generation = the rest.
 Then batch 1 (one request, 128 + 128) for each. Both use every core (``--threads``, default all).
 
 Needs the ``bench`` extra (the converter imports ``sentencepiece``) plus cmake and a C++ compiler.
@@ -262,7 +263,14 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-        with LLM(str(model), max_model_len=512, kv_cache_memory=2 << 30, max_num_batched_tokens=2048) as llm:
+        # No prefix caching: every run computes its prompts (llama.cpp's runs have cache_prompt off).
+        with LLM(
+            str(model),
+            max_model_len=512,
+            kv_cache_memory=2 << 30,
+            max_num_batched_tokens=2048,
+            enable_prefix_caching=False,
+        ) as llm:
             ours = pdserve_figures(llm, prompts, args.new_tokens)
             ours_batch1 = pdserve_figures(llm, prompts[:1], args.new_tokens)["tok_s"]
         print(

@@ -12,6 +12,8 @@ all-reduce, the embedding and the LM head split the vocabulary. One rank compute
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,6 +52,28 @@ class RMSNorm(nn.Module):
         return normed if residual is None else (normed, residual)
 
 
+def _onednn_linear() -> Any:
+    """oneDNN's fp32 linear op (the one torch's own compiler emits for CPU linears), if this torch has it."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+
+
+_ONEDNN_LINEAR = _onednn_linear()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, ``weight`` ``[out, in]`` (a transposed view is fine).
+
+    On CPU in float32 a batch of more than one row goes to oneDNN rather than torch's default GEMM
+    (MKL): on the AMD EPYC machines its matmuls for 2 to 2048 rows run 1.2-2.4x faster on the model's
+    layer shapes (docs/benchmarks.md, "Against llama.cpp"); for one row (batch-1 decode) MKL's is faster.
+    """
+    if _ONEDNN_LINEAR is not None and x.shape[0] > 1 and x.dtype == torch.float32 and x.device.type == "cpu":
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     """``x @ W.T + b`` with W stored transposed, ``[in_features, out_features]``: on CPU the skinny
     matmuls of decode batches run about 20% faster from this layout (docs/benchmarks.md)."""
@@ -60,9 +84,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return torch.mm(x, self.weight_t)
-        return torch.addmm(self.bias, x, self.weight_t)
+        return linear(x, self.weight_t.t(), self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -76,7 +98,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = self.tp.all_reduce(torch.mm(x, self.weight_t))
+        out = self.tp.all_reduce(linear(x, self.weight_t.t()))
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -100,7 +122,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``hidden @ weight.T`` over the whole vocabulary, ``weight`` being this rank's rows."""
-        return self.tp.all_gather_columns(F.linear(hidden, weight), [end - start for start, end in self.ranges])
+        return self.tp.all_gather_columns(linear(hidden, weight), [end - start for start, end in self.ranges])
 
 
 class Attention(nn.Module):
