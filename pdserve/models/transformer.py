@@ -75,8 +75,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Module):
-    """``x @ W.T + b`` with W stored transposed, ``[in_features, out_features]``: on CPU the skinny
-    matmuls of decode batches run about 20% faster from this layout (docs/benchmarks.md)."""
+    """``x @ W.T + b`` with W stored transposed, ``[in_features, out_features]``: on CPU MKL's
+    one-row matmul (batch-1 decode) runs about 20% faster from this layout (docs/benchmarks.md);
+    oneDNN takes it as a transposed view."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
