@@ -62,14 +62,26 @@ def _onednn_linear() -> Any:
 _ONEDNN_LINEAR = _onednn_linear()
 
 
+# Below this many multiply-adds a call's fixed cost decides, and MKL's is lower (tiny models, one row).
+_ONEDNN_MIN_MACS = 1 << 21
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, ``weight`` ``[out, in]`` (a transposed view is fine).
 
     On CPU in float32 a batch of more than one row goes to oneDNN rather than torch's default GEMM
-    (MKL): on the AMD EPYC machines its matmuls for 2 to 2048 rows run 1.2-2.4x faster on the model's
-    layer shapes (docs/benchmarks.md, "Against llama.cpp"); for one row (batch-1 decode) MKL's is faster.
+    (MKL): on the AMD EPYC machines its matmuls for 2 to 2048 rows run 1.2-2.4x faster on the bench
+    model's layer shapes (docs/benchmarks.md, "Against llama.cpp"). One row, or a product too small to
+    amortise oneDNN's higher fixed cost per call (about 0.1 ms), stays on MKL.
     """
-    if _ONEDNN_LINEAR is not None and x.shape[0] > 1 and x.dtype == torch.float32 and x.device.type == "cpu":
+    rows = x.shape[0]
+    if (
+        _ONEDNN_LINEAR is not None
+        and rows > 1
+        and rows * weight.numel() >= _ONEDNN_MIN_MACS
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+    ):
         return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
