@@ -12,8 +12,6 @@ all-reduce, the embedding and the LM head split the vocabulary. One rank compute
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,44 +50,9 @@ class RMSNorm(nn.Module):
         return normed if residual is None else (normed, residual)
 
 
-def _onednn_linear() -> Any:
-    """oneDNN's fp32 linear op (the one torch's own compiler emits for CPU linears), if this torch has it."""
-    if not torch.backends.mkldnn.is_available():
-        return None
-    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-
-
-_ONEDNN_LINEAR = _onednn_linear()
-
-
-# Below this many multiply-adds a call's fixed cost decides, and MKL's is lower (tiny models, one row).
-_ONEDNN_MIN_MACS = 1 << 21
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, ``weight`` ``[out, in]`` (a transposed view is fine).
-
-    On CPU in float32 a batch of more than one row goes to oneDNN rather than torch's default GEMM
-    (MKL): on the AMD EPYC machines its matmuls for 2 to 2048 rows run 1.2-2.4x faster on the bench
-    model's layer shapes (docs/benchmarks.md, "Against llama.cpp"). One row, or a product too small to
-    amortise oneDNN's higher fixed cost per call (about 0.1 ms), stays on MKL.
-    """
-    rows = x.shape[0]
-    if (
-        _ONEDNN_LINEAR is not None
-        and rows > 1
-        and rows * weight.numel() >= _ONEDNN_MIN_MACS
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-    ):
-        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
 class Linear(nn.Module):
-    """``x @ W.T + b`` with W stored transposed, ``[in_features, out_features]``: on CPU MKL's
-    one-row matmul (batch-1 decode) runs about 20% faster from this layout (docs/benchmarks.md);
-    oneDNN takes it as a transposed view."""
+    """``x @ W.T + b`` with W stored transposed, ``[in_features, out_features]``: on CPU the skinny
+    matmuls of decode batches run about 20% faster from this layout (docs/benchmarks.md)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -97,7 +60,9 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight_t.t(), self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
 
 
 class RowParallelLinear(Linear):
@@ -111,7 +76,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = self.tp.all_reduce(linear(x, self.weight_t.t()))
+        out = self.tp.all_reduce(torch.mm(x, self.weight_t))
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -135,7 +100,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``hidden @ weight.T`` over the whole vocabulary, ``weight`` being this rank's rows."""
-        return self.tp.all_gather_columns(linear(hidden, weight), [end - start for start, end in self.ranges])
+        return self.tp.all_gather_columns(F.linear(hidden, weight), [end - start for start, end in self.ranges])
 
 
 class Attention(nn.Module):
