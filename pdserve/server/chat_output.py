@@ -38,9 +38,11 @@ class ChatOutputReader:
         thinking, answer = self.reasoning.finish() if self.reasoning is not None else ("", "")
         if self.tools is None:
             return ChatPiece(thinking, answer)
-        delta = self.tools.feed(answer)
-        end = self.tools.finish()
-        return self._answer(thinking, ToolDelta(delta.content + end.content, delta.calls + end.calls))
+        return _joined(self._answer(thinking, self.tools.feed(answer)), self._answer("", self.tools.finish()))
+
+    def feed_last(self, text: str) -> ChatPiece:
+        """The answer's last text and its end, as one piece."""
+        return _joined(self.feed(text), self.finish())
 
     def _answer(self, thinking: str, delta: ToolDelta) -> ChatPiece:
         self.called = self.called or bool(delta.calls)
@@ -52,11 +54,13 @@ class ChatOutputReader:
 
     def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """A whole answer's (reasoning_content, content, tool_calls); None where there is none."""
-        pieces = [self.feed(text), self.finish()]
-        reasoning = "".join(piece.reasoning for piece in pieces)
-        content = "".join(piece.content for piece in pieces)
-        calls = collect_calls(call for piece in pieces for call in piece.calls)
-        return reasoning or None, content or (None if calls else content), calls
+        piece = self.feed_last(text)
+        calls = collect_calls(piece.calls)
+        return piece.reasoning or None, piece.content or (None if calls else piece.content), calls
+
+
+def _joined(first: ChatPiece, second: ChatPiece) -> ChatPiece:
+    return ChatPiece(first.reasoning + second.reasoning, first.content + second.content, first.calls + second.calls)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError, 
 from pdserve.kvtransfer.decode_side import unusable_reason
 from pdserve.kvtransfer.params import parse_remote_prefill, wants_remote_decode
 from pdserve.kvtransfer.prefill_side import is_prefill_leg, prefill_leg_sampling
-from pdserve.server.chat_output import ChatOutputReader, ChatParsers, ChatPiece
+from pdserve.server.chat_output import ChatOutputReader, ChatParsers
 from pdserve.server.choices import ChoiceRunner
 from pdserve.server.core_client import EngineCoreClient
 from pdserve.server.input_processor import InputError, InputProcessor, structured_outputs_from
@@ -480,12 +480,10 @@ class OpenAIServing:
                     if reader is None:
                         message = ChatDelta(content=delta.text or None)
                     else:
-                        piece = reader.feed(delta.text)
-                        if finish_reason is not None:
-                            end = reader.finish()
-                            piece = ChatPiece(
-                                piece.reasoning + end.reasoning, piece.content + end.content, piece.calls + end.calls
-                            )
+                        if finish_reason is None:
+                            piece = reader.feed(delta.text)
+                        else:
+                            piece = reader.feed_last(delta.text)
                             finish_reason = reader.finish_reason(finish_reason)
                         message = ChatDelta(
                             content=piece.content or None,
