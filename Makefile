@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Without it torch's OpenMP threads spin-wait and generation on small CPUs runs 5-8x slower.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup serve test test-slow lint bench
+.PHONY: setup serve test test-slow test-k8s lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,16 +25,22 @@ lint: setup
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest -m "not slow" --durations=10
+	$(BIN)/python -m pytest -m "not slow and not k8s" --durations=10
 
 # Long suites: chaos, soak, schemathesis against live servers, the multi-engine P/D scenarios, e2e; then the
 # P/D, offline-engine and structured-output suites again with every engine's model in a worker process, and with
 # async scheduling.
 ENGINE_SUITES := tests/pd tests/test_llm.py tests/test_structured_outputs.py
 test-slow: setup
-	$(BIN)/python -m pytest -m slow --durations=10
+	$(BIN)/python -m pytest -m "slow and not k8s" --durations=10
 	PDSERVE_TEST_EXECUTOR=mp $(BIN)/python -m pytest -m "not slow" $(ENGINE_SUITES) --durations=5
 	PDSERVE_TEST_EXECUTOR=async $(BIN)/python -m pytest -m "not slow" $(ENGINE_SUITES) --durations=5
+
+# The chart and the operator against a real kube-apiserver + controller-manager + scheduler built
+# from Debian's packages (compiled once per machine into ~/.cache/pdserve/k8s: 13-20 min cold).
+test-k8s: setup
+	bash tests/k8s/control_plane.sh install
+	$(BIN)/python -m pytest -m k8s tests/k8s --durations=5 -p no:cacheprovider
 
 bench: setup
 	$(BIN)/pip install --quiet -e '.[bench]'

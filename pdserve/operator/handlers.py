@@ -2,7 +2,9 @@
 
 - PDService created, changed, or found at start-up: validate, create or patch its objects, sync status.
 - PDPool created, found at start-up, or spec.replicas changed (kubectl scale, an HPA): sync.
-- A Deployment the operator manages changed (pods became ready, someone resized it): sync.
+- Anything else the operator created (Deployment, Service, ServiceAccount, Role, RoleBinding,
+  Secret, NetworkPolicy, PodDisruptionBudget, PDPool) changed or was deleted: restore it from the PDService, then sync.
+  So a deleted or edited object is back within seconds, not at the PDService's next change.
 No finalizers: the owner references on everything the operator creates let the garbage collector
 delete it with the PDService.
 """
@@ -62,9 +64,28 @@ def follow_pool(spec: kopf.Spec, namespace: str | None, memo: kopf.Memo, **_: An
     reconcile.sync(memo.kube, _namespaced(namespace), spec["service"])
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: OPERATOR, LABEL_SERVICE: kopf.PRESENT})
-def deployment_changed(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
-    reconcile.sync(memo.kube, _namespaced(namespace), labels[LABEL_SERVICE])
+# (group, version, plural) of every kind the operator creates for a PDService.
+OWNED_RESOURCES = (
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("", "v1", "serviceaccounts"),
+    ("", "v1", "secrets"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+    ("policy", "v1", "poddisruptionbudgets"),  # where served: kopf leaves out kinds it cannot find
+    (GROUP, VERSION, PDPOOLS),
+)
+
+
+def owned_object_changed(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    reconcile.restore(memo.kube, _namespaced(namespace), labels[LABEL_SERVICE])
+
+
+for _group, _version, _plural in OWNED_RESOURCES:
+    kopf.on.event(_group, _version, _plural, labels={LABEL_MANAGED_BY: OPERATOR, LABEL_SERVICE: kopf.PRESENT})(
+        owned_object_changed
+    )
 
 
 def _namespaced(namespace: str | None) -> str:

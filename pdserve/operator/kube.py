@@ -7,6 +7,7 @@ for custom resources; they replace lists whole, which suits objects the operator
 """
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -14,10 +15,12 @@ import kubernetes
 
 from pdserve.operator.names import GROUP, PDPOOLS, PDSERVICES, VERSION
 
+logger = logging.getLogger(__name__)
+
 MERGE_PATCH = "application/merge-patch+json"
 
 # kind -> (API class, method suffix) for the built-in kinds the operator writes or reads.
-_BUILTIN = {
+_BUILTIN: dict[str, tuple[Any, str]] = {
     "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment"),
     "Service": (kubernetes.client.CoreV1Api, "namespaced_service"),
     "Secret": (kubernetes.client.CoreV1Api, "namespaced_secret"),
@@ -25,6 +28,7 @@ _BUILTIN = {
     "Role": (kubernetes.client.RbacAuthorizationV1Api, "namespaced_role"),
     "RoleBinding": (kubernetes.client.RbacAuthorizationV1Api, "namespaced_role_binding"),
     "NetworkPolicy": (kubernetes.client.NetworkingV1Api, "namespaced_network_policy"),
+    "PodDisruptionBudget": (kubernetes.client.PolicyV1Api, "namespaced_pod_disruption_budget"),
 }
 _CUSTOM = {"PDService": PDSERVICES, "PDPool": PDPOOLS}
 
@@ -69,6 +73,24 @@ class Kube:
 
     def __init__(self, client: kubernetes.client.ApiClient | None = None) -> None:
         self.client = client or kubernetes.client.ApiClient()
+        self._served: dict[str, bool] = {}
+
+    def served(self, kind: str) -> bool:
+        """Whether the API server serves this built-in kind at the apiVersion the operator writes
+        (API discovery, asked once; the answer is logged when it is no)."""
+        if kind not in self._served:
+            api_class, _ = _BUILTIN[kind]
+            try:
+                response = api_class(self.client).get_api_resources(_preload_content=False)
+                resources = json.loads(response.data).get("resources", [])
+                self._served[kind] = any(r.get("kind") == kind for r in resources)
+            except kubernetes.client.ApiException as e:
+                if e.status != 404:
+                    raise
+                self._served[kind] = False
+            if not self._served[kind]:
+                logger.warning("the API server does not serve %s: none will be created", kind)
+        return self._served[kind]
 
     @classmethod
     def from_environment(cls) -> "Kube":

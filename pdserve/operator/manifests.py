@@ -2,9 +2,9 @@
 
 Per PDService N: PDPools N-prefill and N-decode, Deployments and Services N-router, N-prefill,
 N-decode, the router's ServiceAccount, Role and RoleBinding N-router, the NetworkPolicy N-engines
-on the engine pods, and (unless spec.kvTransfer.secretName names the user's own) the Secret
-N-kv-secret that the pods share. Owner references are not set here: the handlers adopt the
-objects into the live PDService.
+on the engine pods, a PodDisruptionBudget per engine pool (N-prefill, N-decode), and (unless
+spec.kvTransfer.secretName names the user's own) the Secret N-kv-secret that the pods share.
+Owner references are not set here: the handlers adopt the objects into the live PDService.
 """
 
 import base64
@@ -147,14 +147,36 @@ def engines_policy(service: str, namespace: str) -> dict[str, Any]:
     }
 
 
+# The PodDisruptionBudget's apiVersion: policy/v1 is served from Kubernetes 1.21; older servers get
+# none (the operator says so in a condition) rather than the deprecated v1beta1.
+DISRUPTION_BUDGET = ("policy/v1", "PodDisruptionBudget")
+
+
+def disruption_budget(service: str, namespace: str, role: str, max_unavailable: int | str) -> dict[str, Any]:
+    """How many of a pool's pods voluntary disruptions (node drains, cluster upgrades) may take at once:
+    an evicted decode pod ends its streams, an evicted prefill pod its held blocks."""
+    api_version, kind = DISRUPTION_BUDGET
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": _meta(service, namespace, role),
+        "spec": {"maxUnavailable": max_unavailable, "selector": {"matchLabels": selector(service, role)}},
+    }
+
+
 def owned_objects(
-    service_name: str, namespace: str, spec: dict[str, Any], pool_replicas: dict[str, int]
+    service_name: str,
+    namespace: str,
+    spec: dict[str, Any],
+    pool_replicas: dict[str, int],
+    disruption_budgets: bool = True,
 ) -> list[dict[str, Any]]:
     """Everything but the PDPools and the KV Secret, in creation order (the NetworkPolicy before
     any engine runs, RBAC before the router that needs it).
 
     `spec` has its defaults filled (`spec.with_defaults`); `pool_replicas` maps each engine role
-    to its PDPool's spec.replicas, the authoritative size of that pool.
+    to its PDPool's spec.replicas, the authoritative size of that pool. `disruption_budgets`: False
+    where the API server does not serve `DISRUPTION_BUDGET`.
     """
     objects = [engines_policy(service_name, namespace), *router_rbac(service_name, namespace)]
     for role in (ROUTER, *ENGINE_ROLES):
@@ -165,4 +187,6 @@ def owned_objects(
     for role in ENGINE_ROLES:
         template = engine_pod(service_name, role, spec)
         objects.append(deployment(service_name, namespace, role, pool_replicas[role], template))
+        if disruption_budgets:
+            objects.append(disruption_budget(service_name, namespace, role, spec[role]["maxUnavailable"]))
     return objects

@@ -254,9 +254,11 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
         "automountServiceAccountToken": False,
         # Prefill drains: blocks held for decode peers stay readable until their lease ends.
         "terminationGracePeriodSeconds": math.ceil(kv["leaseSeconds"]) + 30,
-        # None: a merge patch removes a selector or tolerations the user took out of the spec.
+        # None: a merge patch removes a placement rule the user took out of the spec.
         "nodeSelector": spec[role].get("nodeSelector") or None,
         "tolerations": spec[role].get("tolerations") or None,
+        "affinity": spec[role].get("affinity") or None,
+        "topologySpreadConstraints": spec[role].get("topologySpreadConstraints") or None,
     }
     # An annotation, not a label: the Deployment's labels equal its pods', and nothing selects by it.
     # Written at size 1 too, so that a pool going back to 1 never keeps a stale value (merge patches

@@ -3,14 +3,15 @@
 `ensure_objects` creates or patches everything a valid PDService owns (the PDPool sizes and the
 KV secret's value are written at creation only). `sync` is level-based and safe to call any
 number of times: it makes each engine Deployment's size follow its PDPool (the one authoritative
-count) and writes the PDPool and PDService statuses from the Deployments.
+count) and writes the PDPool and PDService statuses from the Deployments. `restore` is both, for
+the PDService as stored: what repairs an owned object someone deleted or edited.
 """
 
 import collections
 import secrets
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -19,20 +20,35 @@ from pdserve.operator.kube import Kube, is_subset
 from pdserve.operator.names import ENGINE_ROLES, ROLES, ROUTER, object_name
 from pdserve.operator.spec import problems, with_defaults
 
-# One sync at a time per PDService: kopf runs handlers of different Deployments in parallel
-# threads, and a sync that read older counts must not write after one that read newer ones.
-_locks: collections.defaultdict[tuple[str, str], threading.Lock] = collections.defaultdict(threading.Lock)
+# One pass at a time per PDService: kopf runs handlers of different objects in parallel threads; a
+# sync that read older counts must not write after one that read newer ones, and two passes must
+# not both create the same object. Reentrant: `restore` holds it across `ensure_objects` and `sync`.
+_locks: collections.defaultdict[tuple[str, str], threading.RLock] = collections.defaultdict(threading.RLock)
 _locks_lock = threading.Lock()
+
+
+def _service_lock(namespace: str, name: str) -> threading.RLock:
+    with _locks_lock:
+        return _locks[namespace, name]
 
 
 def ensure_objects(kube: Kube, body: kopf.Body) -> None:
     """Create or patch the PDPools, KV Secret, NetworkPolicy, Deployments, Services and router RBAC
     of a valid PDService."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    with _service_lock(namespace, name):
+        _ensure_objects(kube, body, name, namespace)
+
+
+def _ensure_objects(kube: Kube, body: kopf.Body, name: str, namespace: str) -> None:
     spec = with_defaults(body["spec"])
     replicas = {}
     for role in ENGINE_ROLES:
-        pool = manifests.pool(name, namespace, role, spec[role]["replicas"])
+        # A PDPool is seeded from the spec, or, when someone deleted it, from its Deployment: the
+        # pool comes back at the size that runs.
+        running = kube.get("Deployment", namespace, object_name(name, role))
+        seed = running["spec"]["replicas"] if running is not None else spec[role]["replicas"]
+        pool = manifests.pool(name, namespace, role, seed)
         kopf.adopt(pool, owner=body)
         replicas[role] = kube.apply(pool, create_only=manifests.POOL_CREATE_ONLY)["spec"]["replicas"]
     # A fresh value every pass: it is written only if the Secret does not exist yet. Before the
@@ -41,17 +57,29 @@ def ensure_objects(kube: Kube, body: kopf.Body) -> None:
     if secret is not None:
         kopf.adopt(secret, owner=body)
         kube.apply(secret, create_only=manifests.KV_SECRET_CREATE_ONLY)
-    objects = manifests.owned_objects(name, namespace, spec, replicas)
+    objects = manifests.owned_objects(name, namespace, spec, replicas, disruption_budgets=not _not_served(kube))
     kopf.adopt(objects, owner=body)
     for obj in objects:
         kube.apply(obj)
 
 
+def restore(kube: Kube, namespace: str, name: str) -> None:
+    """Recreate or repair whatever a valid, live PDService owns, then sync: called when an owned
+    object changed or went away. A PDService that is gone, being deleted or invalid is left alone
+    (its own handler reports an invalid spec)."""
+    with _service_lock(namespace, name):
+        service = kube.get("PDService", namespace, name)
+        if service is None or service["metadata"].get("deletionTimestamp"):
+            return
+        if problems(name, service.get("spec") or {}):
+            return
+        _ensure_objects(kube, kopf.Body(cast(kopf.RawBody, service)), name, namespace)
+        sync(kube, namespace, name)
+
+
 def sync(kube: Kube, namespace: str, name: str) -> None:
     """Engine Deployments follow their PDPools; PDPool and PDService statuses follow the Deployments."""
-    with _locks_lock:
-        lock = _locks[namespace, name]
-    with lock:
+    with _service_lock(namespace, name):
         service = kube.get("PDService", namespace, name)
         if service is None or service["metadata"].get("deletionTimestamp"):
             return  # gone or going: the garbage collector removes the rest
@@ -61,9 +89,16 @@ def sync(kube: Kube, namespace: str, name: str) -> None:
             desired[role], deployments[role] = _follow_pool(kube, namespace, name, role, deployments[role])
         ready = {role: ((dep or {}).get("status") or {}).get("readyReplicas", 0) for role, dep in deployments.items()}
         found = problems(name, service.get("spec") or {})
-        new = status.service_status(name, namespace, found, desired, ready, service.get("status") or {})
+        previous = service.get("status") or {}
+        new = status.service_status(name, namespace, found, desired, ready, previous, _not_served(kube))
         if not is_subset(new, service.get("status") or {}):
             kube.patch("PDService", namespace, name, {"status": new}, status=True)
+
+
+def _not_served(kube: Kube) -> list[str]:
+    """The optional kinds the operator creates that this API server lacks (it says so once in its log)."""
+    api_version, kind = manifests.DISRUPTION_BUDGET
+    return [] if kube.served(kind) else [f"{api_version} {kind}"]
 
 
 def _router_size(service: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> int:

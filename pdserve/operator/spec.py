@@ -61,6 +61,7 @@ _SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*
 # or exponent suffix (no sign, no milli: a size). The API server has the last word.
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[kMGTPE]|[eE][0-9]+)?$"
 _QUANTITY = re.compile(QUANTITY_PATTERN)
+_PERCENT = re.compile(r"^[0-9]+%$")
 
 
 def plain(value: Any) -> Any:
@@ -89,6 +90,7 @@ def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
     for role in ENGINE_ROLES:
         pool = full.setdefault(role, {})
         pool.setdefault("replicas", 1)
+        pool.setdefault("maxUnavailable", 1)
         tensor_parallel = pool.setdefault("tensorParallelSize", 1)
         # One GPU per rank; an unusable size (reported by `problems`) falls back to the old default.
         pool.setdefault("gpus", tensor_parallel if _is_tensor_parallel_size(tensor_parallel) else 1)
@@ -173,9 +175,16 @@ def _pool_problems(where: str, pool: dict[str, Any]) -> list[str]:
     selector = pool.get("nodeSelector", {})
     if not isinstance(selector, dict) or not all(isinstance(v, str) for v in selector.values()):
         found.append(f"{where}.nodeSelector must map strings to strings")
-    tolerations = pool.get("tolerations", [])
-    if not isinstance(tolerations, list) or not all(isinstance(t, dict) for t in tolerations):
-        found.append(f"{where}.tolerations must be a list of objects")
+    for key in ("tolerations", "topologySpreadConstraints"):
+        items = pool.get(key, [])
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            found.append(f"{where}.{key} must be a list of objects")
+    if not isinstance(pool.get("affinity", {}), dict):
+        found.append(f"{where}.affinity must be an object")
+    unavailable = pool["maxUnavailable"]
+    is_count = isinstance(unavailable, int) and not isinstance(unavailable, bool) and unavailable >= 0
+    if not is_count and not (isinstance(unavailable, str) and _PERCENT.fullmatch(unavailable)):
+        found.append(f"{where}.maxUnavailable must be an integer >= 0 or a percentage such as 25%")
     return found
 
 

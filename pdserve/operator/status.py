@@ -1,15 +1,18 @@
 """What a PDService's and a PDPool's status say, computed from counts (pure functions).
 
 PDService: `pools.{router,prefill,decode}` (replicas desired, readyReplicas, "ready/desired" summary
-for the printer columns), `routerURL`, and one `Ready` condition. PDPool: what its scale
+for the printer columns), `routerURL`, a `Ready` condition, and an `ObjectsSkipped` condition
+where the API server lacks a kind the operator would create. PDPool: what its scale
 subresource reads (`replicas`, `selector`) plus `readyReplicas`.
 """
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdserve.operator.names import ROLES, router_url, selector_string
+
+SKIPPED = "ObjectsSkipped"
 
 
 def now() -> str:
@@ -49,13 +52,27 @@ def service_status(
     desired: Mapping[str, int],
     ready: Mapping[str, int],
     previous: Mapping[str, Any],
+    not_served: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The PDService status; `previous` is the current status (keeps the condition's transition time)."""
-    old = next((c for c in previous.get("conditions") or [] if c.get("type") == "Ready"), None)
+    """The PDService status; `previous` is the current status (keeps the conditions' transition
+    times); `not_served` names the kinds ("policy/v1 PodDisruptionBudget") the server lacks."""
+    old = {c.get("type"): c for c in previous.get("conditions") or []}
+    conditions = [ready_condition(problems, desired, ready, old.get("Ready"))]
+    if not_served:
+        earlier = old.get(SKIPPED)
+        conditions.append(
+            {
+                "type": SKIPPED,
+                "status": "True",
+                "reason": "KindNotServed",
+                "message": f"the API server does not serve {', '.join(not_served)}: not created",
+                "lastTransitionTime": earlier["lastTransitionTime"] if earlier else now(),
+            }
+        )
     return {
         "pools": {role: pool(desired[role], ready[role]) for role in ROLES},
         "routerURL": router_url(name, namespace),
-        "conditions": [ready_condition(problems, desired, ready, old)],
+        "conditions": conditions,
     }
 
 

@@ -113,7 +113,8 @@ def wait_healthy(
 @dataclass
 class Process:
     """`python -m pdserve.cli ARGV` (ARGV holds ``--port PORT``) in ``env``, its output appended to ``log_path``;
-    pinned to the CPUs ``cores`` (taskset's list, e.g. "0,1") when given."""
+    pinned to the CPUs ``cores`` (taskset's list, e.g. "0,1") when given; reached at ``host`` (a loopback
+    address: another one than 127.0.0.1 stands for a pod's IP)."""
 
     name: str
     argv: list[str]
@@ -122,10 +123,11 @@ class Process:
     log_path: str | Path
     process: subprocess.Popen | None = None
     cores: str | None = None
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
         pin = ["taskset", "-c", self.cores] if self.cores else []

@@ -45,6 +45,7 @@ BUILTINS = [
     ("rbac.authorization.k8s.io/v1/roles", "Role", True, set()),
     ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True, set()),
     ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, set()),
+    ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
     ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, {"status"}),
     ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, {"status"}),
 ]

@@ -31,7 +31,8 @@ def kube(kube_cluster):
 
 def deployment(namespace, image="pdserve:1", replicas=2):
     full = with_defaults(spec(image=image))
-    return manifests.owned_objects("llm", namespace, full, {"prefill": replicas, "decode": 1})[-2]
+    objects = manifests.owned_objects("llm", namespace, full, {"prefill": replicas, "decode": 1})
+    return next(obj for obj in objects if obj["kind"] == "Deployment" and obj["metadata"]["name"] == "llm-prefill")
 
 
 def test_apply_creates_then_writes_nothing_when_unchanged(kube, kube_cluster, kube_namespace):

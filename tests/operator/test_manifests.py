@@ -320,16 +320,17 @@ def test_the_engines_network_policy():
 
 def test_every_object_is_labelled_and_selects_its_own_pods():
     objs = objects()
-    assert len(objs) == 10
+    assert len(objs) == 12
     for obj in objs:
         assert obj["metadata"]["namespace"] == "ns"
         if obj["kind"] == "NetworkPolicy":
             continue  # of the whole PDService, no role (test_the_engines_network_policy)
         role = obj["metadata"]["name"].removeprefix("llm-")
         assert obj["metadata"]["labels"] == {**LABELS, "app.kubernetes.io/component": role, "pdserve.io/role": role}
-        if obj["kind"] == "Deployment":
+        if obj["kind"] in ("Deployment", "PodDisruptionBudget"):
             selector = obj["spec"]["selector"]["matchLabels"]
             assert selector == {"app.kubernetes.io/instance": "llm", "pdserve.io/role": role}
+        if obj["kind"] == "Deployment":
             assert obj["spec"]["template"]["metadata"]["labels"] == obj["metadata"]["labels"]
 
 
@@ -411,3 +412,26 @@ def test_pod_commands_parse_with_the_real_cli():
     args = parser.parse_args(container(router_pod("llm", "ns", full()))["command"][1:])
     assert (args.discovery, args.namespace, args.selector) == ("kubernetes", "ns", "app.kubernetes.io/instance=llm")
     assert args.kv_secret_file == "/etc/pdserve/kv-secret/kv-secret"
+
+
+def test_a_disruption_budget_per_engine_pool():
+    objs = by_kind_name(objects(decode={"maxUnavailable": "25%"}))
+    assert objs["PodDisruptionBudget", "llm-prefill"]["apiVersion"] == "policy/v1"
+    assert objs["PodDisruptionBudget", "llm-prefill"]["spec"]["maxUnavailable"] == 1
+    assert objs["PodDisruptionBudget", "llm-decode"]["spec"]["maxUnavailable"] == "25%"
+    assert ("PodDisruptionBudget", "llm-router") not in objs
+    # Where the API server lacks policy/v1 (Kubernetes < 1.21): none, never the old v1beta1.
+    full = with_defaults(spec())
+    without = manifests.owned_objects("llm", "ns", full, {"prefill": 1, "decode": 1}, disruption_budgets=False)
+    assert [obj for obj in without if obj["kind"] == "PodDisruptionBudget"] == []
+
+
+def test_placement_per_pool():
+    affinity = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+    spread = [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}]
+    objs = by_kind_name(objects(decode={"affinity": affinity, "topologySpreadConstraints": spread}))
+    decode = objs["Deployment", "llm-decode"]["spec"]["template"]["spec"]
+    assert (decode["affinity"], decode["topologySpreadConstraints"]) == (affinity, spread)
+    prefill = objs["Deployment", "llm-prefill"]["spec"]["template"]["spec"]
+    # None: a merge patch removes what the user took out of the spec.
+    assert (prefill["affinity"], prefill["topologySpreadConstraints"]) == (None, None)

@@ -302,3 +302,45 @@ def test_tensor_parallel_pools_and_too_few_gpus(kube_cluster, kube_namespace, op
     assert [v["name"] for v in pod["spec"]["volumes"]] == ["model", "scratch", "kv-secret"]
     assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
     assert pod["metadata"]["annotations"] == {"pdserve.io/tensor-parallel-size": "1"}
+
+
+def test_deleted_or_edited_objects_are_restored(kube_cluster, kube_namespace, operator):
+    service = deploy(kube_cluster, kube_namespace)
+    kube_cluster.patch(PDPOOLS, "llm-decode", {"spec": {"replicas": 3}}, kube_namespace, subresource="scale")
+    wait_for(lambda: replicas(kube_cluster, kube_namespace, "decode") == 3)
+    uid = service["metadata"]["uid"]
+    for resource, name in OWNED:
+        before = kube_cluster.get(resource, name, kube_namespace)
+        kube_cluster.delete(resource, name, kube_namespace)
+        again = wait_for(lambda: kube_cluster.get(resource, name, kube_namespace), timeout=5)  # noqa: B023
+        assert again["metadata"]["uid"] != before["metadata"]["uid"], name
+        assert again["metadata"]["ownerReferences"][0]["uid"] == uid, name
+    # The deleted PDPool came back at the size that ran, not at spec.decode's seed.
+    assert kube_cluster.get(PDPOOLS, "llm-decode", kube_namespace)["spec"]["replicas"] == 3
+    assert replicas(kube_cluster, kube_namespace, "decode") == 3
+    # Edits are undone: a Deployment's pod template, a Service's ports, a Role's rules.
+
+    def engine_image():
+        return kube_cluster.get(DEPLOYMENTS, "llm-prefill", kube_namespace)["spec"]["template"]["spec"]["containers"][0]
+
+    containers = kube_cluster.get(DEPLOYMENTS, "llm-prefill", kube_namespace)["spec"]["template"]["spec"]["containers"]
+    edited = [{**containers[0], "image": "someone-elses:1"}]
+    kube_cluster.patch(
+        DEPLOYMENTS, "llm-prefill", {"spec": {"template": {"spec": {"containers": edited}}}}, kube_namespace
+    )
+    wait_for(lambda: engine_image()["image"] == "pdserve:test", timeout=5)
+    kube_cluster.patch(
+        SERVICES, "llm-router", {"spec": {"ports": [{"name": "x", "port": 1, "targetPort": 1}]}}, kube_namespace
+    )
+    wait_for(
+        lambda: kube_cluster.get(SERVICES, "llm-router", kube_namespace)["spec"]["ports"][0]["port"] == 8000, timeout=5
+    )
+    roles = "rbac.authorization.k8s.io/v1/roles"
+    kube_cluster.patch(roles, "llm-router", {"rules": []}, kube_namespace)
+    wait_for(lambda: kube_cluster.get(roles, "llm-router", kube_namespace)["rules"], timeout=5)
+    # Deleting the PDService is not undone: nothing is recreated for a PDService that is gone.
+    kube_cluster.wait_idle()
+    kube_cluster.delete(PDSERVICES, "llm", kube_namespace)
+    kube_cluster.delete(DEPLOYMENTS, "llm-router", kube_namespace)
+    kube_cluster.wait_idle()
+    assert kube_cluster.get(DEPLOYMENTS, "llm-router", kube_namespace) is None

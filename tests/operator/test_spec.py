@@ -112,6 +112,11 @@ def test_a_valid_spec_has_no_problems():
         ({"prefill": {"shmSize": "lots"}}, "spec.prefill.shmSize must be a Kubernetes quantity"),
         ({"decode": {"shmSize": "-1Gi"}}, "spec.decode.shmSize must be a Kubernetes quantity"),
         ({"decode": {"shmSize": 1024}}, "spec.decode.shmSize must be a Kubernetes quantity"),
+        ({"decode": {"maxUnavailable": -1}}, "spec.decode.maxUnavailable must be an integer >= 0 or a percentage"),
+        ({"decode": {"maxUnavailable": "half"}}, "spec.decode.maxUnavailable"),
+        ({"prefill": {"maxUnavailable": True}}, "spec.prefill.maxUnavailable"),
+        ({"prefill": {"affinity": ["zone"]}}, "spec.prefill.affinity must be an object"),
+        ({"decode": {"topologySpreadConstraints": {"maxSkew": 1}}}, "topologySpreadConstraints must be a list"),
     ],
 )
 def test_problems_name_the_field(fields, fragment):
