@@ -22,6 +22,7 @@ MERGE_PATCH = "application/merge-patch+json"
 # kind -> (API class, method suffix) for the built-in kinds the operator writes or reads.
 _BUILTIN: dict[str, tuple[Any, str]] = {
     "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment"),
+    "Pod": (kubernetes.client.CoreV1Api, "namespaced_pod"),
     "Service": (kubernetes.client.CoreV1Api, "namespaced_service"),
     "Secret": (kubernetes.client.CoreV1Api, "namespaced_secret"),
     "ServiceAccount": (kubernetes.client.CoreV1Api, "namespaced_service_account"),
@@ -124,6 +125,14 @@ class Kube:
             if e.status == 404:
                 return None
             raise
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """The objects of a built-in kind in the namespace that match the label selector."""
+        api_class, suffix = _BUILTIN[kind]
+        method = getattr(api_class(self.client), f"list_{suffix}")
+        response = method(namespace, label_selector=label_selector, _preload_content=False)
+        items: list[dict[str, Any]] = json.loads(response.data)["items"]
+        return items
 
     def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         body = without_nulls(obj)

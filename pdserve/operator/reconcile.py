@@ -3,8 +3,9 @@
 `ensure_objects` creates or patches everything a valid PDService owns (the PDPool sizes and the
 KV secret's value are written at creation only). `sync` is level-based and safe to call any
 number of times: it makes each engine Deployment's size follow its PDPool (the one authoritative
-count) and writes the PDPool and PDService statuses from the Deployments. `restore` is both, for
-the PDService as stored: what repairs an owned object someone deleted or edited.
+count; before a scale-down it ranks the pool's pods, `scale_down`) and writes the PDPool and
+PDService statuses from the Deployments. `restore` is both, for the PDService as stored: what
+repairs an owned object someone deleted or edited.
 """
 
 import collections
@@ -15,9 +16,9 @@ from typing import Any, cast
 
 import kopf
 
-from pdserve.operator import manifests, status
+from pdserve.operator import manifests, scale_down, status
 from pdserve.operator.kube import Kube, is_subset
-from pdserve.operator.names import ENGINE_ROLES, ROLES, ROUTER, object_name
+from pdserve.operator.names import ENGINE_ROLES, ROLES, ROUTER, object_name, selector_string
 from pdserve.operator.spec import problems, with_defaults
 
 # One pass at a time per PDService: kopf runs handlers of different objects in parallel threads; a
@@ -50,7 +51,10 @@ def _ensure_objects(kube: Kube, body: kopf.Body, name: str, namespace: str) -> N
         seed = running["spec"]["replicas"] if running is not None else spec[role]["replicas"]
         pool = manifests.pool(name, namespace, role, seed)
         kopf.adopt(pool, owner=body)
-        replicas[role] = kube.apply(pool, create_only=manifests.POOL_CREATE_ONLY)["spec"]["replicas"]
+        pool_size = kube.apply(pool, create_only=manifests.POOL_CREATE_ONLY)["spec"]["replicas"]
+        # A new Deployment starts at its pool's size; an existing one keeps its size here, because
+        # resizing is `sync`'s alone (it ranks the pods before a scale-down).
+        replicas[role] = running["spec"]["replicas"] if running is not None else pool_size
     # A fresh value every pass: it is written only if the Secret does not exist yet. Before the
     # Deployments, so that no pod waits for its secret volume.
     secret = manifests.kv_secret(name, namespace, spec, secrets.token_hex(32))
@@ -95,6 +99,13 @@ def sync(kube: Kube, namespace: str, name: str) -> None:
             kube.patch("PDService", namespace, name, {"status": new}, status=True)
 
 
+def _rank_for_removal(kube: Kube, namespace: str, name: str, role: str) -> None:
+    """Annotate the pool's pods with their deletion cost, so that a scale-down removes the cheapest."""
+    for pod_name, cost in scale_down.costs(kube.list("Pod", namespace, selector_string(name, role))).items():
+        annotation = {scale_down.DELETION_COST: str(cost)}
+        kube.patch("Pod", namespace, pod_name, {"metadata": {"annotations": annotation}})
+
+
 def _not_served(kube: Kube) -> list[str]:
     """The optional kinds the operator creates that this API server lacks (it says so once in its log)."""
     api_version, kind = manifests.DISRUPTION_BUDGET
@@ -118,6 +129,8 @@ def _follow_pool(
         return (deployment or {}).get("spec", {}).get("replicas", 0), deployment
     wanted = pool["spec"]["replicas"]
     if deployment is not None and deployment["spec"].get("replicas") != wanted:
+        if wanted < deployment["spec"].get("replicas", 0):
+            _rank_for_removal(kube, namespace, name, role)
         deployment = kube.patch("Deployment", namespace, object_name(name, role), {"spec": {"replicas": wanted}})
     pool_status = status.pool_status(name, role, deployment)
     if not is_subset(pool_status, pool.get("status") or {}):

@@ -52,7 +52,7 @@ OPERATOR_RULES = {
     ("", "secrets"): {"get", "list", "watch", "create", "patch"},
     ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch"},
-    ("", "pods"): {"get", "list", "watch"},
+    ("", "pods"): {"get", "list", "watch", "patch"},
     ("", "events"): {"create"},
 }
 # What the operator grants the router's Role: it must hold it itself (RBAC escalation check).

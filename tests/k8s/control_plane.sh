@@ -30,7 +30,7 @@ say() { echo "[control-plane] $*" >&2; }
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-install() {
+cmd_install() {
   export DEBIAN_FRONTEND=noninteractive
   local src_list=/etc/apt/sources.list.d/pdserve-debian-src.sources
   if [ ! -f "$src_list" ]; then
@@ -110,10 +110,10 @@ current-context: pdserve-test
 KUBECONFIG
 }
 
-start() {
+cmd_start() {
   local b
   for b in $BINARIES; do [ -x "$BIN/$b" ] || { say "$BIN/$b missing: run '$0 install'"; exit 1; }; done
-  stop >/dev/null 2>&1 || true
+  cmd_stop >/dev/null 2>&1 || true
   rm -rf "$RUN" && mkdir -p "$RUN"
   make_pki
   kubeconfig "$RUN/kubeconfig" "$ADMIN_TOKEN"
@@ -138,7 +138,7 @@ start() {
     --authentication-kubeconfig="$RUN/kubeconfig" --authorization-kubeconfig="$RUN/kubeconfig" \
     --leader-elect=false --bind-address=127.0.0.1 --port=0 --secure-port="$KCM_PORT" \
     --service-account-private-key-file="$RUN/pki/sa.key" --root-ca-file="$RUN/pki/ca.crt" \
-    --controllers='*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle'
+    --controllers='*,-nodeipam,-cloud-node-lifecycle'
   launch kube-scheduler "$BIN/kube-scheduler" --kubeconfig="$RUN/kubeconfig" \
     --authentication-kubeconfig="$RUN/kubeconfig" --authorization-kubeconfig="$RUN/kubeconfig" \
     --leader-elect=false --bind-address=127.0.0.1 --port=0 --secure-port="$SCHED_PORT"
@@ -148,7 +148,7 @@ start() {
   echo "$RUN/kubeconfig"
 }
 
-stop() {
+cmd_stop() {
   local name pid
   for name in kube-scheduler kube-controller-manager kube-apiserver etcd; do
     [ -f "$RUN/$name.pid" ] || continue
@@ -161,6 +161,6 @@ stop() {
 }
 
 case "${1:-}" in
-  install | start | stop) "$1" ;;
+  install | start | stop) "cmd_$1" ;;
   *) echo "usage: $0 install|start|stop" >&2; exit 2 ;;
 esac

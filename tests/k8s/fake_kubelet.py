@@ -136,13 +136,8 @@ class FakeKubelet:
         if pod.metadata.deletion_timestamp:
             with self._lock:
                 running = self._running.pop(uid, None) is not None
-            if running:
-                self.on_terminating(pod)
-            try:
-                self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
-            except ApiException as error:
-                if error.status != 404:
-                    raise
+            if running:  # its own thread: a process may take its grace period to drain
+                threading.Thread(target=self._terminate, args=(pod,), daemon=True).start()
             return
         with self._lock:
             if uid in self._running:
@@ -154,6 +149,15 @@ class FakeKubelet:
             self._ready[uid] = pod.spec.containers[0].readiness_probe is None
         self._write_status(pod, ip, self._ready[uid])
         logger.info("pod %s/%s running at %s", pod.metadata.namespace, pod.metadata.name, ip)
+
+    def _terminate(self, pod: Any) -> None:
+        """What a kubelet does for a pod being deleted: stop what runs, then remove the pod for good."""
+        self.on_terminating(pod)
+        try:
+            self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
+        except ApiException as error:
+            if error.status != 404:
+                raise
 
     def _write_status(self, pod: Any, ip: str, ready: bool) -> None:
         now = _now()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -21,16 +22,26 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.launcher import free_port
 from pdserve.models.demo import ensure_demo_model
+from pdserve.operator.scale_down import DELETION_COST
 from pdserve.testing.processes import Process, cpu_engine_flags, server_env
-from tests.k8s.conftest import CHART, NAMESPACE, RELEASE_NAMESPACE, Cluster, create_or_skip, render_chart, wait_for
+from tests.k8s.conftest import (
+    CHART,
+    NAMESPACE,
+    RELEASE_NAMESPACE,
+    SKIPPED,
+    Cluster,
+    create_or_skip,
+    render_chart,
+    wait_for,
+)
 from tests.k8s.fake_kubelet import FakeKubelet
 
 pytestmark = pytest.mark.k8s
 
 GROUP, VERSION = "pdserve.io", "v1alpha1"
 ROLES = ("router", "prefill", "decode")
+ENGINES = ("prefill", "decode")
 
 
 def test_every_chart_object_and_example_is_accepted(cluster: Cluster) -> None:
@@ -61,13 +72,14 @@ def _cpu_example(name: str) -> dict[str, Any]:
 
 
 class PodProcesses:
-    """Runs each engine pod's own command (from its spec) at its IP, as the kubelet would run the
-    container; a pod's deletion stops its process with SIGTERM."""
+    """Runs each pod's own command (from its spec) at its IP, as the kubelet would run the container;
+    a pod's deletion stops its process with SIGTERM. The router runs with its ServiceAccount's token."""
 
     def __init__(self, cluster: Cluster, kubelet: FakeKubelet, folder: Path, service: str) -> None:
         self.cluster, self.kubelet, self.folder, self.service = cluster, kubelet, folder, service
         self.model = str(ensure_demo_model())
         self.processes: dict[str, Process] = {}
+        self.lock = threading.Lock()  # the kubelet stops pods from its own threads
         kubelet.on_terminating = self.stop
 
     def secret_file(self) -> Path:
@@ -80,29 +92,43 @@ class PodProcesses:
     def start(self, pod: Any) -> Process:
         ip = wait_for(lambda: self.kubelet.ip_of(pod), what=f"an IP for {pod.metadata.name}")
         (container,) = pod.spec.containers
-        argv = _substituted(
-            container.command[1:],
-            {"--host": ip, "--model": self.model, "--kv-secret-file": str(self.secret_file())},
-        )
-        env = dict(server_env(), PDSERVE_KV_HOST=ip)
+        paths = {"--host": ip, "--kv-secret-file": str(self.secret_file())}
+        env = dict(server_env())
         env.update({e.name: e.value for e in container.env or [] if e.value is not None})
-        flags = cpu_engine_flags("8MiB", served_model_name=self.service)
+        if pod.metadata.labels["pdserve.io/role"] == "router":
+            argv = _substituted(container.command[1:], {**paths, "--tokenizer": self.model})
+            account = pod.spec.service_account_name
+            token = self.cluster.token_of(account, NAMESPACE)
+            env["KUBECONFIG"] = str(self.cluster.kubeconfig_for(token, self.folder / f"{account}.kubeconfig"))
+        else:
+            argv = _substituted(container.command[1:], {**paths, "--model": self.model})
+            argv += cpu_engine_flags("8MiB", served_model_name=self.service)
+            env["PDSERVE_KV_HOST"] = ip
         port = int(argv[argv.index("--port") + 1])
-        log = self.folder / f"{pod.metadata.name}.log"
-        process = Process(pod.metadata.name, [*argv, *flags], env, port, log, host=ip)
+        process = Process(pod.metadata.name, argv, env, port, self.folder / f"{pod.metadata.name}.log", host=ip)
         process.start()
-        self.processes[pod.metadata.uid] = process
+        with self.lock:
+            self.processes[pod.metadata.uid] = process
         return process
 
+    def start_healthy(self, pods: list[Any]) -> list[Process]:
+        """Start the pods not running yet; wait until all of them answer /health."""
+        started = [self.start(pod) for pod in pods if pod.metadata.uid not in self.processes]
+        for process in started:
+            process.wait_healthy()
+        return started
+
     def stop(self, pod: Any) -> None:
-        process = self.processes.pop(pod.metadata.uid, None)
+        with self.lock:
+            process = self.processes.pop(pod.metadata.uid, None)
         if process is not None:
             process.stop()
 
     def stop_all(self) -> None:
-        for process in self.processes.values():
+        with self.lock:
+            processes, self.processes = list(self.processes.values()), {}
+        for process in processes:
             process.stop()
-        self.processes.clear()
 
 
 def _substituted(argv: list[str], values: dict[str, str]) -> list[str]:
@@ -147,6 +173,42 @@ def completion(url: str, model: str) -> dict[str, Any]:
         return json.loads(response.read())
 
 
+class Stream:
+    """A streamed completion read in its own thread: chunks, the finish reason, tokens, any error."""
+
+    def __init__(self, url: str, model: str, max_tokens: int) -> None:
+        self.chunks = 0
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        body = {"model": model, "prompt": "Tell me a story", "max_tokens": max_tokens, "ignore_eos": True}
+        self.request = urllib.request.Request(
+            f"{url}/v1/completions",
+            json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        self.thread = threading.Thread(target=self._read, daemon=True)
+
+    def _read(self) -> None:
+        try:
+            with urllib.request.urlopen(self.request, timeout=120) as response:
+                for line in response:
+                    data = line.decode().strip().removeprefix("data: ")
+                    if not data or data == "[DONE]":
+                        continue
+                    event = json.loads(data)
+                    if "error" in event:
+                        self.error = str(event["error"])
+                        return
+                    if event.get("usage"):  # the last event
+                        self.tokens = event["usage"]["completion_tokens"]
+                    for choice in event["choices"]:
+                        self.chunks += 1
+                        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        except Exception as error:  # reported by the test's assertion
+            self.error = repr(error)
+
+
 def test_pdservice_lifecycle(cluster: Cluster, kubelet: FakeKubelet, operator: Any, tmp_path: Path) -> None:
     name = "llm"
     started = time.monotonic()
@@ -158,58 +220,65 @@ def test_pdservice_lifecycle(cluster: Cluster, kubelet: FakeKubelet, operator: A
         selector = f"app.kubernetes.io/instance={name},pdserve.io/role={role}"
         replica_sets = cluster.apps.list_namespaced_replica_set
         wait_for(lambda: replica_sets(NAMESPACE, label_selector=selector).items, timeout=60, what=selector)  # noqa: B023
-    engine_pods = {role: running_pods(cluster, name, role, 1) for role in ("prefill", "decode")}
+    engine_pods = {role: running_pods(cluster, name, role, 1) for role in ENGINES}
     (router_pod,) = running_pods(cluster, name, "router", 1)
     print(f"PDService to running pods: {time.monotonic() - started:.1f} s")
 
     processes = PodProcesses(cluster, kubelet, tmp_path, name)
     try:
-        for role_pods in engine_pods.values():
-            for pod in role_pods:
-                processes.start(pod)
-        for process in processes.processes.values():
-            process.wait_healthy()
-        # The router: its pod's command, discovering pods as the router's ServiceAccount.
-        router_token = cluster.token_of(f"{name}-router", NAMESPACE)
-        kubeconfig = cluster.kubeconfig_for(router_token, tmp_path / "router-kubeconfig")
-        (container,) = router_pod.spec.containers
-        router_port = free_port()
-        argv = _substituted(
-            container.command[1:],
-            {
-                "--host": "127.0.0.1",
-                "--port": str(router_port),
-                "--tokenizer": processes.model,
-                "--kv-secret-file": str(processes.secret_file()),
-            },
-        )
-        env = dict(server_env(), KUBECONFIG=str(kubeconfig))
-        router = Process("router", argv, env, router_port, tmp_path / "router.log")
-        router.start()
-        router.wait_healthy()
+        processes.start_healthy([*engine_pods["prefill"], *engine_pods["decode"]])
+        (router,) = processes.start_healthy([router_pod])
 
         def served() -> dict[str, Any] | None:
             try:
                 return completion(router.url, name)
-            except OSError:
+            except OSError:  # until the router's discovery has seen the pods Ready
                 return None
 
         answer = wait_for(served, timeout=60, what="a completion through the router")
         assert answer["usage"]["completion_tokens"] == 8
         # Readiness came from the probes, the PDService's status from the real Deployments.
         wait_for(lambda: _ready(get(cluster, "pdservices", name)), timeout=30, what="the PDService Ready")
+        # PodDisruptionBudgets where the server has policy/v1; else a condition says they were skipped.
+        conditions = get(cluster, "pdservices", name)["status"]["conditions"]
+        skipped = [c for c in conditions if c["type"] == "ObjectsSkipped"]
+        if cluster.resource("policy/v1", "PodDisruptionBudget") is None:
+            assert "policy/v1 PodDisruptionBudget" in skipped[0]["message"]
+            SKIPPED.extend(("operator", "policy/v1", "PodDisruptionBudget", f"{name}-{r}") for r in ENGINES)
+        else:
+            assert not skipped
+            for role in ENGINES:
+                budget = cluster.resource("policy/v1", "PodDisruptionBudget").get(
+                    name=f"{name}-{role}", namespace=NAMESPACE
+                )
+                assert budget.spec.maxUnavailable == 1
 
         # kubectl scale pdpool/llm-decode --replicas=2: the scale subresource, as kubectl writes it.
         cluster.custom.patch_namespaced_custom_object_scale(
             GROUP, VERSION, NAMESPACE, "pdpools", f"{name}-decode", {"spec": {"replicas": 2}}
         )
-        decodes = running_pods(cluster, name, "decode", 2)
-        for pod in decodes:
-            if pod.metadata.uid not in processes.processes:
-                processes.start(pod).wait_healthy()
+        processes.start_healthy(running_pods(cluster, name, "decode", 2))
         wait_for(lambda: get(cluster, "pdservices", name)["status"]["pools"]["decode"]["summary"] == "2/2", timeout=30)
         for _ in range(4):  # both decodes serve; the router follows the pods it discovered
             assert completion(router.url, name)["usage"]["completion_tokens"] == 8
+
+        # Scale-down loses nothing: streams run on both decodes while the pool goes back to one pod.
+        # The operator ranks the pods first; the ReplicaSet controller deletes one; the kubelet stops
+        # its engine with SIGTERM, which drains: running streams finish, then it exits.
+        streams = [Stream(router.url, name, max_tokens=48) for _ in range(6)]
+        for stream in streams:
+            stream.thread.start()
+        wait_for(lambda: all(stream.chunks for stream in streams), timeout=60, what="every stream under way")
+        cluster.custom.patch_namespaced_custom_object_scale(
+            GROUP, VERSION, NAMESPACE, "pdpools", f"{name}-decode", {"spec": {"replicas": 1}}
+        )
+        for stream in streams:
+            stream.thread.join(120)
+        assert [(s.error, s.finish_reason, s.tokens) for s in streams] == [(None, "length", 48)] * 6
+        (survivor,) = running_pods(cluster, name, "decode", 1)
+        assert DELETION_COST in (survivor.metadata.annotations or {})  # honoured from Kubernetes 1.22
+        assert completion(router.url, name)["usage"]["completion_tokens"] == 8
+        processes.start_healthy(running_pods(cluster, name, "decode", 1))
 
         # Self-healing: a deleted Deployment comes back, with its pool's size.
         before = cluster.apps.read_namespaced_deployment(f"{name}-decode", NAMESPACE).metadata.uid
@@ -225,15 +294,14 @@ def test_pdservice_lifecycle(cluster: Cluster, kubelet: FakeKubelet, operator: A
 
         again = wait_for(recreated, timeout=15, what="the deleted Deployment recreated")
         print(f"deleted Deployment recreated in {time.monotonic() - deleted:.1f} s")
-        assert again.spec.replicas == 2
+        assert again.spec.replicas == 1
         # A resized Deployment goes back to its PDPool's count.
         cluster.apps.patch_namespaced_deployment_scale(f"{name}-decode", NAMESPACE, {"spec": {"replicas": 5}})
         wait_for(
-            lambda: cluster.apps.read_namespaced_deployment(f"{name}-decode", NAMESPACE).spec.replicas == 2,
+            lambda: cluster.apps.read_namespaced_deployment(f"{name}-decode", NAMESPACE).spec.replicas == 1,
             timeout=15,
             what="the Deployment's replicas restored",
         )
-        router.stop()
     finally:
         processes.stop_all()
 

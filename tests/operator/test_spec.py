@@ -30,10 +30,13 @@ def spec_schema() -> dict:
 def test_defaults_are_the_crds(fields):
     expected = spec(**fields)
     apply_defaults(spec_schema(), expected)
-    # The one default the CRD cannot hold: gpus follows the pool's tensorParallelSize.
+    # The defaults the CRD cannot hold: gpus follows the pool's tensorParallelSize, and the model's
+    # path "" (an empty-string default makes Kubernetes 1.20 refuse the CRD).
     for role in ("prefill", "decode"):
         assert "default" not in spec_schema()["properties"][role]["properties"]["gpus"]
         expected[role]["gpus"] = expected[role]["tensorParallelSize"]
+    assert "default" not in spec_schema()["properties"]["model"]["properties"]["path"]
+    expected["model"].setdefault("path", "")
     assert with_defaults(spec(**fields)) == expected
 
 
