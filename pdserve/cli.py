@@ -15,7 +15,7 @@ import re
 import signal
 import sys
 
-from pdserve.api.auth import SECRET_ENV
+from pdserve.api.auth import API_KEY_ENV, SECRET_ENV
 from pdserve.api.roles import COLOCATED, DECODE, POOL_ROLES, PREFILL, ROUTER, ROUTER_PORT, Role, engine_role
 from pdserve.engine.reasoning import REASONING_PARSERS
 from pdserve.server.tool_parsers import TOOL_PARSERS
@@ -38,7 +38,7 @@ def _add_server_flags(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--port", type=int, default=port)
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("PDSERVE_API_KEY"),
+        default=os.environ.get(API_KEY_ENV),
         help="require 'Authorization: Bearer KEY' on /v1 (default: env PDSERVE_API_KEY)",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -429,7 +429,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         args.model = str(ensure_demo_model())  # built once here, not raced by every child
     if args.api_key:  # children read it from the environment: a command line is visible to every user
-        os.environ["PDSERVE_API_KEY"] = args.api_key
+        os.environ[API_KEY_ENV] = args.api_key
     # The children share one secret: the one given, else a fresh one in their environment.
     if args.kv_secret_file is None and not os.environ.get(SECRET_ENV, "").strip():
         from pdserve.api.auth import new_secret
@@ -595,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--slo-tpot-ms", type=float, default=None)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--result-file", "--result-filename", dest="result_file", default=None)
-    bench.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    bench.add_argument("--api-key", default=os.environ.get(API_KEY_ENV))
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(handler=_bench)
     operator = commands.add_parser("operator", help="run the Kubernetes operator (PDService and PDPool resources)")

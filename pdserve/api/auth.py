@@ -29,6 +29,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 SECRET_ENV = "PDSERVE_KV_SECRET"
+# The client API key of `pdserve` servers (`--api-key` reads it by default; the operator sets it from a Secret).
+API_KEY_ENV = "PDSERVE_API_KEY"
 MIN_SECRET_BYTES = 16
 # How far a signed value's time may be from the receiver's clock (cluster clocks are NTP-synced).
 MAX_CLOCK_SKEW_S = 30.0

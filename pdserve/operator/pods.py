@@ -8,6 +8,7 @@ tensor-parallel annotation and the security context.
 import math
 from typing import Any
 
+from pdserve.api.auth import API_KEY_ENV
 from pdserve.operator.names import (
     KV_SECRET,
     KV_SECRET_DIR,
@@ -168,6 +169,16 @@ def _kv_secret_volume(service: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"name": KV_SECRET, "secret": secret}
 
 
+def _api_key_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """PDSERVE_API_KEY from the user's Secret (spec.apiKeySecret): the router checks clients' keys and
+    forwards them on its legs, which the engines check too. None configured: no variable."""
+    secret = spec.get("apiKeySecret")
+    if not secret:
+        return []
+    ref = {"name": secret["name"], "key": secret["key"]}
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}}]
+
+
 def _kv_secret_mount() -> dict[str, Any]:
     return {"name": KV_SECRET, "mountPath": KV_SECRET_DIR, "readOnly": True}
 
@@ -219,6 +230,7 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
             {"name": "UCX_TLS", "value": kv["ucxTransports"]},
             # Without it torch's OpenMP threads spin-wait and starve the API process.
             {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"},
+            *_api_key_env(spec),
         ],
         "ports": [
             {"name": "http", "containerPort": PORTS[role], "protocol": "TCP"},
@@ -277,6 +289,7 @@ def router_pod(service: str, namespace: str, spec: dict[str, Any]) -> dict[str, 
         "env": [
             _field_env("POD_NAME", "metadata.name"),
             _field_env("POD_NAMESPACE", "metadata.namespace"),
+            *_api_key_env(spec),
         ],
         "ports": [{"name": "http", "containerPort": PORTS[ROUTER], "protocol": "TCP"}],
         "resources": dict(spec[ROUTER].get("resources") or {}),

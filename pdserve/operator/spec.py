@@ -62,6 +62,9 @@ _SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[kMGTPE]|[eE][0-9]+)?$"
 _QUANTITY = re.compile(QUANTITY_PATTERN)
 _PERCENT = re.compile(r"^[0-9]+%$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+# On a command line every user of the node can read it: the key comes from spec.apiKeySecret.
+API_KEY_FLAG = "--api-key"
 
 
 def plain(value: Any) -> Any:
@@ -86,6 +89,8 @@ def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
     kv.setdefault("transferTimeoutSeconds", 10)
     kv.setdefault("loadFailure", "recompute")
     kv.setdefault("ucxTransports", "tcp,self")
+    if isinstance(full.get("apiKeySecret"), dict):
+        full["apiKeySecret"].setdefault("key", "api-key")
     full.setdefault(ROUTER, {}).setdefault("replicas", 1)
     for role in ENGINE_ROLES:
         pool = full.setdefault(role, {})
@@ -113,6 +118,7 @@ def problems(name: str, spec: Mapping[str, Any]) -> list[str]:
         found.append(f"spec.imagePullPolicy must be one of {', '.join(PULL_POLICIES)}")
     found += _model_problems(spec["model"])
     found += _kv_problems(spec["kvTransfer"])
+    found += _api_key_problems(spec.get("apiKeySecret"))
     found += _count_problems(f"spec.{ROUTER}.replicas", spec[ROUTER]["replicas"])
     found += _args_problems(f"spec.{ROUTER}.args", spec[ROUTER].get("args", []), RESERVED_ROUTER_FLAGS)
     found += _resources_problems(f"spec.{ROUTER}.resources", spec[ROUTER].get("resources", {}))
@@ -157,6 +163,20 @@ def _kv_problems(kv: dict[str, Any]) -> list[str]:
             f"spec.kvTransfer.secretName must be a Secret's name (a DNS-1123 subdomain of at most "
             f"{MAX_SECRET_NAME_LENGTH} characters)"
         )
+    return found
+
+
+def _api_key_problems(secret: Any) -> list[str]:
+    if secret is None:
+        return []
+    if not isinstance(secret, dict):
+        return ["spec.apiKeySecret must be an object with name and key"]
+    found = []
+    name = secret.get("name")
+    if not isinstance(name, str) or not _SECRET_NAME.fullmatch(name) or len(name) > MAX_SECRET_NAME_LENGTH:
+        found.append("spec.apiKeySecret.name must be a Secret's name (a DNS-1123 subdomain)")
+    if not isinstance(secret["key"], str) or not _SECRET_KEY.fullmatch(secret["key"]):
+        found.append("spec.apiKeySecret.key must be a key of a Secret (letters, digits, '-', '_', '.')")
     return found
 
 
@@ -217,6 +237,8 @@ def _args_problems(where: str, args: Any, reserved: tuple[str, ...]) -> list[str
     taken = _taken_flags(args, reserved)
     if taken:
         return [f"{where} must not set {', '.join(taken)} (the operator sets them)"]
+    if _taken_flags(args, (API_KEY_FLAG,)):
+        return [f"{where} must not set {API_KEY_FLAG} (name a Secret holding the key in spec.apiKeySecret)"]
     return []
 
 

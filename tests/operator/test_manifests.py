@@ -378,7 +378,17 @@ def test_objects_pass_the_kubernetes_schemas():
     fields = {"model": model, "prefill": {"nodeSelector": {"a": "b"}, "tolerations": [{"operator": "Exists"}]}}
     secret = manifests.kv_secret("llm", "ns", full(), "0" * 64)
     parallel = {"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4, "shmSize": "1.5Gi"}}
-    for obj in [*objects(**fields), *objects(), *objects(**parallel), secret]:
+    placed = {
+        "apiKeySecret": {"name": "team-api"},
+        "decode": {
+            "maxUnavailable": "25%",
+            "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+            "topologySpreadConstraints": [
+                {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+            ],
+        },
+    }
+    for obj in [*objects(**fields), *objects(), *objects(**parallel), *objects(**placed), secret]:
         kubernetes_validate.validate(without_nulls(obj), "1.30", strict=True)
 
 
@@ -435,3 +445,15 @@ def test_placement_per_pool():
     prefill = objs["Deployment", "llm-prefill"]["spec"]["template"]["spec"]
     # None: a merge patch removes what the user took out of the spec.
     assert (prefill["affinity"], prefill["topologySpreadConstraints"]) == (None, None)
+
+
+def test_the_api_key_comes_from_the_users_secret():
+    objs = by_kind_name(objects(apiKeySecret={"name": "team-api"}))
+    wanted = {"name": "PDSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "team-api", "key": "api-key"}}}
+    for role in ("router", "prefill", "decode"):
+        (runs,) = objs["Deployment", f"llm-{role}"]["spec"]["template"]["spec"]["containers"]
+        assert wanted in runs["env"], role
+        assert not any("api" in arg for arg in runs["command"])  # never on a command line
+    plain = by_kind_name(objects())
+    (runs,) = plain["Deployment", "llm-router"]["spec"]["template"]["spec"]["containers"]
+    assert all(variable["name"] != "PDSERVE_API_KEY" for variable in runs["env"])

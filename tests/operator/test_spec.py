@@ -25,6 +25,7 @@ def spec_schema() -> dict:
         {"prefill": {"replicas": 3}, "kvTransfer": {"backend": "tcp"}},
         {"kvTransfer": {"secretName": "kv"}},
         {"decode": {"tensorParallelSize": 4}},
+        {"apiKeySecret": {"name": "team-api"}},
     ],
 )
 def test_defaults_are_the_crds(fields):
@@ -120,6 +121,11 @@ def test_a_valid_spec_has_no_problems():
         ({"prefill": {"maxUnavailable": True}}, "spec.prefill.maxUnavailable"),
         ({"prefill": {"affinity": ["zone"]}}, "spec.prefill.affinity must be an object"),
         ({"decode": {"topologySpreadConstraints": {"maxSkew": 1}}}, "topologySpreadConstraints must be a list"),
+        ({"apiKeySecret": {"name": "Bad_Name"}}, "spec.apiKeySecret.name must be a Secret's name"),
+        ({"apiKeySecret": {"name": "ok", "key": "a/b"}}, "spec.apiKeySecret.key must be a key of a Secret"),
+        ({"apiKeySecret": "ok"}, "spec.apiKeySecret must be an object"),
+        ({"router": {"args": ["--api-key", "k"]}}, "spec.router.args must not set --api-key (name a Secret"),
+        ({"decode": {"engineArgs": ["--api-key=k"]}}, "spec.decode.engineArgs must not set --api-key"),
     ],
 )
 def test_problems_name_the_field(fields, fragment):
