@@ -79,7 +79,9 @@ class ChoiceRunner:
                 result.num_cached_tokens = output.num_cached_tokens
             elif output.finish_reason == "error":
                 result.finish_reason = "error"
-                self.metrics.observe("error", arrival, result.first_token_time, time.monotonic(), len(result.token_ids))
+                self.metrics.observe(
+                    "error", arrival, result.first_token_time, time.monotonic(), len(result.token_ids), len(prompt)
+                )
                 if output.error_status == 400:  # its input could not be served (a grammar that did not compile)
                     raise ProtocolError(str(output.stop_reason), status=400)
                 raise ProtocolError(
@@ -95,7 +97,12 @@ class ChoiceRunner:
                 if result.finish_reason == "length" and params.structured_outputs is not None:
                     self.metrics.structured_length_capped.inc()
                 self.metrics.observe(
-                    result.finish_reason, arrival, result.first_token_time, time.monotonic(), len(result.token_ids)
+                    result.finish_reason,
+                    arrival,
+                    result.first_token_time,
+                    time.monotonic(),
+                    len(result.token_ids),
+                    len(prompt),
                 )
             yield ChoiceDelta(0, text, output.new_token_ids, new_logprobs, result.finish_reason)
 

@@ -17,6 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 from pdserve.engine.scheduler import SchedulerStats
 
+# 1, 2, 5, 10, 20, 50, ... up to a million tokens.
+_TOKEN_BUCKETS = tuple(float(mantissa * 10**exponent) for exponent in range(7) for mantissa in (1, 2, 5))[:-2]
 _LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -177,6 +179,16 @@ class EngineMetrics:
             "Structured-output choices that reached max_tokens before their grammar was complete",
             registry=self.registry,
         )
+        # Request lengths (what a planner or autoscaler needs to size the pools), under our names and
+        # vLLM's; every finished request, a P/D prefill leg included (its generation is its one token).
+        self.prompt_tokens = [
+            Histogram(name, "Prompt tokens of a finished request", buckets=_TOKEN_BUCKETS, registry=self.registry)
+            for name in ("pdserve_request_prompt_tokens", "vllm:request_prompt_tokens")
+        ]
+        self.generation_tokens = [
+            Histogram(name, "Tokens generated for a finished request", buckets=_TOKEN_BUCKETS, registry=self.registry)
+            for name in ("pdserve_request_generation_tokens", "vllm:request_generation_tokens")
+        ]
         self.registry.register(_SchedulerCollector(stats, cache_config))
 
     def observe_stats(self, stats: SchedulerStats) -> None:
@@ -189,9 +201,19 @@ class EngineMetrics:
             self.grammar_bitmask_seconds.observe(seconds)
 
     def observe(
-        self, finish_reason: str, arrival: float, first_token: float | None, end: float, num_output_tokens: int
+        self,
+        finish_reason: str,
+        arrival: float,
+        first_token: float | None,
+        end: float,
+        num_output_tokens: int,
+        num_prompt_tokens: int,
     ) -> None:
         self.requests.labels(finish_reason).inc()
+        for histogram in self.prompt_tokens:
+            histogram.observe(num_prompt_tokens)
+        for histogram in self.generation_tokens:
+            histogram.observe(num_output_tokens)
         self.e2e.observe(end - arrival)
         if first_token is not None:
             self.ttft.observe(first_token - arrival)

@@ -196,6 +196,21 @@ def test_metrics_use_the_contract_names(server, client):
     assert any(k.startswith("vllm:cache_config_info{") for k in values)
 
 
+def test_request_lengths_are_histograms_under_both_names(server, client):
+    before = scrape(server.running.url)
+    answer = client.completions.create(model="demo", prompt="how long", max_tokens=3, extra_body={"ignore_eos": True})
+    after = scrape(server.running.url)
+    prompt_tokens = answer.usage.prompt_tokens
+    for prefix in ("pdserve_request", "vllm:request"):
+        for kind, tokens in (("prompt", prompt_tokens), ("generation", 3)):
+            name = f"{prefix}_{kind}_tokens"
+            assert after[f"{name}_count"] - before.get(f"{name}_count", 0) == 1, name
+            assert after[f"{name}_sum"] - before.get(f"{name}_sum", 0) == tokens, name
+            # 1-2-5 buckets (cumulative): a length of at most 5 is counted in the bucket le="5.0".
+            bucket = f'{name}_bucket{{le="5.0"}}'
+            assert after[bucket] - before.get(bucket, 0) == (1 if tokens <= 5 else 0), name
+
+
 def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
     import http.client
     from urllib.parse import urlparse
