@@ -19,6 +19,7 @@ RANKS = {
     "kvtransfer": 3,
     "worker": 4,
     "engine": 5,
+    "planner": 5.5,  # runs the engine's Scheduler in simulation; the operator may use it
     "server": 6,
     "router": 6,
     "operator": 6,
@@ -30,8 +31,9 @@ RANKS = {
     "__init__": 9,
 }
 # The router and the operator talk to engines over the network: they share only the protocol
-# types (api) and, for the router, the one dependency-free block-hash module.
-NETWORK_ONLY = {"router": {"api", "engine.block_hash"}, "operator": {"api"}}
+# types (api) and, for the router, the one dependency-free block-hash module; the operator also
+# sizes pools with the planner.
+NETWORK_ONLY = {"router": {"api", "engine.block_hash"}, "operator": {"api", "planner"}}
 
 
 def _unit(module: str) -> str:

@@ -1,0 +1,151 @@
+"""An engine's measured costs on its hardware, as the planner's simulator reads them.
+
+A `Profile` holds the engine's configuration (KV blocks, block size, batch limits), a step-time
+model fitted to measured steps, and a KV-transfer model (fixed latency plus bytes over bandwidth),
+with the raw points kept beside the fits. `pdserve profile` measures one (pdserve/bench/profile.py);
+`pdserve plan` reads it.
+
+The step-time model is linear in four features of a scheduled step, each a cost the forward pass
+pays (fitted with non-negative coefficients):
+  tokens     tokens computed (the linear layers' work),
+  sequences  requests in the batch (per-row overheads, sampling),
+  attention  the sum over requests of new tokens x the context they attend to (attention's work:
+             a prompt chunk of n tokens after c cached ones costs n * (c + n); a decode token, its
+             context length),
+and a constant per step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FEATURES = ("constant", "tokens", "sequences", "attention")
+
+
+@dataclass
+class StepPoint:
+    """One measured step: its composition (per scheduled request: new tokens, tokens before them)
+    and how long it took."""
+
+    new_tokens: list[int]
+    start_positions: list[int]
+    seconds: float
+
+
+def step_features(new_tokens: Sequence[int], start_positions: Sequence[int]) -> list[float]:
+    """The model's features of a step (in `FEATURES` order)."""
+    attention = sum(n * (start + n) for n, start in zip(new_tokens, start_positions, strict=True))
+    return [1.0, float(sum(new_tokens)), float(len(new_tokens)), float(attention)]
+
+
+def fit_non_negative(features: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: a negative one is fixed at zero and the rest refitted
+    (a cost cannot shrink as work grows; small samples would otherwise produce negative terms)."""
+    active = np.ones(features.shape[1], dtype=bool)
+    coefficients = np.zeros(features.shape[1])
+    while active.any():
+        solution, *_ = np.linalg.lstsq(features[:, active], targets, rcond=None)
+        if (solution >= 0).all():
+            coefficients[active] = solution
+            break
+        worst = np.flatnonzero(active)[int(np.argmin(solution))]
+        active[worst] = False
+    return coefficients
+
+
+@dataclass
+class StepTimeModel:
+    coefficients: list[float]  # seconds per unit of each feature, in FEATURES order
+
+    @classmethod
+    def fit(cls, points: Sequence[StepPoint]) -> StepTimeModel:
+        if len(points) < len(FEATURES):
+            raise ValueError(f"need at least {len(FEATURES)} measured steps to fit, got {len(points)}")
+        features = np.array([step_features(p.new_tokens, p.start_positions) for p in points])
+        # Relative error matters as much on a 5 ms decode step as on a 500 ms prefill: weight by 1/time.
+        seconds = np.array([p.seconds for p in points])
+        weights = 1.0 / np.maximum(seconds, 1e-6)
+        coefficients = fit_non_negative(features * weights[:, None], seconds * weights)
+        return cls([float(c) for c in coefficients])
+
+    def seconds(self, new_tokens: Sequence[int], start_positions: Sequence[int]) -> float:
+        features = step_features(new_tokens, start_positions)
+        return sum(c * f for c, f in zip(self.coefficients, features, strict=True))
+
+
+@dataclass
+class TransferModel:
+    latency_s: float  # per request's pull, whatever its size
+    bytes_per_s: float
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bytes_per_s
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[int, float]]) -> TransferModel:
+        """From (bytes, seconds) pulls."""
+        if len(points) < 2:
+            raise ValueError("need at least two measured transfers of different sizes")
+        features = np.array([[1.0, float(size)] for size, _ in points])
+        latency, per_byte = fit_non_negative(features, np.array([seconds for _, seconds in points]))
+        return cls(float(latency), 1.0 / per_byte if per_byte > 0 else float("inf"))
+
+
+@dataclass
+class EngineShape:
+    """The engine configuration the profile was measured with (the simulator runs the same)."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_bytes_per_token: int  # the KV cache's bytes for one token of context (all layers)
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class Profile:
+    model: str
+    hardware: str  # what ran it, e.g. "cpu: AMD EPYC 9B14 (2 cores)" or "gpu: NVIDIA H200"
+    engine: EngineShape
+    step: StepTimeModel
+    transfer: TransferModel
+    gpus_per_pod: int = 1  # 0: a CPU pod (cost counts cpus_per_pod instead)
+    cpus_per_pod: float = 1.0
+    step_points: list[StepPoint] = field(default_factory=list)
+    transfer_points: list[tuple[int, float]] = field(default_factory=list)
+
+    def pod_cost(self) -> float:
+        """What one pod costs: its GPUs, or for a CPU pod its CPUs."""
+        return float(self.gpus_per_pod) if self.gpus_per_pod > 0 else self.cpus_per_pod
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        try:
+            return cls(
+                model=data["model"],
+                hardware=data["hardware"],
+                engine=EngineShape(**data["engine"]),
+                step=StepTimeModel(**data["step"]),
+                transfer=TransferModel(**data["transfer"]),
+                gpus_per_pod=data.get("gpus_per_pod", 1),
+                cpus_per_pod=data.get("cpus_per_pod", 1.0),
+                step_points=[StepPoint(**p) for p in data.get("step_points", [])],
+                transfer_points=[(int(b), float(s)) for b, s in data.get("transfer_points", [])],
+            )
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a pdserve profile: {error}") from None

@@ -1,0 +1,116 @@
+"""The traffic the planner sizes for: arrivals, prompt and output lengths, prefix sharing.
+
+A `Workload` is either generated from a description (`WorkloadSpec`: a rate with burstiness,
+length distributions, a prefix-hit rate, a duration; seeded, so a plan is reproducible) or read
+from a recorded trace (JSON lines of `{"t": seconds, "prompt_tokens": n, "output_tokens": m}`).
+Prompts are token ids: a share `prefix_hit_rate` of each prompt is one of a few shared prefixes
+(system prompts), the rest unique, so the real prefix cache in the simulator hits as often as
+the workload says.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+VOCAB = 32000
+NUM_SHARED_PREFIXES = 4
+
+
+@dataclass(frozen=True)
+class Arrival:
+    time: float
+    prompt: list[int]
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """A length distribution: lognormal around `mean` with coefficient of variation `cv` (0: fixed),
+    clipped to [minimum, maximum]."""
+
+    mean: float
+    cv: float = 0.0
+    minimum: int = 1
+    maximum: int = 1 << 20
+
+    def sample(self, rng: random.Random) -> int:
+        if self.cv <= 0:
+            value = self.mean
+        else:
+            sigma = math.sqrt(math.log(1 + self.cv**2))
+            value = rng.lognormvariate(math.log(self.mean) - sigma**2 / 2, sigma)
+        return max(self.minimum, min(self.maximum, round(value)))
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    rate: float  # requests per second, on average
+    prompt: Lengths
+    output: Lengths
+    duration_s: float = 600.0
+    burstiness: float = 1.0  # coefficient of variation of the gaps: 1 Poisson, above 1 bursty, 0 regular
+    prefix_hit_rate: float = 0.0  # share of each prompt that is a shared prefix
+    seed: int = 0
+
+    def scaled(self, factor: float) -> WorkloadSpec:
+        """The same traffic at `factor` times the rate."""
+        return WorkloadSpec(
+            self.rate * factor,
+            self.prompt,
+            self.output,
+            self.duration_s,
+            self.burstiness,
+            self.prefix_hit_rate,
+            self.seed,
+        )
+
+    def arrivals(self) -> list[Arrival]:
+        if self.rate <= 0:
+            raise ValueError("the arrival rate must be above 0")
+        if not 0 <= self.prefix_hit_rate < 1:
+            raise ValueError("the prefix-hit rate must be at least 0 and below 1")
+        rng = random.Random(self.seed)
+        prefixes = [[rng.randrange(VOCAB) for _ in range(1 << 16)] for _ in range(NUM_SHARED_PREFIXES)]
+        found: list[Arrival] = []
+        now = 0.0
+        while True:
+            now += _gap(rng, self.rate, self.burstiness)
+            if now >= self.duration_s:
+                return found
+            length = self.prompt.sample(rng)
+            shared = min(int(length * self.prefix_hit_rate), len(prefixes[0]))
+            prompt = rng.choice(prefixes)[:shared] + [rng.randrange(VOCAB) for _ in range(length - shared)]
+            found.append(Arrival(now, prompt, self.output.sample(rng)))
+
+
+def _gap(rng: random.Random, rate: float, burstiness: float) -> float:
+    """A gap between arrivals: gamma-distributed with mean 1/rate and coefficient of variation `burstiness`."""
+    if burstiness <= 0:
+        return 1.0 / rate
+    shape = 1.0 / burstiness**2
+    return rng.gammavariate(shape, 1.0 / (rate * shape))
+
+
+def read_trace(path: str | Path, seed: int = 0) -> list[Arrival]:
+    """A recorded trace: one JSON object per line with t (seconds), prompt_tokens and output_tokens."""
+    rng = random.Random(seed)
+    found = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            found.append(
+                Arrival(
+                    float(entry["t"]),
+                    [rng.randrange(VOCAB) for _ in range(int(entry["prompt_tokens"]))],
+                    int(entry["output_tokens"]),
+                )
+            )
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: not a trace entry ({error})") from None
+    return sorted(found, key=lambda arrival: arrival.time)
