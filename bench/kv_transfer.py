@@ -48,73 +48,16 @@ def _kv_cache():
     return kv_cache
 
 
-def _agent(transport: str):
-    import numpy as np
-
-    from pdserve.kvtransfer.agent import TransferAgent
-    from pdserve.kvtransfer.config import KVTransferConfig
-
-    kv_cache = _kv_cache()
-    generations = np.zeros(NUM_BLOCKS, dtype=np.int64)
-    config = KVTransferConfig(transport=transport, lease_seconds=60)
-    return TransferAgent(config, kv_cache, generations, "bench"), kv_cache, generations
-
-
-def _prefill(transport: str, pipe) -> None:
-    from pdserve.kvtransfer.work import TransferWork
-
-    agent, _, generations = _agent(transport)
-    pipe.send((agent.config.engine_id, agent.port))
-    while True:
-        message = pipe.recv()
-        if message is None:
-            break
-        request_id, block_ids = message
-        agent.submit(TransferWork(holds=[(request_id, block_ids)]))
-        time.sleep(0.01)  # the agent registers the hold before decode asks for the blocks
-        pipe.send(generations[block_ids].tolist())
-    agent.close()
-
-
 def _pull_all(transport: str) -> dict[int, float]:
-    from pdserve.kvtransfer.params import RemotePrefill
-    from pdserve.kvtransfer.work import LoadSpec, TransferWork
+    """GB/s of the best of REPEATS pulls of each size (pdserve.bench.kv_pull)."""
+    from pdserve.bench.kv_pull import measure_pulls
 
-    context = multiprocessing.get_context("spawn")
-    pipe, child_pipe = context.Pipe()
-    prefill = context.Process(target=_prefill, args=(transport, child_pipe), daemon=True)
-    prefill.start()
-    agent, _, _ = _agent(transport)
-    engine_id, port = pipe.recv()
-    rng = random.Random(0)
+    counts = [(size << 20) // BLOCK_BYTES for size in SIZES_MIB]
+    pulls = measure_pulls(transport, counts, BLOCK_BYTES, REPEATS)
     best: dict[int, float] = {}
-    try:
-        for size in (SIZES_MIB[0], *SIZES_MIB):  # the first pull warms up (handshake)
-            count = (size << 20) // BLOCK_BYTES
-            times = []
-            for repeat in range(REPEATS):
-                request_id = f"{size}-{repeat}-{len(best)}"
-                remote_ids = rng.sample(range(NUM_BLOCKS), count)
-                pipe.send((request_id, remote_ids))
-                generations = pipe.recv()
-                remote = RemotePrefill(
-                    engine_id, request_id, "127.0.0.1", port, remote_ids, generations, 0, "", "", 60.0
-                )
-                local_ids = rng.sample(range(NUM_BLOCKS), count)
-                start = time.perf_counter()
-                agent.submit(TransferWork(loads=[LoadSpec(request_id, remote, local_ids, remote_ids, generations)]))
-                while True:
-                    output = agent.collect()
-                    if output is not None and (output.finished_recving or output.failed_recving):
-                        assert output.finished_recving == {request_id}, output
-                        break
-                    time.sleep(0.0002)
-                times.append(time.perf_counter() - start)
-            best[size] = min(times)
-    finally:
-        pipe.send(None)
-        prefill.join(10)
-        agent.close()
+    for num_bytes, seconds in pulls:
+        size = num_bytes >> 20
+        best[size] = min(best.get(size, float("inf")), seconds)
     return {size: (size << 20) / seconds / 1e9 for size, seconds in best.items()}
 
 

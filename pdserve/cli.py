@@ -476,6 +476,80 @@ def _bench(args: argparse.Namespace) -> int:
     return 0 if summary["completed"] else 1
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from pdserve.bench.profile import profile_engine
+
+    logging.getLogger("pdserve").setLevel("WARNING")
+    profile = profile_engine(
+        _engine_args(args, COLOCATED, None),
+        transport=args.kv_transfer,
+        gpus_per_pod=args.gpus_per_pod,
+        cpus_per_pod=args.cpus_per_pod,
+        max_batch=args.max_batch,
+    )
+    profile.save(args.output)
+    shape, transfer = profile.engine, profile.transfer
+    print(
+        f"{profile.model} on {profile.hardware}: {len(profile.step_points)} steps measured; "
+        f"step = {' + '.join(f'{c:.3g}' for c in profile.step.coefficients)} x (1, tokens, sequences, attention); "
+        f"{shape.num_blocks} KV blocks of {shape.block_size} tokens ({shape.kv_bytes_per_token} B a token); "
+        f"pulls {transfer.latency_s * 1000:.2f} ms + {transfer.bytes_per_s / 1e9:.2f} GB/s; wrote {args.output}"
+    )
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    import yaml
+
+    from pdserve.planner.profile import Profile
+    from pdserve.planner.report import format_report, make_report, sized_pdservice
+    from pdserve.planner.simulator import SLO
+    from pdserve.planner.workload import Lengths, WorkloadSpec, read_trace
+
+    try:
+        profile = Profile.load(args.profile)
+        decode_profile = Profile.load(args.decode_profile) if args.decode_profile else None
+        slo = SLO(args.ttft_ms / 1000, args.tpot_ms / 1000, args.attainment)
+        if args.trace:
+            arrivals = read_trace(args.trace, args.seed)
+            at_rate = None
+        else:
+            spec = WorkloadSpec(
+                rate=args.rate,
+                prompt=Lengths(args.prompt_len, args.prompt_cv),
+                output=Lengths(args.output_len, args.output_cv),
+                duration_s=args.duration,
+                burstiness=args.burstiness,
+                prefix_hit_rate=args.prefix_hit_rate,
+                seed=args.seed,
+                max_model_len=profile.engine.max_model_len,
+            )
+            if args.prompt_len >= profile.engine.max_model_len:
+                raise ValueError(
+                    f"--prompt-len must be below the profiled max_model_len ({profile.engine.max_model_len})"
+                )
+            arrivals, at_rate = spec.arrivals(), (lambda factor: spec.scaled(factor).arrivals())
+        too_long = [a for a in arrivals if len(a.prompt) + a.output_tokens > profile.engine.max_model_len]
+        if too_long:  # a trace's own lengths: say so rather than plan for requests the engines would cut short
+            raise ValueError(
+                f"{len(too_long)} requests need more than the profiled max_model_len ({profile.engine.max_model_len})"
+            )
+        report = make_report(arrivals, slo, profile, decode_profile, args.max_prefill, args.max_decode, at_rate)
+        if args.output == "pdservice":
+            with open(args.pdservice) as handle:
+                print(yaml.safe_dump(sized_pdservice(yaml.safe_load(handle), report), sort_keys=False), end="")
+        elif args.output == "json":
+            print(json.dumps(report, indent=1))
+        else:
+            print(format_report(report))
+    except (OSError, ValueError) as error:
+        print(f"pdserve plan: {error}", file=sys.stderr)
+        return 2
+    return 0 if report["best"] is not None else 1
+
+
 def _operator(args: argparse.Namespace) -> int:
     from pdserve.operator import run
 
@@ -598,6 +672,41 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--api-key", default=os.environ.get(API_KEY_ENV))
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(handler=_bench)
+    profile = commands.add_parser("profile", help="measure an engine on this machine for `pdserve plan`")
+    _add_engine_flags(profile)
+    profile.add_argument("--output", "-o", required=True, help="the profile JSON to write")
+    profile.add_argument("--kv-transfer", choices=["nixl", "tcp"], default="nixl", help="transport of the timed pulls")
+    profile.add_argument(
+        "--gpus-per-pod", type=int, default=None, help="GPUs of one pod (default: the TP size, 0 on CPU)"
+    )
+    profile.add_argument("--cpus-per-pod", type=float, default=1.0, help="the CPU request of a CPU pod (its cost)")
+    profile.add_argument(
+        "--max-batch", type=int, default=None, help="largest decode batch measured (default max-num-seqs)"
+    )
+    profile.set_defaults(handler=_profile, host="127.0.0.1", kv_side_channel_host=None, kv_events_port=-1)
+    plan = commands.add_parser("plan", help="the cheapest prefill and decode pools that meet TTFT and TPOT targets")
+    plan.add_argument("--profile", required=True, help="from `pdserve profile` (of the prefill pods, or of all)")
+    plan.add_argument("--decode-profile", default=None, help="of the decode pods, when they differ")
+    plan.add_argument(
+        "--trace", default=None, help='JSON lines {"t", "prompt_tokens", "output_tokens"} instead of --rate'
+    )
+    plan.add_argument("--rate", type=float, default=1.0, help="requests/s")
+    plan.add_argument("--burstiness", type=float, default=1.0, help="CV of the gaps: 1 Poisson, >1 bursty, 0 regular")
+    plan.add_argument("--prompt-len", type=float, default=512, help="mean prompt tokens")
+    plan.add_argument("--prompt-cv", type=float, default=0.5, help="their coefficient of variation (lognormal)")
+    plan.add_argument("--output-len", type=float, default=128, help="mean output tokens")
+    plan.add_argument("--output-cv", type=float, default=0.5)
+    plan.add_argument("--prefix-hit-rate", type=float, default=0.0, help="share of each prompt that is a shared prefix")
+    plan.add_argument("--duration", type=float, default=600.0, help="seconds of traffic to simulate")
+    plan.add_argument("--ttft-ms", type=float, required=True)
+    plan.add_argument("--tpot-ms", type=float, required=True)
+    plan.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both")
+    plan.add_argument("--max-prefill", type=int, default=16)
+    plan.add_argument("--max-decode", type=int, default=32)
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--output", choices=["text", "json", "pdservice"], default="text")
+    plan.add_argument("--pdservice", default=None, help="--output pdservice: the PDService manifest to size")
+    plan.set_defaults(handler=_plan)
     operator = commands.add_parser("operator", help="run the Kubernetes operator (PDService and PDPool resources)")
     operator.add_argument("--namespace", default=None, help="watch one namespace (default: all namespaces)")
     operator.add_argument("--liveness-port", type=int, default=8080, help="serves /healthz for the liveness probe")

@@ -10,6 +10,7 @@ the workload says.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -55,18 +56,13 @@ class WorkloadSpec:
     burstiness: float = 1.0  # coefficient of variation of the gaps: 1 Poisson, above 1 bursty, 0 regular
     prefix_hit_rate: float = 0.0  # share of each prompt that is a shared prefix
     seed: int = 0
+    # The engines' context length: prompts are kept below it, outputs capped to what fits after them
+    # (as the engine caps max_tokens).
+    max_model_len: int = 1 << 30
 
     def scaled(self, factor: float) -> WorkloadSpec:
         """The same traffic at `factor` times the rate."""
-        return WorkloadSpec(
-            self.rate * factor,
-            self.prompt,
-            self.output,
-            self.duration_s,
-            self.burstiness,
-            self.prefix_hit_rate,
-            self.seed,
-        )
+        return dataclasses.replace(self, rate=self.rate * factor)
 
     def arrivals(self) -> list[Arrival]:
         if self.rate <= 0:
@@ -81,10 +77,10 @@ class WorkloadSpec:
             now += _gap(rng, self.rate, self.burstiness)
             if now >= self.duration_s:
                 return found
-            length = self.prompt.sample(rng)
+            length = min(self.prompt.sample(rng), self.max_model_len - 1)
             shared = min(int(length * self.prefix_hit_rate), len(prefixes[0]))
             prompt = rng.choice(prefixes)[:shared] + [rng.randrange(VOCAB) for _ in range(length - shared)]
-            found.append(Arrival(now, prompt, self.output.sample(rng)))
+            found.append(Arrival(now, prompt, min(self.output.sample(rng), self.max_model_len - length)))
 
 
 def _gap(rng: random.Random, rate: float, burstiness: float) -> float:
