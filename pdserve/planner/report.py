@@ -41,7 +41,7 @@ def make_report(
     sensitivity = []
     if best is not None and best.deployment is not None:
         for factor in SENSITIVITY:
-            result = simulate(best.deployment, at_rate(factor), profile, decode_profile)
+            result = simulate(best.deployment, at_rate(factor), profile, decode_profile, give_up=slo)
             sensitivity.append({"rate_factor": factor, "attained": result.attained(slo), **result.summary()})
     steps = disaggregated.steps + colocated.steps
     simulated_s = disaggregated.wall_s + colocated.wall_s
@@ -101,6 +101,9 @@ def format_report(report: dict[str, Any]) -> str:
     best = report["best"]
     lines.append(f"best: {best['predicted']['deployment'] if best else 'none'}")
     for row in report["sensitivity"]:
+        if row["stopped_early"]:  # stopped once the SLO was certainly missed: its percentiles are partial
+            lines.append(f"  rate x{row['rate_factor']:g}: misses the SLO")
+            continue
         lines.append(
             f"  rate x{row['rate_factor']:g}: attained {row['attained']:.1%}, TTFT p90 {_ms(row['ttft_p90_s'])} ms, "
             f"TPOT p90 {_ms(row['tpot_p90_s'])} ms"

@@ -88,9 +88,15 @@ def cost(deployment: Deployment, profile: Profile, decode_profile: Profile | Non
 
 
 def _evaluate(
-    plan: Plan, deployment: Deployment, arrivals: Sequence[Arrival], profile: Profile, decode_profile: Profile | None
+    plan: Plan,
+    deployment: Deployment,
+    arrivals: Sequence[Arrival],
+    slo: SLO,
+    profile: Profile,
+    decode_profile: Profile | None,
 ) -> SimulationResult:
-    result = simulate(deployment, arrivals, profile, decode_profile)
+    """Simulate a candidate, stopping once it certainly misses `slo`."""
+    result = simulate(deployment, arrivals, profile, decode_profile, give_up=slo)
     plan.steps += result.steps
     plan.wall_s += result.wall_s
     return result
@@ -110,7 +116,7 @@ def plan_disaggregated(
     prefill, decode = min(lower.prefill, max_prefill), min(lower.decode, max_decode)
     while prefill <= max_prefill and decode <= max_decode:
         deployment = Deployment(prefill=prefill, decode=decode)
-        result = _evaluate(plan, deployment, arrivals, profile, decode_profile)
+        result = _evaluate(plan, deployment, arrivals, slo, profile, decode_profile)
         plan.tried.append(result.summary())
         if result.meets(slo):
             plan.deployment, plan.result = deployment, result
@@ -144,7 +150,7 @@ def _shrink(
         for smaller in [
             Deployment(prefill=p, decode=d) for p, d in ((prefill - 1, decode), (prefill, decode - 1)) if p and d
         ]:
-            result = _evaluate(plan, smaller, arrivals, profile, decode_profile)
+            result = _evaluate(plan, smaller, arrivals, slo, profile, decode_profile)
             plan.tried.append(result.summary())
             if result.meets(slo):
                 better = (smaller, result)
@@ -160,7 +166,7 @@ def plan_colocated(arrivals: Sequence[Arrival], slo: SLO, profile: Profile, max_
     plan = Plan(None, None, lower)
     for replicas in range(min(lower.colocated, max_replicas), max_replicas + 1):
         deployment = Deployment(colocated=replicas)
-        result = _evaluate(plan, deployment, arrivals, profile, None)
+        result = _evaluate(plan, deployment, arrivals, slo, profile, None)
         plan.tried.append(result.summary())
         if result.meets(slo):
             plan.deployment, plan.result = deployment, result

@@ -22,6 +22,7 @@ API processes.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import statistics
@@ -92,6 +93,7 @@ class SimulationResult:
     steps: int
     wall_s: float
     preemptions: int
+    stopped_early: bool = False  # it ended once the SLO was certainly missed (the figures are partial)
 
     def attained(self, slo: SLO) -> float:
         """The share of requests that finished within both SLOs."""
@@ -106,8 +108,9 @@ class SimulationResult:
         return self.attained(slo) >= slo.attainment
 
     def percentile(self, metric: str, q: float) -> float:
-        """The q-quantile (0..1) of "ttft" or "tpot"; unfinished requests count as infinitely late."""
-        counted = [r for r in self.requests if metric == "ttft" or r.output_tokens > 1]
+        """The q-quantile (0..1) of "ttft" or "tpot"; unanswered or unfinished requests count as infinitely late."""
+        # TPOT: of the requests that got a first token and have more to come.
+        counted = [r for r in self.requests if metric == "ttft" or (r.output_tokens > 1 and r.first_token is not None)]
         values = sorted(float("inf") if getattr(r, metric) is None else getattr(r, metric) for r in counted)
         if not values:
             return 0.0
@@ -123,6 +126,7 @@ class SimulationResult:
             "preemptions": self.preemptions,
             "steps": self.steps,
             "steps_per_s": self.steps / self.wall_s if self.wall_s else 0.0,
+            "stopped_early": self.stopped_early,
         }
 
 
@@ -207,11 +211,14 @@ def simulate(
     profile: Profile,
     decode_profile: Profile | None = None,
     drain_limit_s: float | None = None,
+    give_up: SLO | None = None,
 ) -> SimulationResult:
     """Run `arrivals` through `deployment`; engines of the decode pool use `decode_profile` when given.
 
     Requests still unfinished `drain_limit_s` after the last arrival (default: as long as the trace,
     at least 60 s) are left unfinished: an overloaded deployment ends, and its requests miss the SLO.
+    With `give_up`, the run stops as soon as more requests have certainly missed that SLO than its
+    attainment allows (the result then says `stopped_early`): a search needs no more than that.
     """
     started = time.perf_counter()
     decode_profile = decode_profile or profile
@@ -230,6 +237,25 @@ def simulate(
     limit = last_arrival + (drain_limit_s if drain_limit_s is not None else max(60.0, last_arrival))
     steps = preemptions = 0
     now = 0.0
+    # Misses so far, for give_up: finished requests over a target, and (counted at each arrival)
+    # requests still without a first token past the TTFT target. `unanswered` holds request indices
+    # in arrival order; answered ones are dropped from its front as the checks pass them.
+    allowed_misses = len(arrivals) if give_up is None else int((1 - give_up.attainment) * len(arrivals))
+    finished_late = 0
+    unanswered: collections.deque[int] = collections.deque()
+    stopped_early = False
+
+    def certainly_missed(now: float) -> int:
+        assert give_up is not None
+        while unanswered and times[unanswered[0]].first_token is not None:
+            unanswered.popleft()
+        late = 0
+        for index in unanswered:  # in arrival order: stop at the first one still within the target
+            if now - times[index].arrival <= give_up.ttft_s or finished_late + late > allowed_misses:
+                break
+            if times[index].first_token is None:
+                late += 1
+        return finished_late + late
 
     def kick(engine: _Engine) -> None:
         nonlocal steps
@@ -272,6 +298,11 @@ def simulate(
                 record.finish = now
                 if engine.pool == "decode":
                     engine.in_flight -= 1
+                if give_up is not None and not (
+                    (record.ttft or 0.0) <= give_up.ttft_s and (record.tpot or 0.0) <= give_up.tpot_s
+                ):
+                    nonlocal finished_late
+                    finished_late += 1
 
     while events:
         event = heapq.heappop(events)
@@ -279,6 +310,11 @@ def simulate(
         if now > limit:
             break
         if event.kind == "arrive":
+            if give_up is not None:
+                unanswered.append(event.index)
+                if certainly_missed(now) > allowed_misses:
+                    stopped_early = True
+                    break
             arrival = arrivals[event.index]
             if deployment.colocated:
                 engine = min(front, key=lambda e: (len(e.scheduler.running) + len(e.scheduler.waiting), e.index))
@@ -311,4 +347,5 @@ def simulate(
         for pool, engines in (("colocated" if deployment.colocated else "prefill", front), ("decode", back))
         if engines
     }
-    return SimulationResult(deployment, times, horizon, utilisation, steps, time.perf_counter() - started, preemptions)
+    wall = time.perf_counter() - started
+    return SimulationResult(deployment, times, horizon, utilisation, steps, wall, preemptions, stopped_early)
