@@ -151,3 +151,17 @@ def test_cost_counts_gpus_then_pods_and_cpus_for_cpu_pods():
     assert cost(Deployment(colocated=3), cpu) == (12.0, 3)
     with pytest.raises(ValueError):
         Deployment(prefill=1, decode=1, colocated=1)
+
+
+def test_a_run_that_certainly_misses_stops_early_and_a_good_one_runs_to_the_end():
+    slo = SLO(ttft_s=0.2, tpot_s=0.02, attainment=0.9)
+    overloaded, light = workload(80, duration=20), workload(2, duration=20)
+    full = simulate(Deployment(colocated=1), overloaded, profile(), drain_limit_s=20)
+    cut = simulate(Deployment(colocated=1), overloaded, profile(), drain_limit_s=20, give_up=slo)
+    assert cut.stopped_early and not full.stopped_early
+    assert cut.steps < full.steps / 2
+    assert not cut.meets(slo) and not full.meets(slo)
+    whole = simulate(Deployment(prefill=1, decode=1), light, profile())
+    watched = simulate(Deployment(prefill=1, decode=1), light, profile(), give_up=slo)
+    assert not watched.stopped_early and watched.meets(slo)
+    assert [(r.first_token, r.finish) for r in watched.requests] == [(r.first_token, r.finish) for r in whole.requests]
