@@ -78,6 +78,11 @@ class StepTimeModel:
         features = step_features(new_tokens, start_positions)
         return sum(c * f for c, f in zip(self.coefficients, features, strict=True))
 
+    def median_error(self, points: Sequence[StepPoint]) -> float:
+        """The median relative error of the model on measured steps."""
+        errors = sorted(abs(self.seconds(p.new_tokens, p.start_positions) - p.seconds) / p.seconds for p in points)
+        return errors[len(errors) // 2] if errors else 0.0
+
 
 @dataclass
 class TransferModel:

@@ -15,6 +15,7 @@ import copy
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,11 @@ class PodProcesses:
         paths = {"--host": ip, "--kv-secret-file": str(self.secret_file())}
         env = dict(server_env())
         env.update({e.name: e.value for e in container.env or [] if e.value is not None})
+        for variable in container.env or []:  # from Secrets, as the kubelet resolves them
+            ref = variable.value_from.secret_key_ref if variable.value_from else None
+            if ref is not None:
+                secret = self.cluster.core.read_namespaced_secret(ref.name, NAMESPACE)
+                env[variable.name] = base64.b64decode(secret.data[ref.key]).decode()
         if pod.metadata.labels["pdserve.io/role"] == "router":
             argv = _substituted(container.command[1:], {**paths, "--tokenizer": self.model})
             account = pod.spec.service_account_name
@@ -166,9 +172,13 @@ def get(cluster: Cluster, plural: str, name: str) -> dict[str, Any] | None:
         raise
 
 
-def completion(url: str, model: str) -> dict[str, Any]:
+API_KEY = "k8s-test-api-key"
+AUTHORIZED = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+
+
+def completion(url: str, model: str, headers: dict[str, str] = AUTHORIZED) -> dict[str, Any]:
     body = json.dumps({"model": model, "prompt": "Hello from a real cluster", "max_tokens": 8}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    request = urllib.request.Request(f"{url}/v1/completions", body, headers)
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
 
@@ -185,7 +195,7 @@ class Stream:
         self.request = urllib.request.Request(
             f"{url}/v1/completions",
             json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode(),
-            {"Content-Type": "application/json"},
+            AUTHORIZED,
         )
         self.thread = threading.Thread(target=self._read, daemon=True)
 
@@ -212,7 +222,12 @@ class Stream:
 def test_pdservice_lifecycle(cluster: Cluster, kubelet: FakeKubelet, operator: Any, tmp_path: Path) -> None:
     name = "llm"
     started = time.monotonic()
-    cluster.create(_cpu_example(name), namespace=NAMESPACE)
+    # The API key from a Secret of the user's (spec.apiKeySecret): the router and engines get it from it.
+    key = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "team-api"}, "stringData": {"api-key": API_KEY}}
+    cluster.create(key, namespace=NAMESPACE)
+    service = _cpu_example(name)
+    service["spec"]["apiKeySecret"] = {"name": "team-api"}
+    cluster.create(service, namespace=NAMESPACE)
 
     # The operator (as its ServiceAccount) made the Deployments; the real controllers made
     # ReplicaSets and Pods; the real scheduler bound them to the fake node.
@@ -237,6 +252,9 @@ def test_pdservice_lifecycle(cluster: Cluster, kubelet: FakeKubelet, operator: A
 
         answer = wait_for(served, timeout=60, what="a completion through the router")
         assert answer["usage"]["completion_tokens"] == 8
+        with pytest.raises(urllib.error.HTTPError) as refused:  # no key: refused at the router
+            completion(router.url, name, headers={"Content-Type": "application/json"})
+        assert refused.value.code == 401
         # Readiness came from the probes, the PDService's status from the real Deployments.
         wait_for(lambda: _ready(get(cluster, "pdservices", name)), timeout=30, what="the PDService Ready")
         # PodDisruptionBudgets where the server has policy/v1; else a condition says they were skipped.
