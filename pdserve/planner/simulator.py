@@ -130,19 +130,8 @@ class SimulationResult:
         }
 
 
-class _HoldForDecode(KVConnectorScheduler):
+class _HoldForDecode(NoKVConnector):
     """Prefill side: a finished prompt's blocks are held until the simulated pull has read them."""
-
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
-        return 0, False
-
-    def update_state_after_alloc(
-        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
-    ) -> None:
-        return None
-
-    def build_connector_meta(self) -> Any:
-        return None
 
     def request_finished(
         self, request: ConnectorRequest, block_ids: list[int], finish_reason: str
@@ -150,25 +139,12 @@ class _HoldForDecode(KVConnectorScheduler):
         return bool(block_ids), None
 
 
-class _RemotePrompt(KVConnectorScheduler):
+class _RemotePrompt(NoKVConnector):
     """Decode side: a request is queued once its pull has landed, so all of its prompt but the last
     token (which the decode recomputes for its logits) loads synchronously."""
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         return max(0, len(request.prompt_token_ids) - 1 - num_computed_tokens), False
-
-    def update_state_after_alloc(
-        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
-    ) -> None:
-        return None
-
-    def build_connector_meta(self) -> Any:
-        return None
-
-    def request_finished(
-        self, request: ConnectorRequest, block_ids: list[int], finish_reason: str
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return False, None
 
 
 class _Engine:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import base64
 import copy
+import functools
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import helm_python
 import kubernetes
@@ -27,6 +27,7 @@ from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from pdserve.launcher import free_port
 from tests.k8s.fake_kubelet import FakeKubelet
+from tests.operator.kmock_cluster import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdserve"
@@ -36,20 +37,6 @@ NAMESPACE = "pdserve-k8s-test"  # where the tests' PDServices live
 
 # (where, apiVersion, kind, name) of every object the server could not take: shown at the end.
 SKIPPED: list[tuple[str, str, str, str]] = []
-
-T = TypeVar("T")
-
-
-def wait_for(check: Callable[[], T], timeout: float = 30.0, what: str = "", interval: float = 0.2) -> T:
-    """Poll `check` until it returns something truthy, and return that; AssertionError on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what or check}")
-        time.sleep(interval)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -101,7 +88,7 @@ class Cluster:
                     return base64.b64decode(secret.data["token"]).decode()
             return None
 
-        return wait_for(token, what=f"a token for {namespace}/{service_account}")
+        return wait_for(token, timeout=30, what=f"a token for {namespace}/{service_account}")
 
     def kubeconfig_for(self, token: str, path: Path) -> Path:
         """A kubeconfig like the admin's, with this bearer token (a ServiceAccount's)."""
@@ -145,7 +132,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             crds.create_custom_resource_definition(yaml.safe_load(path.read_text()))
         for path in sorted((CHART / "crds").glob("*.yaml")):
             name = yaml.safe_load(path.read_text())["metadata"]["name"]
-            wait_for(lambda: _established(crds.read_custom_resource_definition(name)), what=f"CRD {name} established")  # noqa: B023
+            established = functools.partial(_established, crds, name)
+            wait_for(established, timeout=30, what=f"CRD {name} established")
         cluster.refresh()
         for namespace in (RELEASE_NAMESPACE, NAMESPACE):
             cluster.core.create_namespace({"metadata": {"name": namespace}})
@@ -156,8 +144,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         subprocess.run(["bash", str(CONTROL_PLANE), "stop"], capture_output=True, timeout=120)
 
 
-def _established(crd: Any) -> bool:
-    return any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or [])
+def _established(crds: kubernetes.client.ApiextensionsV1Api, name: str) -> bool:
+    conditions = crds.read_custom_resource_definition(name).status.conditions or []
+    return any(c.type == "Established" and c.status == "True" for c in conditions)
 
 
 @pytest.fixture(scope="session")

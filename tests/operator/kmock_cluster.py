@@ -55,15 +55,16 @@ class ApiError(Exception):
         self.body = body
 
 
-def wait_for(check: Callable[[], T], timeout: float = 10.0, interval: float = 0.05) -> T:
-    """Poll `check` until it returns something truthy, and return that; AssertionError on timeout."""
+def wait_for(check: Callable[[], T], timeout: float = 10.0, interval: float = 0.05, what: str = "") -> T:
+    """Poll `check` until it returns something truthy, and return that; AssertionError (naming
+    `what`) on timeout."""
     deadline = time.monotonic() + timeout
     while True:
         result = check()
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"not true after {timeout} s; last result: {result!r}")
+            raise AssertionError(f"{what or 'not true'} after {timeout} s; last result: {result!r}")
         time.sleep(interval)
 
 
