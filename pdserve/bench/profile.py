@@ -115,15 +115,7 @@ def profile_engine(
                 batch *= 2
         kv_bytes_per_token = model_config.kv_bytes_per_token(_kv_dtype(args))
         block_bytes = kv_bytes_per_token * config.block_size
-        shape = EngineShape(
-            num_blocks=config.num_blocks,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            kv_bytes_per_token=kv_bytes_per_token,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
+        shape = EngineShape.of(config, kv_bytes_per_token)
     finally:
         core.close()
     pulls = measure_pulls(transport, PULL_BLOCK_COUNTS, block_bytes, repeats=3, seed=seed)

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.engine.scheduler import SchedulerConfig
+
 FEATURES = ("constant", "tokens", "sequences", "attention")
 
 
@@ -113,6 +115,30 @@ class EngineShape:
     max_num_batched_tokens: int
     kv_bytes_per_token: int  # the KV cache's bytes for one token of context (all layers)
     enable_prefix_caching: bool = True
+
+    @classmethod
+    def of(cls, config: SchedulerConfig, kv_bytes_per_token: int) -> EngineShape:
+        """The shape of an engine whose scheduler has this configuration."""
+        return cls(
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kv_bytes_per_token=kv_bytes_per_token,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The configuration of a scheduler like the profiled engine's."""
+        return SchedulerConfig(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
 
 
 @dataclass

@@ -33,7 +33,7 @@ from typing import Any
 
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.scheduler import Scheduler
 from pdserve.kvtransfer.base import ConnectorRequest, KVConnectorOutput, KVConnectorScheduler, NoKVConnector
 from pdserve.planner.profile import Profile
 from pdserve.planner.workload import Arrival
@@ -149,17 +149,8 @@ class _RemotePrompt(NoKVConnector):
 
 class _Engine:
     def __init__(self, pool: str, index: int, profile: Profile, connector: KVConnectorScheduler) -> None:
-        shape = profile.engine
-        config = SchedulerConfig(
-            num_blocks=shape.num_blocks,
-            block_size=shape.block_size,
-            max_model_len=shape.max_model_len,
-            max_num_seqs=shape.max_num_seqs,
-            max_num_batched_tokens=shape.max_num_batched_tokens,
-            enable_prefix_caching=shape.enable_prefix_caching,
-        )
         self.pool, self.index, self.profile = pool, index, profile
-        self.scheduler = Scheduler(config, connector)
+        self.scheduler = Scheduler(profile.engine.scheduler_config(), connector)
         self.busy = False
         self.busy_s = 0.0
         self.in_flight = 0  # requests assigned here and not finished (decode choice, as the router counts)
