@@ -17,9 +17,9 @@ from pdserve.testing.processes import engine_executor
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def llm():
     return LLM(
-        str(ensure_demo_model(tmp_path_factory.mktemp("cache"))),
+        str(ensure_demo_model()),
         kv_cache_memory=64 << 20,
         max_model_len=512,
         **engine_executor(),

@@ -20,8 +20,8 @@ MAX_MODEL_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    model = str(ensure_demo_model(tmp_path_factory.mktemp("cache")))
+def engine():
+    model = str(ensure_demo_model())
     thread = ServerThread(EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 << 20, device="cpu"))
     yield thread
     thread.close()

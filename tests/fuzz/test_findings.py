@@ -19,9 +19,9 @@ from tests.server.helpers import ServerThread
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine():
     # Its own engine: the last test here killed its core before the fix.
-    model = str(ensure_demo_model(tmp_path_factory.mktemp("cache")))
+    model = str(ensure_demo_model())
     thread = ServerThread(EngineArgs(model=model, max_model_len=64, kv_cache_memory=16 << 20, device="cpu"))
     yield thread
     thread.close()

@@ -11,8 +11,8 @@ from pdserve.server.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_tokenizer(ensure_demo_model(tmp_path_factory.mktemp("cache")))
+def tokenizer():
+    return load_tokenizer(ensure_demo_model())
 
 
 def _stream(tokenizer, text, stop=(), include=False, step=1):
