@@ -30,126 +30,41 @@ def profile_file(tmp_path):
     return path
 
 
+def plan(profile_file, *options: str) -> subprocess.CompletedProcess:
+    """`pdserve plan` on 15 s of a short-request workload; `options` add to or override the defaults
+    (argparse keeps the last value of a flag)."""
+    workload = ["--rate", "20", "--duration", "15", "--prompt-len", "200", "--output-len", "40"]
+    slo = ["--ttft-ms", "300", "--tpot-ms", "20"]
+    return pdserve("plan", "--profile", str(profile_file), *workload, *slo, *options)
+
+
 def test_plan_prints_both_plans_and_the_sensitivity(profile_file):
-    run = pdserve(
-        "plan",
-        "--profile",
-        str(profile_file),
-        "--rate",
-        "20",
-        "--duration",
-        "30",
-        "--prompt-len",
-        "200",
-        "--output-len",
-        "40",
-        "--ttft-ms",
-        "300",
-        "--tpot-ms",
-        "20",
-    )
+    run = plan(profile_file)
     assert run.returncode == 0, run.stderr
     assert "disaggregated: " in run.stdout and "colocated: " in run.stdout
     assert "rate x2:" in run.stdout and "steps/s" in run.stdout
-    as_json = pdserve(
-        "plan",
-        "--profile",
-        str(profile_file),
-        "--rate",
-        "20",
-        "--duration",
-        "30",
-        "--ttft-ms",
-        "300",
-        "--tpot-ms",
-        "20",
-        "--output",
-        "json",
-        "--prompt-len",
-        "200",
-        "--output-len",
-        "40",
-    )
-    report = json.loads(as_json.stdout)
+    report = json.loads(plan(profile_file, "--output", "json").stdout)
     assert report["disaggregated"]["attained"] >= 0.9
     assert [row["rate_factor"] for row in report["sensitivity"]] == [0.5, 0.75, 1.25, 1.5, 2.0]
 
 
 def test_plan_writes_a_sized_pdservice(profile_file, tmp_path):
     base = tmp_path / "pds.yaml"
-    base.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "pdserve.io/v1alpha1",
-                "kind": "PDService",
-                "metadata": {"name": "llm"},
-                "spec": {"image": "pdserve:1"},
-            }
-        )
-    )
-    run = pdserve(
-        "plan",
-        "--profile",
-        str(profile_file),
-        "--rate",
-        "40",
-        "--duration",
-        "20",
-        "--ttft-ms",
-        "200",
-        "--tpot-ms",
-        "15",
-        "--output",
-        "pdservice",
-        "--pdservice",
-        str(base),
-        "--prompt-len",
-        "200",
-        "--output-len",
-        "40",
-    )
+    manifest = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDService", "metadata": {"name": "llm"}}
+    base.write_text(yaml.safe_dump({**manifest, "spec": {"image": "pdserve:1"}}))
+    run = plan(profile_file, "--rate", "40", "--tpot-ms", "15", "--output", "pdservice", "--pdservice", str(base))
     assert run.returncode == 0, run.stderr
-    manifest = yaml.safe_load(run.stdout)
-    assert manifest["spec"]["image"] == "pdserve:1"
-    assert manifest["spec"]["prefill"]["replicas"] >= 1 and manifest["spec"]["decode"]["replicas"] >= 1
+    sized = yaml.safe_load(run.stdout)
+    assert sized["spec"]["image"] == "pdserve:1"
+    assert sized["spec"]["prefill"]["replicas"] >= 1 and sized["spec"]["decode"]["replicas"] >= 1
 
 
 def test_plan_refuses_bad_input_clearly(profile_file, tmp_path):
-    missing = pdserve("plan", "--profile", str(tmp_path / "none.json"), "--ttft-ms", "1", "--tpot-ms", "1")
+    missing = plan(tmp_path / "none.json")
     assert missing.returncode == 2 and "pdserve plan:" in missing.stderr and "Traceback" not in missing.stderr
-    too_long = pdserve(
-        "plan",
-        "--profile",
-        str(profile_file),
-        "--prompt-len",
-        "5000",
-        "--prompt-cv",
-        "0",
-        "--ttft-ms",
-        "1",
-        "--tpot-ms",
-        "1",
-        "--duration",
-        "5",
-    )
+    too_long = plan(profile_file, "--prompt-len", "5000", "--prompt-cv", "0")
     assert too_long.returncode == 2 and "max_model_len" in too_long.stderr
-    hopeless = pdserve(
-        "plan",
-        "--profile",
-        str(profile_file),
-        "--rate",
-        "5",
-        "--duration",
-        "10",
-        "--ttft-ms",
-        "0.01",
-        "--tpot-ms",
-        "0.01",
-        "--max-prefill",
-        "1",
-        "--max-decode",
-        "1",
-    )
+    hopeless = plan(profile_file, "--ttft-ms", "0.01", "--tpot-ms", "0.01", "--max-prefill", "1", "--max-decode", "1")
     assert hopeless.returncode == 1 and "nothing within the limits meets it" in hopeless.stdout
 
 
