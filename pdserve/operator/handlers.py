@@ -2,6 +2,7 @@
 
 - PDService created, changed, or found at start-up: validate, create or patch its objects, sync status.
 - PDPool created, found at start-up, or spec.replicas changed (kubectl scale, an HPA): sync.
+- PDService with spec.autoscaling.enabled: a daemon decides the pools' sizes every interval (`autoscaler`).
 - Anything else the operator created (Deployment, Service, ServiceAccount, Role, RoleBinding,
   Secret, NetworkPolicy, PodDisruptionBudget, PDPool) changed or was deleted: restore it from the PDService, then sync.
   So a deleted or edited object is back within seconds, not at the PDService's next change.
@@ -9,11 +10,12 @@ No finalizers: the owner references on everything the operator creates let the g
 delete it with the PDService.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
-from pdserve.operator import reconcile
+from pdserve.operator import autoscaler, reconcile
 from pdserve.operator.kube import Kube
 from pdserve.operator.names import (
     GROUP,
@@ -62,6 +64,17 @@ def reconcile_service(body: kopf.Body, name: str, namespace: str | None, memo: k
 @kopf.on.field(GROUP, VERSION, PDPOOLS, field="spec.replicas")
 def follow_pool(spec: kopf.Spec, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     reconcile.sync(memo.kube, _namespaced(namespace), spec["service"])
+
+
+def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
+    autoscaling = spec.get("autoscaling")
+    return isinstance(autoscaling, Mapping) and autoscaling.get("enabled") is True
+
+
+@kopf.daemon(GROUP, VERSION, PDSERVICES, when=_autoscaling_enabled, cancellation_timeout=10)
+def autoscale(stopped: kopf.DaemonStopped, name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """Runs while spec.autoscaling.enabled is true: kopf stops it when that turns false."""
+    autoscaler.run(memo.kube, _namespaced(namespace), name, stopped)
 
 
 # (group, version, plural) of every kind the operator creates for a PDService.

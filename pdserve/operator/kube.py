@@ -30,6 +30,8 @@ _BUILTIN: dict[str, tuple[Any, str]] = {
     "RoleBinding": (kubernetes.client.RbacAuthorizationV1Api, "namespaced_role_binding"),
     "NetworkPolicy": (kubernetes.client.NetworkingV1Api, "namespaced_network_policy"),
     "PodDisruptionBudget": (kubernetes.client.PolicyV1Api, "namespaced_pod_disruption_budget"),
+    "ConfigMap": (kubernetes.client.CoreV1Api, "namespaced_config_map"),
+    "HorizontalPodAutoscaler": (kubernetes.client.AutoscalingV2Api, "namespaced_horizontal_pod_autoscaler"),
 }
 _CUSTOM = {"PDService": PDSERVICES, "PDPool": PDPOOLS}
 

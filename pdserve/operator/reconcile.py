@@ -28,7 +28,7 @@ _locks: collections.defaultdict[tuple[str, str], threading.RLock] = collections.
 _locks_lock = threading.Lock()
 
 
-def _service_lock(namespace: str, name: str) -> threading.RLock:
+def service_lock(namespace: str, name: str) -> threading.RLock:
     with _locks_lock:
         return _locks[namespace, name]
 
@@ -37,7 +37,7 @@ def ensure_objects(kube: Kube, body: kopf.Body) -> None:
     """Create or patch the PDPools, KV Secret, NetworkPolicy, Deployments, Services and router RBAC
     of a valid PDService."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
-    with _service_lock(namespace, name):
+    with service_lock(namespace, name):
         _ensure_objects(kube, body, name, namespace)
 
 
@@ -71,7 +71,7 @@ def restore(kube: Kube, namespace: str, name: str) -> None:
     """Recreate or repair whatever a valid, live PDService owns, then sync: called when an owned
     object changed or went away. A PDService that is gone, being deleted or invalid is left alone
     (its own handler reports an invalid spec)."""
-    with _service_lock(namespace, name):
+    with service_lock(namespace, name):
         service = kube.get("PDService", namespace, name)
         if service is None or service["metadata"].get("deletionTimestamp"):
             return
@@ -83,7 +83,7 @@ def restore(kube: Kube, namespace: str, name: str) -> None:
 
 def sync(kube: Kube, namespace: str, name: str) -> None:
     """Engine Deployments follow their PDPools; PDPool and PDService statuses follow the Deployments."""
-    with _service_lock(namespace, name):
+    with service_lock(namespace, name):
         service = kube.get("PDService", namespace, name)
         if service is None or service["metadata"].get("deletionTimestamp"):
             return  # gone or going: the garbage collector removes the rest
@@ -94,7 +94,10 @@ def sync(kube: Kube, namespace: str, name: str) -> None:
         ready = {role: ((dep or {}).get("status") or {}).get("readyReplicas", 0) for role, dep in deployments.items()}
         found = problems(name, service.get("spec") or {})
         previous = service.get("status") or {}
-        new = status.service_status(name, namespace, found, desired, ready, previous, _not_served(kube))
+        # The autoscaler's condition stays while it runs; turned off, its condition goes.
+        autoscaling = with_defaults(service.get("spec") or {})["autoscaling"]
+        kept = [status.SCALING_CONFLICT] if isinstance(autoscaling, dict) and autoscaling.get("enabled") is True else []
+        new = status.service_status(name, namespace, found, desired, ready, previous, _not_served(kube), kept)
         if not is_subset(new, service.get("status") or {}):
             kube.patch("PDService", namespace, name, {"status": new}, status=True)
 

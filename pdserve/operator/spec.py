@@ -92,6 +92,7 @@ def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(full.get("apiKeySecret"), dict):
         full["apiKeySecret"].setdefault("key", "api-key")
     full.setdefault(ROUTER, {}).setdefault("replicas", 1)
+    _autoscaling_defaults(full.setdefault("autoscaling", {}))
     for role in ENGINE_ROLES:
         pool = full.setdefault(role, {})
         pool.setdefault("replicas", 1)
@@ -106,7 +107,7 @@ def problems(name: str, spec: Mapping[str, Any]) -> list[str]:
     """Why this PDService cannot be served, one sentence each; empty when it can."""
     if not _NAME.match(name) or len(name) > MAX_NAME_LENGTH:
         return [f"name {name!r} must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters"]
-    sections = ("model", "kvTransfer", ROUTER, PREFILL, DECODE)
+    sections = ("model", "kvTransfer", "autoscaling", ROUTER, PREFILL, DECODE)
     wrong = [key for key in sections if not isinstance(spec.get(key, {}), Mapping)]
     if wrong:
         return [f"spec.{key} must be an object" for key in wrong]
@@ -124,7 +125,101 @@ def problems(name: str, spec: Mapping[str, Any]) -> list[str]:
     found += _resources_problems(f"spec.{ROUTER}.resources", spec[ROUTER].get("resources", {}))
     for role in (PREFILL, DECODE):
         found += _pool_problems(f"spec.{role}", spec[role])
+    found += _autoscaling_problems(spec["autoscaling"])
     return found
+
+
+# spec.autoscaling's defaults (the CRD's too); `slo.ttftSeconds`, `slo.tpotSeconds` and
+# `profile.configMap` have none: enabling autoscaling needs them.
+AUTOSCALING_DEFAULTS: dict[str, Any] = {
+    "enabled": False,
+    "intervalSeconds": 60,
+    "cooldownSeconds": 180,
+    "scaleDownDecisions": 3,
+    "maxStep": 2,
+    "horizonSeconds": 120,
+    "correction": {"min": 0.5, "max": 2.0},
+    "slo": {"attainment": 0.9},
+    "profile": {"key": "profile.json"},
+    "metrics": {"source": "router"},
+    PREFILL: {"minReplicas": 1, "maxReplicas": 8},
+    DECODE: {"minReplicas": 1, "maxReplicas": 16},
+}
+METRICS_SOURCES = ("router", "prometheus")
+_CONFIG_MAP_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
+def _autoscaling_defaults(autoscaling: dict[str, Any]) -> None:
+    for key, value in AUTOSCALING_DEFAULTS.items():
+        if isinstance(value, dict):
+            section = autoscaling.setdefault(key, {})
+            if isinstance(section, dict):
+                for inner, default in value.items():
+                    section.setdefault(inner, default)
+        else:
+            autoscaling.setdefault(key, value)
+
+
+def _autoscaling_problems(autoscaling: Any) -> list[str]:
+    where = "spec.autoscaling"
+    if not isinstance(autoscaling, dict):
+        return [f"{where} must be an object"]
+    if not isinstance(autoscaling["enabled"], bool):
+        return [f"{where}.enabled must be true or false"]
+    if not autoscaling["enabled"]:
+        return []  # what else it says is read only when it is turned on
+    wrong = [key for key, value in AUTOSCALING_DEFAULTS.items() if isinstance(value, dict)]
+    wrong = [key for key in wrong if not isinstance(autoscaling[key], dict)]
+    if wrong:
+        return [f"{where}.{key} must be an object" for key in wrong]
+    found = []
+    for key in ("intervalSeconds", "cooldownSeconds", "horizonSeconds"):
+        found += _positive_problems(f"{where}.{key}", autoscaling[key], minimum=1)
+    for key in ("scaleDownDecisions", "maxStep"):
+        if isinstance(autoscaling[key], bool) or not isinstance(autoscaling[key], int) or autoscaling[key] < 1:
+            found.append(f"{where}.{key} must be an integer >= 1")
+    slo = autoscaling["slo"]
+    for key in ("ttftSeconds", "tpotSeconds"):
+        found += _positive_problems(f"{where}.slo.{key}", slo.get(key), minimum=0)
+    attainment = slo["attainment"]
+    if isinstance(attainment, bool) or not isinstance(attainment, int | float) or not 0 < attainment <= 1:
+        found.append(f"{where}.slo.attainment must be a fraction above 0 and at most 1")
+    correction = autoscaling["correction"]
+    low, high = correction.get("min"), correction.get("max")
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high))
+    if not numbers or not 0 < low <= 1 <= high:
+        found.append(f"{where}.correction must have 0 < min <= 1 <= max")
+    profile = autoscaling["profile"]
+    name = profile.get("configMap")
+    if not isinstance(name, str) or not _SECRET_NAME.fullmatch(name) or len(name) > MAX_SECRET_NAME_LENGTH:
+        found.append(f"{where}.profile.configMap must name a ConfigMap holding the profile (`pdserve profile`)")
+    for key in ("key", "decodeKey"):
+        if key in profile and (not isinstance(profile[key], str) or not _CONFIG_MAP_KEY.fullmatch(profile[key])):
+            found.append(f"{where}.profile.{key} must be a key of a ConfigMap (letters, digits, '-', '_', '.')")
+    metrics = autoscaling["metrics"]
+    if metrics["source"] not in METRICS_SOURCES:
+        found.append(f"{where}.metrics.source must be one of {', '.join(METRICS_SOURCES)}")
+    elif metrics["source"] == "prometheus":
+        url = metrics.get("prometheusURL")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            found.append(f"{where}.metrics.prometheusURL must be an http(s) URL when the source is prometheus")
+    if "selector" in metrics and not isinstance(metrics["selector"], str):
+        found.append(f'{where}.metrics.selector must be a string such as {{namespace="ns"}}')
+    for role in ENGINE_ROLES:
+        bounds = autoscaling[role]
+        least, most = bounds.get("minReplicas"), bounds.get("maxReplicas")
+        counts = all(isinstance(v, int) and not isinstance(v, bool) for v in (least, most))
+        if not counts or not 1 <= least <= most:
+            found.append(f"{where}.{role} must have integers 1 <= minReplicas <= maxReplicas")
+    return found
+
+
+def _positive_problems(where: str, value: Any, minimum: float) -> list[str]:
+    """A number of at least `minimum`, or (minimum 0) above 0."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or (value < minimum if minimum else value <= 0):
+        return [f"{where} must be a number {f'>= {minimum}' if minimum else 'above 0'}"]
+    return []
 
 
 def _model_problems(model: dict[str, Any]) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 from pdserve.operator.names import ROLES, router_url, selector_string
 
 SKIPPED = "ObjectsSkipped"
+SCALING_CONFLICT = "ScalingConflict"  # written by the autoscaler
 
 
 def now() -> str:
@@ -53,9 +54,11 @@ def service_status(
     ready: Mapping[str, int],
     previous: Mapping[str, Any],
     not_served: Sequence[str] = (),
+    kept: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The PDService status; `previous` is the current status (keeps the conditions' transition
-    times); `not_served` names the kinds ("policy/v1 PodDisruptionBudget") the server lacks."""
+    times); `not_served` names the kinds ("policy/v1 PodDisruptionBudget") the server lacks; `kept`
+    names conditions others write (the autoscaler's), carried over as they are."""
     old = {c.get("type"): c for c in previous.get("conditions") or []}
     conditions = [ready_condition(problems, desired, ready, old.get("Ready"))]
     if not_served:
@@ -69,6 +72,7 @@ def service_status(
                 "lastTransitionTime": earlier["lastTransitionTime"] if earlier else now(),
             }
         )
+    conditions += [old[kind] for kind in kept if kind in old]
     return {
         "pools": {role: pool(desired[role], ready[role]) for role in ROLES},
         "routerURL": router_url(name, namespace),

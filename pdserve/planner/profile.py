@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +152,12 @@ class Profile:
     cpus_per_pod: float = 1.0
     step_points: list[StepPoint] = field(default_factory=list)
     transfer_points: list[tuple[int, float]] = field(default_factory=list)
+
+    def scaled(self, factor: float) -> Profile:
+        """The same engine with every step `factor` times as long (a correction from measured serving);
+        the raw points are left out of the copy."""
+        step = StepTimeModel([c * factor for c in self.step.coefficients])
+        return replace(self, step=step, step_points=[], transfer_points=[])
 
     def pod_cost(self) -> float:
         """What one pod costs: its GPUs, or for a CPU pod its CPUs."""

@@ -1,7 +1,8 @@
 """The traffic the planner sizes for: arrivals, prompt and output lengths, prefix sharing.
 
 A `Workload` is either generated from a description (`WorkloadSpec`: a rate with burstiness,
-length distributions, a prefix-hit rate, a duration; seeded, so a plan is reproducible) or read
+length distributions - lognormal, or `Buckets` read back from a running service's histograms -
+a prefix-hit rate, a duration; seeded, so a plan is reproducible) or read
 from a recorded trace (JSON lines of `{"t": seconds, "prompt_tokens": n, "output_tokens": m}`).
 Prompts are token ids: a share `prefix_hit_rate` of each prompt is one of a few shared prefixes
 (system prompts), the rest unique, so the real prefix cache in the simulator hits as often as
@@ -48,10 +49,60 @@ class Lengths:
 
 
 @dataclass(frozen=True)
+class Buckets:
+    """A distribution read back from a Prometheus histogram: `counts[i]` observations at most
+    `bounds[i]` and above the bound before it; `counts[-1]`, above the last bound. Sampled
+    uniformly within a bucket (the open last bucket at its lower bound), as histogram_quantile
+    interpolates."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[float, ...]
+
+    @classmethod
+    def from_cumulative(cls, cumulative: dict[float, float]) -> Buckets:
+        """From Prometheus' cumulative `le` buckets (+Inf included), by upper bound."""
+        bounds = sorted(cumulative)
+        running = [max(0.0, cumulative[bound]) for bound in bounds]
+        counts = [float(max(0.0, c - p)) for c, p in zip(running, [0.0, *running][:-1], strict=True)]
+        finite = [b for b in bounds if math.isfinite(b)]
+        return cls(tuple(finite), tuple(counts[: len(finite)]) + (sum(counts[len(finite) :]),))
+
+    @property
+    def total(self) -> float:
+        return sum(self.counts)
+
+    def _edges(self, index: int) -> tuple[float, float]:
+        lower = self.bounds[index - 1] if index > 0 else 0.0
+        upper = self.bounds[index] if index < len(self.bounds) else lower
+        return lower, upper
+
+    def mean(self) -> float:
+        if not self.total:
+            return 0.0
+        return sum(count * sum(self._edges(i)) / 2 for i, count in enumerate(self.counts)) / self.total
+
+    def quantile(self, q: float) -> float:
+        """The value below which a share q of the observations lie (interpolated within its bucket)."""
+        wanted = q * self.total
+        seen = 0.0
+        for index, count in enumerate(self.counts):
+            if count and seen + count >= wanted:
+                lower, upper = self._edges(index)
+                return lower + (upper - lower) * (wanted - seen) / count
+            seen += count
+        return self.bounds[-1] if self.bounds else 0.0
+
+    def sample(self, rng: random.Random) -> int:
+        index = rng.choices(range(len(self.counts)), weights=self.counts)[0]
+        lower, upper = self._edges(index)
+        return max(1, round(rng.uniform(lower, upper)))
+
+
+@dataclass(frozen=True)
 class WorkloadSpec:
     rate: float  # requests per second, on average
-    prompt: Lengths
-    output: Lengths
+    prompt: Lengths | Buckets
+    output: Lengths | Buckets
     duration_s: float = 600.0
     burstiness: float = 1.0  # coefficient of variation of the gaps: 1 Poisson, above 1 bursty, 0 regular
     prefix_hit_rate: float = 0.0  # share of each prompt that is a shared prefix

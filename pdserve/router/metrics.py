@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.api.report import TOKEN_BUCKETS, Report
 from pdserve.router.kv_index import KVIndex
 
 PATHS = ("disagg", "decode_only", "fallback")
@@ -50,7 +51,28 @@ ERROR_KINDS = (
     "client_disconnect",
 )
 ROLES = ("prefill", "decode")
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 
 
 class RouterMetrics:
@@ -71,6 +93,36 @@ class RouterMetrics:
         self.errors = {kind: errors.labels(kind) for kind in ERROR_KINDS}
         self.ejections = Counter(
             "pdserve_router_pod_ejections", "Pods taken out of rotation after failing", registry=self.registry
+        )
+        # What sizes the pools (a planner, the operator's autoscaler): arrivals, and each answered
+        # request's lengths and latencies as its decode engine reported them (pdserve/api/report.py),
+        # under the engines' names for lengths, so one query covers routers or engines.
+        self.received = Counter(
+            "pdserve_router_requests_received", "Generation requests received (read, parsed)", registry=self.registry
+        )
+        self.prompt_tokens = Histogram(
+            "pdserve_request_prompt_tokens",
+            "Prompt tokens of an answered request",
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.generation_tokens = Histogram(
+            "pdserve_request_generation_tokens",
+            "Tokens generated for an answered request",
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "pdserve_router_time_to_first_token_seconds",
+            "Time to first token through the router: its arrival to the decode engine's first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "pdserve_router_time_per_output_token_seconds",
+            "Time per output token after the first, as the decode engine reported it",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.latency = Histogram(
             "pdserve_router_request_latency_seconds",
@@ -114,6 +166,15 @@ class RouterMetrics:
         )
         if index is not None:
             self.registry.register(_IndexCollector(index))
+
+    def observe_report(self, report: Report, before_decode_s: float) -> None:
+        """An answered request's report; `before_decode_s`: from its arrival here until its decode leg was sent."""
+        self.prompt_tokens.observe(report.prompt_tokens)
+        self.generation_tokens.observe(report.completion_tokens)
+        if report.ttft_s is not None:
+            self.ttft.observe(before_decode_s + report.ttft_s)
+        if report.tpot_s is not None:
+            self.tpot.observe(report.tpot_s)
 
     def chose(self, role: str, pod: str, policy: str) -> None:
         key = (role, pod, policy)

@@ -38,6 +38,7 @@ from pdserve.api.protocol import (
     ProtocolError,
     decode_request,
 )
+from pdserve.api.report import REPORT_HEADER, Report, from_header, take_comment
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pods import Pod, PodSet
@@ -116,6 +117,8 @@ class _Exchange:
     # Sent with a prefill leg's params: counted "disagg" once decode's answer shows it used them.
     disagg_pending: bool = False
     decode_answered: bool = False  # a decode pod has answered (so it has the request, and its params)
+    started: float = 0.0  # time.perf_counter() at its arrival
+    decode_sent: float = 0.0  # ... when the decode leg that answered was sent
 
 
 class _NothingSent(Exception):
@@ -201,13 +204,15 @@ class Proxy:
         try:
             raw = await request.read()
             parsed = decode_request(raw, ChatCompletionRequest if chat else CompletionRequest)
+            self.metrics.received.inc()
             request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
             request[REQUEST_ID_KEY] = request_id
-            headers = {"Content-Type": "application/json", REQUEST_ID: request_id}
+            # The report (pdserve/api/report.py) feeds the length and latency histograms.
+            headers = {"Content-Type": "application/json", REQUEST_ID: request_id, REPORT_HEADER: "1"}
             authorization = request.headers.get("Authorization")
             if authorization is not None:
                 headers["Authorization"] = authorization
-            exchange = _Exchange(request, headers, request_id)
+            exchange = _Exchange(request, headers, request_id, started=started)
             try:
                 async with asyncio.timeout(self.config.request_timeout):
                     return await self._serve(exchange, raw, parsed, chat)
@@ -430,6 +435,7 @@ class Proxy:
             # Until its first byte the request may go elsewhere if the pod leaves rotation (hung: its health
             # probe times out) - unless it was out of rotation already when chosen (nothing better was left).
             left_rotation = pod.left_rotation if pod.healthy else None
+            exchange.decode_sent = time.perf_counter()
             try:
                 answer = await _unless_left_rotation(
                     self._post(pod.url, exchange.request.path, body, exchange.headers), left_rotation
@@ -500,6 +506,8 @@ class Proxy:
                     f"the decode pod failed mid-answer: {type(error).__name__}", 502, error_type="bad_gateway"
                 ) from error
             self._answered(pod, answer.status)
+            if answer.status == 200:
+                self._reported(exchange, from_header(answer.headers.get(REPORT_HEADER)))
             if answer.status == 200 and choice.block_size:
                 with contextlib.suppress(msgspec.MsgspecError):  # no usage to learn from: nothing to count
                     self._observe("decode", choice, msgspec.json.decode(payload, type=_UsageAnswer).usage)
@@ -522,7 +530,7 @@ class Proxy:
         exchange.response = response
         await response.prepare(exchange.request)
         tail: deque[bytes] | None = deque((first,), _TAIL_CHUNKS) if exchange.stream_usage else None
-        chunk = first
+        chunk, report = take_comment(first)
         while True:
             try:
                 await response.write(chunk)
@@ -541,11 +549,19 @@ class Proxy:
                 return response
             if tail is not None:
                 tail.append(chunk)
+            if report is None:
+                chunk, report = take_comment(chunk)
         await response.write_eof()
         self._answered(pod, answer.status)
+        if answer.status == 200:
+            self._reported(exchange, report)
         if tail is not None and answer.status == 200:
             self._observe("decode", choice, _stream_usage(b"".join(tail)))
         return response
+
+    def _reported(self, exchange: _Exchange, report: Report | None) -> None:
+        if report is not None:
+            self.metrics.observe_report(report, exchange.decode_sent - exchange.started)
 
     def _answered(self, pod: Pod, status: int) -> None:
         if status < 500:

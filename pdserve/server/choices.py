@@ -41,7 +41,7 @@ class ChoiceRunner:
         result: ChoiceResult,
     ) -> AsyncGenerator[ChoiceDelta, None]:
         """Run one choice, updating ``result`` and yielding what it produced at each output."""
-        arrival = time.monotonic()
+        arrival = result.arrival_time = time.monotonic()
         queue = await self.client.add_request(
             child_id, prompt, params, self.processor.eos_token_id, kv_transfer_params, cache_salt
         )
@@ -96,11 +96,12 @@ class ChoiceRunner:
             if result.finish_reason is not None:
                 if result.finish_reason == "length" and params.structured_outputs is not None:
                     self.metrics.structured_length_capped.inc()
+                result.finish_time = time.monotonic()
                 self.metrics.observe(
                     result.finish_reason,
                     arrival,
                     result.first_token_time,
-                    time.monotonic(),
+                    result.finish_time,
                     len(result.token_ids),
                     len(prompt),
                 )

@@ -15,10 +15,11 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
+from pdserve.api.report import TOKEN_BUCKETS
 from pdserve.engine.scheduler import SchedulerStats
 
 # 1, 2, 5, 10, 20, 50, ... up to a million tokens.
-_TOKEN_BUCKETS = tuple(float(mantissa * 10**exponent) for exponent in range(7) for mantissa in (1, 2, 5))[:-2]
+_VLLM_TOKEN_BUCKETS = tuple(float(mantissa * 10**exponent) for exponent in range(7) for mantissa in (1, 2, 5))[:-2]
 _LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -181,13 +182,20 @@ class EngineMetrics:
         )
         # Request lengths (what a planner or autoscaler needs to size the pools), under our names and
         # vLLM's; every finished request, a P/D prefill leg included (its generation is its one token).
+        # (Ours with finer buckets, shared with the router's; vLLM's with vLLM's 1-2-5 buckets.)
         self.prompt_tokens = [
-            Histogram(name, "Prompt tokens of a finished request", buckets=_TOKEN_BUCKETS, registry=self.registry)
-            for name in ("pdserve_request_prompt_tokens", "vllm:request_prompt_tokens")
+            Histogram(name, "Prompt tokens of a finished request", buckets=buckets, registry=self.registry)
+            for name, buckets in (
+                ("pdserve_request_prompt_tokens", TOKEN_BUCKETS),
+                ("vllm:request_prompt_tokens", _VLLM_TOKEN_BUCKETS),
+            )
         ]
         self.generation_tokens = [
-            Histogram(name, "Tokens generated for a finished request", buckets=_TOKEN_BUCKETS, registry=self.registry)
-            for name in ("pdserve_request_generation_tokens", "vllm:request_generation_tokens")
+            Histogram(name, "Tokens generated for a finished request", buckets=buckets, registry=self.registry)
+            for name, buckets in (
+                ("pdserve_request_generation_tokens", TOKEN_BUCKETS),
+                ("vllm:request_generation_tokens", _VLLM_TOKEN_BUCKETS),
+            )
         ]
         self.registry.register(_SchedulerCollector(stats, cache_config))
 

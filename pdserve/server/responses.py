@@ -19,6 +19,7 @@ from pdserve.api.protocol import (
     Usage,
     sse_event,
 )
+from pdserve.api.report import Report
 from pdserve.engine.outputs import TokenLogprobs
 
 # (prompt token ids, choice index) of each core request one HTTP request runs.
@@ -37,7 +38,10 @@ class ChoiceResult:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # time.monotonic() when the choice reached the engine, produced its first token, and finished.
+    arrival_time: float | None = None
     first_token_time: float | None = None
+    finish_time: float | None = None
 
 
 @dataclass
@@ -59,6 +63,19 @@ def usage(children: Children, results: list[ChoiceResult]) -> Usage:
         prompt_tokens + completion_tokens,
         PromptTokensDetails(cached_tokens=results[0].num_cached_tokens),
     )
+
+
+def report(children: Children, results: list[ChoiceResult]) -> Report:
+    """What the router asked to be told of a finished request (pdserve/api/report.py)."""
+    counts = usage(children, results)
+    found = Report(counts.prompt_tokens, counts.completion_tokens)
+    if len(results) == 1:
+        result = results[0]
+        if result.arrival_time is not None and result.first_token_time is not None:
+            found.ttft_s = result.first_token_time - result.arrival_time
+            if result.finish_time is not None and len(result.token_ids) > 1:
+                found.tpot_s = (result.finish_time - result.first_token_time) / (len(result.token_ids) - 1)
+    return found
 
 
 class LogprobFormatter:

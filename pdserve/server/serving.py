@@ -45,6 +45,7 @@ from pdserve.api.protocol import (
     decode_request,
     sse_event,
 )
+from pdserve.api.report import REPORT_HEADER, comment, header_value
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from pdserve.kvtransfer.decode_side import unusable_reason
@@ -60,6 +61,7 @@ from pdserve.server.responses import (
     ChoiceResult,
     LogprobFormatter,
     end_stream_with_error,
+    report,
     start_sse,
     usage,
 )
@@ -73,6 +75,22 @@ def _leg_headers(request: web.Request) -> dict[str, str] | None:
     """Headers a decode leg's answer carries: why its params were not used, when they were not."""
     reason = request.get(KV_PARAMS_REJECTED_KEY)
     return {KV_PARAMS_REJECTED_HEADER: reason} if reason is not None else None
+
+
+def _answer_headers(request: web.Request, children: Children, results: list[ChoiceResult]) -> dict[str, str] | None:
+    """A JSON answer's headers: the leg's, and the request report when the router asked for it."""
+    headers = _leg_headers(request)
+    if request.headers.get(REPORT_HEADER) == "1":
+        headers = {**(headers or {}), REPORT_HEADER: header_value(report(children, results))}
+    return headers
+
+
+async def _write_report(
+    request: web.Request, response: web.StreamResponse, children: Children, results: list[ChoiceResult]
+) -> None:
+    """A stream's report comment, when the router asked for it (before the usage event and [DONE])."""
+    if request.headers.get(REPORT_HEADER) == "1":
+        await response.write(comment(report(children, results)))
 
 
 # Request fields that become SamplingParams fields of the same name.
@@ -235,7 +253,7 @@ class OpenAIServing:
                 text = self.processor.tokenizer.decode(prompt) + text
             choices.append(CompletionChoice(index, text, logprobs, result.finish_reason, result.stop_reason))
         return json_response(
-            headers=_leg_headers(request),
+            headers=_answer_headers(request, children, results),
             payload=CompletionResponse(
                 id=request_id,
                 created=int(time.time()),
@@ -289,7 +307,7 @@ class OpenAIServing:
             logprobs_of = self.logprobs.chat(result.logprobs) if body.logprobs else None
             choices.append(ChatChoice(index, message, logprobs_of, finish_reason, result.stop_reason))
         return json_response(
-            headers=_leg_headers(request),
+            headers=_answer_headers(request, children, results),
             payload=ChatCompletionResponse(
                 id=request_id,
                 created=int(time.time()),
@@ -431,6 +449,7 @@ class OpenAIServing:
                     await response.write(sse_event(chunk))
             except ProtocolError as error:
                 return await end_stream_with_error(response, error)
+        await _write_report(request, response, children, results)
         if body.stream_options and body.stream_options.include_usage:
             await response.write(
                 sse_event(
@@ -493,6 +512,7 @@ class OpenAIServing:
                     await response.write(chunk([ChatChunkChoice(delta.index, message, logprobs, finish_reason)]))
             except ProtocolError as error:
                 return await end_stream_with_error(response, error)
+        await _write_report(request, response, children, results)
         if body.stream_options and body.stream_options.include_usage:
             await response.write(chunk([], usage(children, results)))
         await response.write(SSE_DONE)

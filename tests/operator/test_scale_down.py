@@ -6,7 +6,8 @@ import http.server
 import threading
 from collections.abc import Iterator
 
-from pdserve.operator.scale_down import DELETION_COST, costs, deletion_cost, pod_url
+from pdserve.operator.scale_down import DELETION_COST, costs, deletion_cost
+from pdserve.operator.scrape import pod_url
 from tests.operator.helpers import DEPLOYMENTS, PDPOOLS
 from tests.operator.kmock_cluster import wait_for
 from tests.operator.test_operator import deploy, replicas

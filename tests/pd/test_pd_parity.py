@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import random
+import urllib.request
 
 import jsonschema
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.api.report import REPORT_COMMENT
 from pdserve.engine.sampling_params import StructuredOutputsParams
 from pdserve.models.demo import ensure_demo_model
 from pdserve.testing.metrics import scrape
@@ -78,6 +80,13 @@ def test_disaggregated_outputs_equal_colocated(cluster, expected):
     router = scrape(cluster.router.url)
     assert router['pdserve_router_requests_total{path="disagg"}'] == len(expected)
     assert router['pdserve_router_requests_total{path="fallback"}'] == 0
+    # Every answer's report (lengths and latency, as its decode engine measured them) is counted.
+    assert router["pdserve_router_requests_received_total"] == len(expected)
+    assert router["pdserve_request_prompt_tokens_sum"] == sum(map(len, _prompts()))
+    assert router["pdserve_request_generation_tokens_sum"] == len(expected) * MAX_TOKENS
+    assert router["pdserve_router_time_to_first_token_seconds_count"] == len(expected)
+    assert router["pdserve_router_time_per_output_token_seconds_count"] == len(expected)
+    assert router["pdserve_router_time_to_first_token_seconds_sum"] > 0
     pulled = sum(scrape(d.url)["pdserve_kv_transfer_bytes_total"] for d in cluster.decodes)
     failures = sum(scrape(d.url)["pdserve_kv_transfer_failures_total"] for d in cluster.decodes)
     assert pulled > 0 and failures == 0
@@ -98,6 +107,18 @@ def test_streamed_chat_through_the_router(cluster):
         "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         == whole.choices[0].message.content
     )
+    # The stream's report reached the router's histograms, and the router kept it from the client.
+    before = scrape(cluster.router.url)["pdserve_request_generation_tokens_count"]
+    raw = urllib.request.urlopen(
+        urllib.request.Request(
+            cluster.router.url + "/v1/chat/completions",
+            json.dumps({"model": "demo", "messages": messages, "max_tokens": MAX_TOKENS, "stream": True}).encode(),
+            {"Content-Type": "application/json"},
+        ),
+        timeout=60,
+    ).read()
+    assert raw.endswith(b"data: [DONE]\n\n") and REPORT_COMMENT not in raw
+    assert scrape(cluster.router.url)["pdserve_request_generation_tokens_count"] == before + 1
 
 
 def test_a_prefix_cached_on_decode_is_not_pulled_again(cluster):
