@@ -19,19 +19,27 @@ logger = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 
-# kind -> (API class, method suffix) for the built-in kinds the operator writes or reads.
-_BUILTIN: dict[str, tuple[Any, str]] = {
-    "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment"),
-    "Pod": (kubernetes.client.CoreV1Api, "namespaced_pod"),
-    "Service": (kubernetes.client.CoreV1Api, "namespaced_service"),
-    "Secret": (kubernetes.client.CoreV1Api, "namespaced_secret"),
-    "ServiceAccount": (kubernetes.client.CoreV1Api, "namespaced_service_account"),
-    "Role": (kubernetes.client.RbacAuthorizationV1Api, "namespaced_role"),
-    "RoleBinding": (kubernetes.client.RbacAuthorizationV1Api, "namespaced_role_binding"),
-    "NetworkPolicy": (kubernetes.client.NetworkingV1Api, "namespaced_network_policy"),
-    "PodDisruptionBudget": (kubernetes.client.PolicyV1Api, "namespaced_pod_disruption_budget"),
-    "ConfigMap": (kubernetes.client.CoreV1Api, "namespaced_config_map"),
-    "HorizontalPodAutoscaler": (kubernetes.client.AutoscalingV2Api, "namespaced_horizontal_pod_autoscaler"),
+# kind -> (API class, method suffix, apiVersion) for the built-in kinds the operator writes or reads.
+_BUILTIN: dict[str, tuple[Any, str, str]] = {
+    "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment", "apps/v1"),
+    "Pod": (kubernetes.client.CoreV1Api, "namespaced_pod", "v1"),
+    "Service": (kubernetes.client.CoreV1Api, "namespaced_service", "v1"),
+    "Secret": (kubernetes.client.CoreV1Api, "namespaced_secret", "v1"),
+    "ConfigMap": (kubernetes.client.CoreV1Api, "namespaced_config_map", "v1"),
+    "ServiceAccount": (kubernetes.client.CoreV1Api, "namespaced_service_account", "v1"),
+    "Role": (kubernetes.client.RbacAuthorizationV1Api, "namespaced_role", "rbac.authorization.k8s.io/v1"),
+    "RoleBinding": (
+        kubernetes.client.RbacAuthorizationV1Api,
+        "namespaced_role_binding",
+        "rbac.authorization.k8s.io/v1",
+    ),
+    "NetworkPolicy": (kubernetes.client.NetworkingV1Api, "namespaced_network_policy", "networking.k8s.io/v1"),
+    "PodDisruptionBudget": (kubernetes.client.PolicyV1Api, "namespaced_pod_disruption_budget", "policy/v1"),
+    "HorizontalPodAutoscaler": (
+        kubernetes.client.AutoscalingV2Api,
+        "namespaced_horizontal_pod_autoscaler",
+        "autoscaling/v2",
+    ),
 }
 _CUSTOM = {"PDService": PDSERVICES, "PDPool": PDPOOLS}
 
@@ -82,17 +90,26 @@ class Kube:
         """Whether the API server serves this built-in kind at the apiVersion the operator writes
         (API discovery, asked once; the answer is logged when it is no)."""
         if kind not in self._served:
-            api_class, _ = _BUILTIN[kind]
+            api_version = _BUILTIN[kind][2]
+            # The group version's discovery document, asked as kubectl asks (the client's generated
+            # get_api_resources adds a trailing slash that not every server takes).
+            path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
             try:
-                response = api_class(self.client).get_api_resources(_preload_content=False)
-                resources = json.loads(response.data).get("resources", [])
+                request = self.client.param_serialize(
+                    "GET", path, header_params={"Accept": "application/json"}, auth_settings=["BearerToken"]
+                )
+                response = self.client.call_api(*request)
+                response.read()
+                if not 200 <= response.status < 300:
+                    raise kubernetes.client.ApiException(http_resp=response)
+                resources = json.loads(response.data or b"{}").get("resources", [])
                 self._served[kind] = any(r.get("kind") == kind for r in resources)
             except kubernetes.client.ApiException as e:
                 if e.status != 404:
                     raise
                 self._served[kind] = False
             if not self._served[kind]:
-                logger.warning("the API server does not serve %s: none will be created", kind)
+                logger.warning("the API server does not serve %s at the version the operator uses", kind)
         return self._served[kind]
 
     @classmethod
@@ -111,7 +128,7 @@ class Kube:
             method = getattr(api, f"{'get' if verb == 'read' else verb}_{suffix}")
             args = (GROUP, VERSION, args[0], _CUSTOM[kind], *args[1:])
         else:
-            api_class, suffix = _BUILTIN[kind]
+            api_class, suffix, _ = _BUILTIN[kind]
             method = getattr(api_class(self.client), f"{verb}_{suffix}{'_status' if status else ''}")
         # Raw JSON, not the client's models: the dicts compare directly with the manifests.
         response = method(*args, _preload_content=False, **kwargs)
@@ -130,7 +147,7 @@ class Kube:
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         """The objects of a built-in kind in the namespace that match the label selector."""
-        api_class, suffix = _BUILTIN[kind]
+        api_class, suffix, _ = _BUILTIN[kind]
         method = getattr(api_class(self.client), f"list_{suffix}")
         response = method(namespace, label_selector=label_selector, _preload_content=False)
         items: list[dict[str, Any]] = json.loads(response.data)["items"]

@@ -54,6 +54,8 @@ OPERATOR_RULES = {
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch"},
     ("", "pods"): {"get", "list", "watch", "patch"},
     ("", "events"): {"create"},
+    ("", "configmaps"): {"get"},
+    ("autoscaling", "horizontalpodautoscalers"): {"list"},
 }
 # What the operator grants the router's Role: it must hold it itself (RBAC escalation check).
 ROUTER_ROLE_RULES = {("", "pods"): {"get", "list", "watch"}}

@@ -33,6 +33,8 @@ OWNED = (
         ("rbac.authorization.k8s.io/v1/rolebindings", "llm-router"),
         (SECRETS, "llm-kv-secret"),
         (NETWORK_POLICIES, "llm-engines"),
+        ("policy/v1/poddisruptionbudgets", "llm-prefill"),
+        ("policy/v1/poddisruptionbudgets", "llm-decode"),
     ]
 )
 
@@ -222,7 +224,10 @@ def test_status_follows_deployment_readiness(kube_cluster, kube_namespace, opera
     set_ready("router", 1, 1)
     set_ready("prefill", 1, 1)
     set_ready("decode", 1, 2)
-    wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["message"] == "waiting for ready pods: decode 1/2")
+    wait_for(
+        lambda: (ready_condition(kube_cluster, kube_namespace) or {}).get("message")  # None before the first sync
+        == "waiting for ready pods: decode 1/2"
+    )
     set_ready("decode", 2, 2)
     condition = wait_for(
         lambda: (
