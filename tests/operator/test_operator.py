@@ -225,8 +225,10 @@ def test_status_follows_deployment_readiness(kube_cluster, kube_namespace, opera
     set_ready("prefill", 1, 1)
     set_ready("decode", 1, 2)
     wait_for(
-        lambda: (ready_condition(kube_cluster, kube_namespace) or {}).get("message")  # None before the first sync
-        == "waiting for ready pods: decode 1/2"
+        lambda: (
+            (ready_condition(kube_cluster, kube_namespace) or {}).get("message")  # None before the first sync
+            == "waiting for ready pods: decode 1/2"
+        )
     )
     set_ready("decode", 2, 2)
     condition = wait_for(
