@@ -15,8 +15,9 @@ import msgspec
 
 REPORT_HEADER = "X-PDServe-Report"
 # Bounds of the request-length histograms (`pdserve_request_prompt_tokens`, `..._generation_tokens`)
-# on routers and engines: about 1.33x apart from 1 to a million tokens, fine enough that a length
-# distribution read back from them keeps its mean within a few percent.
+# on routers and engines: 1.25-1.5x apart from 1 to a million tokens, so that a length read back
+# from them (uniform within its bucket) is off by at most about 20%, and a spread distribution's
+# mean by much less.
 TOKEN_BUCKETS = tuple(
     sorted({float(round(mantissa * 10**exponent)) for exponent in range(6) for mantissa in (1, 1.5, 2, 3, 4, 5, 6, 8)})
 ) + (1e6,)

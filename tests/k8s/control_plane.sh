@@ -37,7 +37,8 @@ cmd_install() {
     # `apt-get source` needs deb-src entries: the machine's own mirrors, as source.
     sed 's/^Types: deb$/Types: deb-src/' /etc/apt/sources.list.d/debian.sources | as_root tee "$src_list" >/dev/null
   fi
-  local packages="etcd-server golang-go golang-github-modern-go-reflect2-dev dpkg-dev make gcc libc6-dev rsync openssl curl"
+  # (prometheus: not for the control plane, for the autoscaler's Prometheus source test beside it)
+  local packages="etcd-server golang-go golang-github-modern-go-reflect2-dev dpkg-dev make gcc libc6-dev rsync openssl curl prometheus"
   local missing_pkgs="" p
   for p in $packages; do
     [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing_pkgs="$missing_pkgs $p"
