@@ -18,6 +18,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launcher import free_port
 from pdserve.llm import LLM
 from pdserve.models.demo import ensure_demo_model
+from pdserve.testing.metrics import scrape
 from pdserve.testing.processes import Process, cpu_engine_flags, engine_argv, server_env
 from pdserve.worker.interface import SchedulerOutput
 from pdserve.worker.multiproc import WorkerDiedError
@@ -163,10 +164,13 @@ def test_an_engine_whose_worker_dies_fails_its_requests_and_exits(tmp_path, mode
         engine.wait_healthy()
         worker = next(pid for pid in _descendants(engine.process.pid) if b"pdserve.worker.process" in _cmdline(pid))
         answers: list = []
-        body = {"model": "demo", "prompt": "tell me a long story", "max_tokens": 400, "ignore_eos": True}
+        body = {"model": "demo", "prompt": "tell me a long story", "max_tokens": 480, "ignore_eos": True}
         request = threading.Thread(target=lambda: answers.append(post(f"{engine.url}/v1/completions", body, 30)))
         request.start()
-        time.sleep(1.0)  # generating
+        # Killed while generating: as soon as the engine runs it (a fast CPU writes 480 tokens in under a second).
+        deadline = time.monotonic() + 10
+        while not scrape(engine.url).get("pdserve_num_requests_running") and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.kill(worker, signal.SIGKILL)
         killed = time.monotonic()
         request.join(15)
