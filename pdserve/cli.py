@@ -491,7 +491,7 @@ def _profile(args: argparse.Namespace) -> int:
     shape, transfer = profile.engine, profile.transfer
     print(
         f"{profile.model} on {profile.hardware}: {len(profile.step_points)} steps measured; "
-        f"step = {' + '.join(f'{c:.3g}' for c in profile.step.coefficients)} x (1, tokens, sequences, attention), "
+        f"step seconds = {profile.step.describe()}, "
         f"median error {profile.step.median_error(profile.step_points):.0%}; "
         f"{shape.num_blocks} KV blocks of {shape.block_size} tokens ({shape.kv_bytes_per_token} B a token); "
         f"pulls {transfer.latency_s * 1000:.2f} ms + {transfer.bytes_per_s / 1e9:.2f} GB/s; wrote {args.output}"

@@ -36,7 +36,8 @@ def workload(rate: float, duration: float = 30.0, seed: int = 1, **changes) -> l
 
 def test_the_step_model_recovers_known_costs_and_never_goes_negative():
     rng = random.Random(0)
-    truth = StepTimeModel([0.003, 1e-5, 3e-4, 2e-8])
+    # A concave per-row cost as well as the linear ones: 3 ms, then 2 ms for the second row.
+    truth = StepTimeModel([0.003, 1e-5, 3e-4, 4e-8, 2e-8, 2e-3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])
     points = []
     for _ in range(60):
         batch = rng.randint(1, 16)
@@ -49,7 +50,14 @@ def test_the_step_model_recovers_known_costs_and_never_goes_negative():
     # Data that a free fit would explain with a negative term: the term is held at zero instead.
     flat = [StepPoint([n], [0], 0.01) for n in (1, 2, 4, 8, 16, 32)]
     assert min(StepTimeModel.fit(flat).coefficients) >= 0
-    assert step_features([3, 1], [10, 99]) == [1.0, 4.0, 2.0, 3 * 13 + 100]
+    features = step_features([3, 1], [10, 99])
+    assert features[:5] == [1.0, 4.0, 2.0, 100, 3 * 13]  # decode attention: the context read; prefill: n(c+n)
+    assert features[5:] == [2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4]  # min(sequences, k), min(tokens, k)
+    # A profile of the first, four-term model reads as the same costs.
+    first = StepTimeModel([0.003, 1e-5, 3e-4, 2e-8])
+    assert first.seconds([3, 1], [10, 99]) == pytest.approx(0.003 + 4e-5 + 6e-4 + 2e-8 * (100 + 39))
+    with pytest.raises(ValueError):
+        StepTimeModel([1.0, 2.0])
 
 
 def test_transfer_model_fit():
