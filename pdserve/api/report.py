@@ -14,6 +14,11 @@ from __future__ import annotations
 import msgspec
 
 REPORT_HEADER = "X-PDServe-Report"
+# Bounds of the latency histograms (TTFT, TPOT, end to end) on routers and engines, in seconds.
+LATENCY_BUCKETS = tuple(
+    [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+    + [120.0, 300.0, 600.0]
+)
 # Bounds of the request-length histograms (`pdserve_request_prompt_tokens`, `..._generation_tokens`)
 # on routers and engines: 1.25-1.5x apart from 1 to a million tokens, so that a length read back
 # from them (uniform within its bucket) is off by at most about 20%, and a spread distribution's

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.api.report import TOKEN_BUCKETS, Report
+from pdserve.api.report import LATENCY_BUCKETS, TOKEN_BUCKETS, Report
 from pdserve.router.kv_index import KVIndex
 
 PATHS = ("disagg", "decode_only", "fallback")
@@ -51,28 +51,6 @@ ERROR_KINDS = (
     "client_disconnect",
 )
 ROLES = ("prefill", "decode")
-_LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.15,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-)
 
 
 class RouterMetrics:
@@ -115,19 +93,19 @@ class RouterMetrics:
         self.ttft = Histogram(
             "pdserve_router_time_to_first_token_seconds",
             "Time to first token through the router: its arrival to the decode engine's first token",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.tpot = Histogram(
             "pdserve_router_time_per_output_token_seconds",
             "Time per output token after the first, as the decode engine reported it",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.latency = Histogram(
             "pdserve_router_request_latency_seconds",
             "Generation request latency through the router, until the last byte",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self._choices = Counter(

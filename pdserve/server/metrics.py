@@ -15,31 +15,11 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
-from pdserve.api.report import TOKEN_BUCKETS
+from pdserve.api.report import LATENCY_BUCKETS, TOKEN_BUCKETS
 from pdserve.engine.scheduler import SchedulerStats
 
 # 1, 2, 5, 10, 20, 50, ... up to a million tokens.
 _VLLM_TOKEN_BUCKETS = tuple(float(mantissa * 10**exponent) for exponent in range(7) for mantissa in (1, 2, 5))[:-2]
-_LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
 
 
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -136,31 +116,31 @@ class EngineMetrics:
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",
             "Time to first token",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.tpot = Histogram(
             "pdserve_time_per_output_token_seconds",
             "Time per output token after the first",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.e2e = Histogram(
             "pdserve_e2e_request_latency_seconds",
             "End-to-end request latency",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.kv_transfer_seconds = Histogram(
             "pdserve_kv_transfer_seconds",
             "Duration of one request's KV pull",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.grammar_compile_seconds = Histogram(
             "pdserve_grammar_compile_seconds",
             "Time to compile one structured-output grammar (a cached one is not compiled again)",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.grammar_bitmask_seconds = Histogram(

@@ -16,7 +16,8 @@ from pdserve.launcher import free_port
 from pdserve.operator.load import PrometheusQuery, default_selector
 from tests.k8s.conftest import wait_for
 from tests.operator.test_autoscaler import OUTPUT, PROMPT
-from tests.operator.test_autoscaler_operator import SyntheticRouter, serving
+from tests.operator.test_autoscaler_operator import SyntheticRouter
+from tests.operator.test_scale_down import metrics_server
 
 pytestmark = pytest.mark.k8s
 
@@ -48,7 +49,7 @@ def test_a_window_from_prometheus_has_the_routers_rate_and_lengths(tmp_path: Pat
     router.set_rate(12)
     other.set_rate(100)  # another PDService's router: the selector leaves it out
     port = free_port()
-    with serving(router) as router_port, serving(other) as other_port:
+    with metrics_server(router.exposition) as router_port, metrics_server(other.exposition) as other_port:
         (tmp_path / "prometheus.yml").write_text(CONFIG.format(router=router_port, other=other_port))
         process = subprocess.Popen(
             [

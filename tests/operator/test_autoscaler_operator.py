@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import http.server
 import itertools
 import json
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -24,6 +24,7 @@ from tests.operator.helpers import DEPLOYMENTS, PDPOOLS, PDSERVICES
 from tests.operator.kmock_cluster import KubeCluster, wait_for
 from tests.operator.test_autoscaler import ENGINE, OUTPUT, PROMPT, SLO_FIELDS
 from tests.operator.test_operator import deploy
+from tests.operator.test_scale_down import metrics_server
 
 BUCKETS = (100.0, 800.0, 1200.0, 1e6)
 
@@ -65,30 +66,6 @@ class SyntheticRouter:
                 f"{name}_sum {received * length}",
             ]
         return "\n".join(lines) + "\n"
-
-
-@contextlib.contextmanager
-def serving(router: SyntheticRouter) -> Iterator[int]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = router.exposition().encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @contextlib.contextmanager
@@ -135,6 +112,19 @@ def profile_config_map(cluster: KubeCluster, namespace: str) -> None:
     )
 
 
+@contextlib.contextmanager
+def autoscaled(cluster: KubeCluster, namespace: str, rate: float, **autoscaling: Any) -> Iterator[SyntheticRouter]:
+    """The PDService llm with AUTOSCALING (and `autoscaling` on top), its profile, a router pod whose
+    metrics say `rate` requests a second, and the Deployment controller; yields the router."""
+    router = SyntheticRouter()
+    router.set_rate(rate)
+    with metrics_server(router.exposition) as port, deployment_controller(cluster, namespace):
+        router_pod(cluster, namespace, port)
+        profile_config_map(cluster, namespace)
+        deploy(cluster, namespace, autoscaling={**AUTOSCALING, **autoscaling})
+        yield router
+
+
 AUTOSCALING = {
     "enabled": True,
     "intervalSeconds": 1,
@@ -158,12 +148,7 @@ def autoscaling_status(cluster: KubeCluster, namespace: str) -> dict:
 
 
 def test_load_rising_then_falling_scales_both_pools_up_and_down(kube_cluster, kube_namespace, operator):
-    router = SyntheticRouter()
-    with serving(router) as port, deployment_controller(kube_cluster, kube_namespace):
-        router_pod(kube_cluster, kube_namespace, port)
-        profile_config_map(kube_cluster, kube_namespace)
-        router.set_rate(15)
-        deploy(kube_cluster, kube_namespace, autoscaling=AUTOSCALING)
+    with autoscaled(kube_cluster, kube_namespace, 15) as router:
         seen = [pools(kube_cluster, kube_namespace)]
 
         def reached(wanted: tuple[int, int]) -> bool:
@@ -194,12 +179,7 @@ def test_load_rising_then_falling_scales_both_pools_up_and_down(kube_cluster, ku
 
 
 def test_a_manual_scale_is_reverted_and_an_hpa_is_a_conflict(kube_cluster, kube_namespace, operator):
-    router = SyntheticRouter()
-    router.set_rate(0.5)
-    with serving(router) as port, deployment_controller(kube_cluster, kube_namespace):
-        router_pod(kube_cluster, kube_namespace, port)
-        profile_config_map(kube_cluster, kube_namespace)
-        deploy(kube_cluster, kube_namespace, autoscaling=AUTOSCALING)
+    with autoscaled(kube_cluster, kube_namespace, 0.5):
         wait_for(lambda: autoscaling_status(kube_cluster, kube_namespace).get("reason") == "Steady", timeout=30)
         kube_cluster.patch(PDPOOLS, "llm-decode", {"spec": {"replicas": 5}}, kube_namespace, subresource="scale")
         wait_for(
@@ -244,12 +224,7 @@ def test_a_manual_scale_is_reverted_and_an_hpa_is_a_conflict(kube_cluster, kube_
 
 
 def test_manual_mode_never_touches_replicas(kube_cluster, kube_namespace, operator):
-    router = SyntheticRouter()
-    router.set_rate(15)
-    with serving(router) as port, deployment_controller(kube_cluster, kube_namespace):
-        router_pod(kube_cluster, kube_namespace, port)
-        profile_config_map(kube_cluster, kube_namespace)
-        deploy(kube_cluster, kube_namespace, autoscaling={**AUTOSCALING, "enabled": False})
+    with autoscaled(kube_cluster, kube_namespace, 15, enabled=False):
         time.sleep(3)
         assert pools(kube_cluster, kube_namespace) == (1, 1)
         assert autoscaling_status(kube_cluster, kube_namespace) == {}

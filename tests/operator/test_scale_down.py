@@ -4,7 +4,7 @@ writing them on the pool's pods (emulated API) before it lowers the Deployment."
 import contextlib
 import http.server
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pdserve.operator.scale_down import DELETION_COST, costs, deletion_cost
 from pdserve.operator.scrape import pod_url
@@ -46,12 +46,13 @@ def test_only_ready_pods_with_an_ip_are_asked():
 
 
 @contextlib.contextmanager
-def metrics_server(text: str) -> Iterator[int]:
-    """A /metrics endpoint on 127.0.0.1 answering `text` (an engine's exposition, in miniature)."""
+def metrics_server(text: str | Callable[[], str]) -> Iterator[int]:
+    """A /metrics endpoint on 127.0.0.1 answering `text` (an engine's exposition, in miniature), or
+    what `text()` returns at each scrape; yields its port."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = text.encode()
+            body = (text if isinstance(text, str) else text()).encode()
             self.send_response(200 if self.path == "/metrics" else 404)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
