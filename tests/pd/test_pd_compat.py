@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -146,3 +147,63 @@ def test_a_decode_engine_never_pulls_another_checkpoints_kv(pair_of_models):
     assert (
         metric(after, "pdserve_kv_transfer_failures_total") == metric(before, "pdserve_kv_transfer_failures_total") + 1
     )
+
+
+@pytest.fixture(scope="module")
+def two_versions(tmp_path_factory):
+    """A rollout half done: prefill + decode on the demo model (old) and on a same-shaped other
+    checkpoint (new), all served under one name, behind one router."""
+    tmp_path = tmp_path_factory.mktemp("rollout")
+    old = str(ensure_demo_model())
+    new = str(write_demo_model(tmp_path / "pdserve-demo-qwen3-v2", seed=SEED + 1))
+    env = server_env()
+    processes = {}
+    for version, folder in (("old", old), ("new", new)):
+        for role in ("prefill", "decode"):
+            port = free_port()
+            argv = engine_argv(role, port, folder, *ENGINE_FLAGS, transport="tcp")
+            processes[f"{version}-{role}"] = Process(
+                f"{version}-{role}", argv, env, port, str(tmp_path / f"{version}-{role}.log")
+            )
+    try:
+        for process in processes.values():
+            process.start()
+        for process in processes.values():
+            process.wait_healthy()
+        port = free_port()
+        prefills = [processes["old-prefill"].url, processes["new-prefill"].url]
+        decodes = [processes["old-decode"].url, processes["new-decode"].url]
+        argv = router_argv(port, prefills, decodes, "--pd-min-prefill-tokens", "1")
+        processes["router"] = Process("router", argv, env, port, str(tmp_path / "router.log"))
+        processes["router"].start()
+        processes["router"].wait_healthy()
+        yield processes
+    finally:
+        for process in processes.values():
+            process.stop()
+
+
+@pytest.mark.slow
+def test_during_a_rollout_every_request_stays_within_one_version(two_versions):
+    router = two_versions["router"]
+    # Concurrent requests, so that both decode engines take some (the router spreads by load).
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        answers = list(pool.map(lambda n: _completion(router.url, f"{PROMPT} request {n}"), range(16)))
+    assert all(answer["choices"][0]["text"] for answer in answers)
+    values = scrape(router.url)
+    for version in ("old", "new"):
+        decode_url, prefill_url = two_versions[f"{version}-decode"].url, two_versions[f"{version}-prefill"].url
+        decoded = sum(
+            value
+            for series, value in values.items()
+            if series.startswith("pdserve_router_choices_total{")
+            and 'role="decode"' in series
+            and f'"{decode_url}"' in series
+        )
+        # Each request's prefill leg went to the prefill engine of its decode engine's version ...
+        assert decoded > 0 and _prefill_choices(values, prefill_url) == decoded, version
+        # ... so no decode engine was handed another version's KV.
+        decode_values = scrape(decode_url)
+        assert metric(decode_values, "pdserve_kv_params_rejected_total", reason="kv_compat_hash") == 0
+        assert metric(decode_values, "pdserve_kv_transfer_failures_total") == 0
+    assert metric(values, "pdserve_router_requests_total", path="disagg") == 16
