@@ -562,8 +562,8 @@ def _operator(args: argparse.Namespace) -> int:
 def _demo_model(args: argparse.Namespace) -> int:
     from pdserve.models.demo import write_demo_model
 
-    path = write_demo_model(args.path)
-    print(f"wrote the demo model to {path}")
+    path = write_demo_model(args.path, family=args.family)
+    print(f"wrote the {args.family} demo model to {path}")
     return 0
 
 
@@ -715,6 +715,12 @@ def build_parser() -> argparse.ArgumentParser:
     operator.set_defaults(handler=_operator)
     demo = commands.add_parser("demo-model", help="write the built-in tiny model and tokenizer to PATH")
     demo.add_argument("path", help="folder to write (created if missing)")
+    demo.add_argument(
+        "--family",
+        default="qwen3",
+        choices=["qwen3", "qwen3-moe"],
+        help="the model family (default: qwen3, the model `pdserve serve` runs; qwen3-moe: 8 experts, top-2)",
+    )
     demo.set_defaults(handler=_demo_model)
     return parser
 

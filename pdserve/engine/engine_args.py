@@ -114,9 +114,7 @@ class EngineArgs:
         to it, in the worker) and the connector that drives it."""
         folder = self.resolved_model()
         model_config = ModelConfig.from_folder(folder)
-        problem = split_problem(
-            model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size, self.tensor_parallel_size
-        )
+        problem = split_problem(model_config, self.tensor_parallel_size)
         if problem is not None:
             raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: {problem}")
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -144,6 +142,7 @@ class EngineArgs:
             compat_hash = kv_compat_hash(
                 weights=weights_fingerprint(folder),
                 architecture=model_config.architecture,
+                routing=model_config.routing,
                 rope_theta=model_config.rope_theta,
                 rope_scaling=json.dumps(model_config.rope_scaling, sort_keys=True),
                 sliding_window=model_config.sliding_window,

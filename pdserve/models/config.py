@@ -1,8 +1,9 @@
 """ModelConfig: what pdserve needs from a Hugging Face model folder's ``config.json``.
 
 Reads both config dialects: transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x
-(``rope_parameters``). Unsupported architectures and features fail here, with a clear error,
-before any weight is read.
+(``rope_parameters``). Mixture-of-experts models (Qwen3-MoE, Mixtral) are the dense layout with
+routed experts in place of some layers' MLP: which layers, how many experts, how many per token.
+Unsupported architectures and features fail here, with a clear error, before any weight is read.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ from typing import Any
 
 import torch
 
-# Architecture name → the family's attention features. Mistral is Llama's layout.
+# Architecture name → the family's attention features. Mistral is Llama's layout, Mixtral Mistral's
+# with experts, Qwen3-MoE Qwen3's with experts.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"qkv_bias_only": False, "qk_norm": False},
     "MistralForCausalLM": {"qkv_bias_only": False, "qk_norm": False},
+    "MixtralForCausalLM": {"qkv_bias_only": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias_only": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias_only": False, "qk_norm": True},
+    "Qwen3MoeForCausalLM": {"qkv_bias_only": False, "qk_norm": True},
 }
+# Architectures whose sliding_window, when set, applies without a use_sliding_window flag.
+_WINDOWED_BY_DEFAULT = ("MistralForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -50,6 +56,14 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
     torch_dtype: str | None = None
+    # Mixture of experts (zero experts: a dense model). The layers in moe_layers route each token to
+    # num_experts_per_tok of num_experts MLPs of moe_intermediate_size features, weighted by the
+    # router's softmax over all experts (renormalised over the chosen ones if norm_topk_prob).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -76,14 +90,15 @@ class ModelConfig:
         attention_bias = bool(raw.get("attention_bias", False))
         eos = raw.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-        uses_window = raw.get("use_sliding_window", architecture == "MistralForCausalLM")
+        uses_window = raw.get("use_sliding_window", architecture in _WINDOWED_BY_DEFAULT)
         window = raw.get("sliding_window") if uses_window else None
+        num_layers = int(raw["num_hidden_layers"])
         return cls(
             architecture=architecture,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
@@ -99,6 +114,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=int(window) if window else None,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            **_experts(architecture, raw, num_layers),
         )
 
     @classmethod
@@ -121,9 +137,54 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
+    @property
+    def routing(self) -> str:
+        """What decides a token's experts, beyond the weights ("" for a dense model): two engines
+        whose hidden states must agree (P/D) must agree on it."""
+        if not self.num_experts:
+            return ""
+        return (
+            f"experts={self.num_experts};top_k={self.num_experts_per_tok};"
+            f"norm_topk_prob={self.norm_topk_prob};layers={','.join(map(str, self.moe_layers))}"
+        )
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         element_size = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+def _experts(architecture: str, raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of ``ModelConfig`` (none for a dense architecture)."""
+    if architecture == "MixtralForCausalLM":  # every layer routed, the chosen experts' weights renormalised
+        num_experts = int(raw["num_local_experts"])
+        moe_layers: tuple[int, ...] = tuple(range(num_layers))
+        moe_intermediate_size, norm_topk_prob = int(raw["intermediate_size"]), True
+    elif architecture == "Qwen3MoeForCausalLM":
+        # transformers 5 writes num_local_experts where Qwen's own configs say num_experts.
+        num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        step = int(raw.get("decoder_sparse_step", 1))
+        dense = {int(layer) for layer in raw.get("mlp_only_layers") or []}
+        moe_layers = tuple(
+            layer for layer in range(num_layers) if num_experts and layer not in dense and (layer + 1) % step == 0
+        )
+        moe_intermediate_size = int(raw.get("moe_intermediate_size", 0))
+        norm_topk_prob = bool(raw.get("norm_topk_prob", False))
+    else:
+        return {}
+    if not moe_layers:
+        return {}
+    top_k = int(raw.get("num_experts_per_tok", 2))
+    if not 1 <= top_k <= num_experts:
+        raise UnsupportedModelError(f"num_experts_per_tok={top_k} must be between 1 and the {num_experts} experts")
+    if moe_intermediate_size < 1:
+        raise UnsupportedModelError(f"an expert's intermediate size must be positive, got {moe_intermediate_size}")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": moe_intermediate_size,
+        "norm_topk_prob": norm_topk_prob,
+        "moe_layers": moe_layers,
+    }
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:

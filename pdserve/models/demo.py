@@ -2,7 +2,9 @@
 a ChatML chat template, built locally in seconds (no download), so everything runs out of the box.
 
 Its weights are random (normal, std 0.2, so the logits are peaked and greedy decoding is stable
-across summation orders): it speaks gibberish, fluently and reproducibly.
+across summation orders): it speaks gibberish, fluently and reproducibly. ``pdserve demo-model
+--family`` writes the other families we serve at the same scale: ``qwen3-moe`` routes each token
+to 2 of 8 experts in every layer.
 """
 
 from __future__ import annotations
@@ -71,6 +73,15 @@ ARCHITECTURE = {
     "head_dim": 64,
     "vocab_size": 1024,
     "max_position_embeddings": 4096,
+}
+# family -> (config.json's architecture and model_type, what it adds to ARCHITECTURE).
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", {}),
+    "qwen3-moe": (
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 192, "norm_topk_prob": True},
+    ),
 }
 _WORDS = (
     "the",
@@ -194,17 +205,21 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     wrapped.save_pretrained(str(path))
 
 
-def write_demo_model(path: str | Path, seed: int = SEED) -> Path:
+def write_demo_model(path: str | Path, seed: int = SEED, family: str = "qwen3") -> Path:
     """Write the demo model (config.json, model.safetensors, tokenizer files) into ``path``.
-    Another ``seed`` gives a checkpoint of the same shape with other weights (a "fine-tune")."""
+    Another ``seed`` gives a checkpoint of the same shape with other weights (a "fine-tune");
+    another ``family`` (``FAMILIES``) the same scale in that family's layout."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown demo model family {family!r}; known: {', '.join(FAMILIES)}")
+    architecture, model_type, extra = FAMILIES[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    arch = ARCHITECTURE
+    arch = {**ARCHITECTURE, **extra}
     write_tokenizer(path, arch["vocab_size"])
     eos_id = json.loads((path / "tokenizer.json").read_text())["added_tokens"][2]["id"]
     config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+        "architectures": [architecture],
+        "model_type": model_type,
         **arch,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
@@ -221,7 +236,14 @@ def write_demo_model(path: str | Path, seed: int = SEED) -> Path:
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * config["initializer_range"]
 
-    hidden, inter = arch["hidden_size"], arch["intermediate_size"]
+    def mlp(prefix: str, inter: int) -> dict[str, torch.Tensor]:
+        return {
+            prefix + "gate_proj.weight": normal(inter, hidden),
+            prefix + "up_proj.weight": normal(inter, hidden),
+            prefix + "down_proj.weight": normal(hidden, inter),
+        }
+
+    hidden = arch["hidden_size"]
     q_size = arch["num_attention_heads"] * arch["head_dim"]
     kv_size = arch["num_key_value_heads"] * arch["head_dim"]
     tensors = {"model.embed_tokens.weight": normal(arch["vocab_size"], hidden), "model.norm.weight": torch.ones(hidden)}
@@ -237,11 +259,14 @@ def write_demo_model(path: str | Path, seed: int = SEED) -> Path:
                 prefix + "self_attn.o_proj.weight": normal(hidden, q_size),
                 prefix + "self_attn.q_norm.weight": torch.ones(arch["head_dim"]),
                 prefix + "self_attn.k_norm.weight": torch.ones(arch["head_dim"]),
-                prefix + "mlp.gate_proj.weight": normal(inter, hidden),
-                prefix + "mlp.up_proj.weight": normal(inter, hidden),
-                prefix + "mlp.down_proj.weight": normal(hidden, inter),
             }
         )
+        if "num_experts" in arch:
+            tensors[prefix + "mlp.gate.weight"] = normal(arch["num_experts"], hidden)
+            for expert in range(arch["num_experts"]):
+                tensors.update(mlp(f"{prefix}mlp.experts.{expert}.", arch["moe_intermediate_size"]))
+        else:
+            tensors.update(mlp(prefix + "mlp.", arch["intermediate_size"]))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

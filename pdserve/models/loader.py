@@ -1,8 +1,10 @@
 """Load a Hugging Face model folder into our CausalLM: safetensors (single file or sharded with
 ``model.safetensors.index.json``), memory-mapped, mapped onto our fused parameters.
 
-No transformers model code runs here. Every checkpoint tensor must land somewhere and every
-parameter must be filled; anything else is an error naming the tensors.
+Mixture-of-experts checkpoints store one gate/up/down triple per expert (Qwen3-MoE's
+``mlp.experts.E.gate_proj``, Mixtral's ``block_sparse_moe.experts.E.w1``); each fills its slice of
+the layer's stacked expert weights. No transformers model code runs here. Every checkpoint tensor
+must land somewhere and every parameter must be filled; anything else is an error naming the tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from safetensors import safe_open
 
 from pdserve.models.attention import attention_backend
 from pdserve.models.config import ModelConfig
+from pdserve.models.moe import SparseMoeBlock
 from pdserve.models.parallel import TensorParallel, rank_config
 from pdserve.models.rope import RotaryEmbedding
 from pdserve.models.transformer import CausalLM, Linear
@@ -25,6 +28,8 @@ from pdserve.models.transformer import CausalLM, Linear
 # Checkpoint tensors that carry nothing we need (precomputed rotary tables in old checkpoints).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -52,6 +57,7 @@ class _Target:
     transposed: bool = False
     source_rows: slice | None = None
     source_columns: slice | None = None
+    expert: int | None = None  # the index into stacked expert weights, before rows
 
 
 def _target(model: CausalLM, name: str, config: ModelConfig, tp: TensorParallel) -> _Target | None:
@@ -66,6 +72,8 @@ def _target(model: CausalLM, name: str, config: ModelConfig, tp: TensorParallel)
         }
         return simple.get(name)
     layer = model.layers[int(match.group(1))]
+    if isinstance(layer.mlp, SparseMoeBlock) and match.group(2).startswith(("mlp.", "block_sparse_moe.")):
+        return _expert_target(layer.mlp, match.group(2), config, tp)
     module_name, _, kind = match.group(2).rpartition(".")
     head_dim = config.head_dim
     q_start, q_end = tp.even_range(config.num_heads)
@@ -96,6 +104,28 @@ def _target(model: CausalLM, name: str, config: ModelConfig, tp: TensorParallel)
     if not isinstance(param, torch.nn.Parameter):
         return None
     return _Target(param, rows, False, source_rows)
+
+
+def _expert_target(block: SparseMoeBlock, name: str, config: ModelConfig, tp: TensorParallel) -> _Target | None:
+    """Where a routed layer's router or expert tensor ``name`` (``mlp.…`` or ``block_sparse_moe.…``) goes."""
+    parts = name.split(".")
+    if parts[0] == "block_sparse_moe":  # Mixtral's names for the same tensors
+        parts[0] = "mlp"
+        if len(parts) == 5 and parts[1] == "experts":
+            parts[3] = _MIXTRAL_EXPERT.get(parts[3], parts[3])
+        name = ".".join(parts)
+    if name == "mlp.gate.weight":
+        return _Target(block.gate_weight_t, transposed=True)
+    match = _EXPERT.match(name)
+    if match is None or int(match.group(1)) >= block.w13.shape[0]:
+        return None
+    expert, projection = int(match.group(1)), match.group(2)
+    start, end = tp.even_range(config.moe_intermediate_size)
+    rank_rows, inter = slice(start, end), end - start
+    if projection == "down_proj":
+        return _Target(block.w2, transposed=True, source_columns=rank_rows, expert=expert)
+    rows = slice(0, inter) if projection == "gate_proj" else slice(inter, 2 * inter)
+    return _Target(block.w13, rows, transposed=True, source_rows=rank_rows, expert=expert)
 
 
 def _read(checkpoint: Any, name: str, target: _Target) -> torch.Tensor:
@@ -137,7 +167,8 @@ def load_model(
                         unexpected.append(name)
                         continue
                     tensor = _read(checkpoint, name, target)
-                    destination = target.param.t() if target.transposed else target.param
+                    destination = target.param if target.expert is None else target.param[target.expert]
+                    destination = destination.t() if target.transposed else destination
                     if target.rows is not None:
                         destination = destination[target.rows]
                     if destination.shape != tensor.shape:

@@ -4,7 +4,8 @@ Megatron's split, as vLLM does it: q/k/v and gate/up are column-parallel (each r
 own heads and its own share of the intermediate features), o and down are row-parallel (each rank
 multiplies its share of the inputs; an all-reduce sums the partial outputs), the embedding and the
 LM head are vocabulary-parallel (a rank holds a contiguous range of rows; the lookup is masked and
-all-reduced, the logits all-gathered). KV heads are split across ranks, or replicated when there
+all-reduced, the logits all-gathered). Each expert of a mixture-of-experts layer is split as the
+dense MLP is (its intermediate features). KV heads are split across ranks, or replicated when there
 are fewer KV heads than ranks (each rank then holds the one KV head its query heads read).
 
 ``TensorParallel()`` is one rank alone: every collective is a no-op, and the model computes
@@ -61,8 +62,9 @@ class TensorParallel:
         return head, head + 1
 
 
-def split_problem(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> str | None:
+def split_problem(config: ModelConfig, size: int) -> str | None:
     """Why a model cannot be split over ``size`` ranks, or None."""
+    num_heads, num_kv_heads, intermediate_size = config.num_heads, config.num_kv_heads, config.intermediate_size
     if size < 1:
         return f"the tensor-parallel size must be at least 1, got {size}"
     if num_heads % size:
@@ -71,12 +73,14 @@ def split_problem(num_heads: int, num_kv_heads: int, intermediate_size: int, siz
         return f"{num_kv_heads} KV heads neither split over {size} ranks nor replicate evenly on them"
     if intermediate_size % size:
         return f"an intermediate size of {intermediate_size} does not split over {size} ranks"
+    if config.num_experts and config.moe_intermediate_size % size:
+        return f"an expert intermediate size of {config.moe_intermediate_size} does not split over {size} ranks"
     return None
 
 
 def rank_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
-    """The model as one rank holds it: its own attention heads, KV heads and intermediate features
-    (the vocabulary stays whole: the embedding and LM head split it themselves)."""
+    """The model as one rank holds it: its own attention heads, KV heads and intermediate features,
+    dense and per expert (the vocabulary stays whole: the embedding and LM head split it themselves)."""
     if tp.size == 1:
         return config
     kv_start, kv_end = tp.kv_head_range(config.num_kv_heads)
@@ -85,4 +89,5 @@ def rank_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
         num_heads=config.num_heads // tp.size,
         num_kv_heads=kv_end - kv_start,
         intermediate_size=config.intermediate_size // tp.size,
+        moe_intermediate_size=config.moe_intermediate_size // tp.size,
     )

@@ -1,7 +1,9 @@
-"""Our decoder-only transformer: the Llama / Mistral, Qwen2 and Qwen3 families in one module.
+"""Our decoder-only transformer: the Llama / Mistral, Qwen2 and Qwen3 families in one module, and
+their mixture-of-experts variants (Mixtral, Qwen3-MoE).
 
 The families differ only in attention details (biases on q/k/v, RMSNorm over q and k heads),
-which ModelConfig turns into flags. q/k/v and gate/up projections are fused into one matmul each
+which ModelConfig turns into flags, and in which layers route tokens to experts (``models/moe.py``)
+instead of one MLP. q/k/v and gate/up projections are fused into one matmul each
 (the loader concatenates the checkpoint's separate weights). Tokens arrive flattened across the
 batch, ``[num_tokens, hidden]``, with their positions; attention goes through the paged KV cache.
 
@@ -20,6 +22,7 @@ from pdserve.kernels import cpu_kernels
 from pdserve.kernels.reference import AttentionMetadata
 from pdserve.models.attention import AttentionBackend
 from pdserve.models.config import ModelConfig
+from pdserve.models.moe import SparseMoeBlock
 from pdserve.models.parallel import TensorParallel
 from pdserve.models.rope import RotaryEmbedding
 
@@ -154,12 +157,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp: nn.Module = SparseMoeBlock(config, tp) if index in config.moe_layers else MLP(config, tp)
 
     def forward(
         self,
@@ -195,7 +198,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.rotary = rotary
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         rows = self.embed_tokens.end - self.embed_tokens.start
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)

@@ -22,6 +22,8 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+_ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2}
+
 # name -> (transformers classes, config overrides). initializer_range 0.2 makes logits peaked, so
 # fp32 summation-order differences cannot flip a near-tie.
 SHAPES = {
@@ -44,11 +46,33 @@ SHAPES = {
         "Qwen3",
         {"num_attention_heads": 4, "num_key_value_heads": 1, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     ),
+    # Mixture of experts: top-1, 2 and 4 of 4 to 16 experts, renormalised or not, dense layers among routed ones.
+    "qwen3moe-e4-top1": (
+        "Qwen3Moe",
+        {**_ATTENTION, "num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 48, "norm_topk_prob": True},
+    ),
+    "qwen3moe-e8-top2-mlponly": (
+        "Qwen3Moe",
+        {**_ATTENTION, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 40, "mlp_only_layers": [1]},
+    ),
+    "qwen3moe-e16-top4-step2": (
+        "Qwen3Moe",
+        {
+            **_ATTENTION,
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 2,
+        },
+    ),
+    "mixtral-e4-top2": ("Mixtral", {**_ATTENTION, "num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
 def build_hf_model(family: str, overrides: dict, path) -> Any:
-    """A tiny seeded ``family`` model (Llama, Qwen2, Qwen3) saved to ``path``: the transformers model."""
+    """A tiny seeded ``family`` model (Llama, Qwen2, Qwen3, Qwen3Moe, Mixtral) saved to ``path``: the
+    transformers model. (Mixtral's experts take ``intermediate_size``.)"""
     import transformers
 
     config_class = getattr(transformers, f"{family}Config")

@@ -41,11 +41,11 @@ def test_processes_racing_to_build_the_cache_all_succeed(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [DEMO_MODEL_NAME]  # no temporary folders left
 
 
-def test_demo_model_matches_transformers(demo_model_path):
+def _assert_matches_transformers(folder) -> LLM:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(demo_model_path), dtype=torch.float32).eval()
-    llm = LLM(str(demo_model_path), kv_cache_memory=32 << 20, max_model_len=256)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    llm = LLM(str(folder), kv_cache_memory=32 << 20, max_model_len=256)
     prompts = ["Hello, world!", "The router sends the request to a prefill pod", "x"]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -60,4 +60,19 @@ def test_demo_model_matches_transformers(demo_model_path):
                 pad_token_id=0,
             )[0, ids.shape[1] :].tolist()
         assert output.outputs[0].token_ids == expected
+    return llm
+
+
+def test_demo_model_matches_transformers(demo_model_path):
+    llm = _assert_matches_transformers(demo_model_path)
     assert llm.processor.eos_token_id == llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_the_moe_demo_model_matches_transformers(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "demo-model", "--family", "qwen3-moe", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
+    llm = _assert_matches_transformers(tmp_path)
+    assert (llm.model_config.num_experts, llm.model_config.moe_layers) == (8, (0, 1, 2, 3))

@@ -69,7 +69,7 @@ def test_batched_and_single_greedy_equal_hf(name, hf_models, hf_reference, demo_
     _compare(name, singles, hf_reference[name][:4])
 
 
-@pytest.mark.parametrize("name", ["llama-gqa4-tied-llama3rope", "qwen3-gqa2-headdim"])
+@pytest.mark.parametrize("name", ["llama-gqa4-tied-llama3rope", "qwen3-gqa2-headdim", "qwen3moe-e8-top2-mlponly"])
 def test_small_chunks_preemption_and_prefix_hits_equal_hf(name, hf_models, hf_reference, demo_model_path):
     folder, _ = hf_models[name]
     chunked = LLM(

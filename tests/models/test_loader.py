@@ -77,3 +77,51 @@ def test_missing_and_unexpected_weights_are_named(tmp_path):
     save_file({**weights, "model.layers.0.extra.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="no place in LlamaForCausalLM"):
         load_model(tmp_path, config, torch.float32, torch.device("cpu"), 64)
+
+
+def test_routed_layers_follow_mlp_only_layers_and_the_sparse_step():
+    base = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+    }
+    assert ModelConfig.from_dict(base).moe_layers == (0, 1, 2, 3, 4, 5)
+    assert ModelConfig.from_dict({**base, "mlp_only_layers": [0, 4]}).moe_layers == (1, 2, 3, 5)
+    assert ModelConfig.from_dict({**base, "decoder_sparse_step": 2}).moe_layers == (1, 3, 5)
+    dense = ModelConfig.from_dict({**base, "num_experts": 0})
+    assert (dense.num_experts, dense.moe_layers, dense.routing) == (0, (), "")
+    # What routes a token is part of what two P/D engines must agree on.
+    assert ModelConfig.from_dict(base).routing != ModelConfig.from_dict({**base, "norm_topk_prob": True}).routing
+    with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=9"):
+        ModelConfig.from_dict({**base, "num_experts_per_tok": 9})
+    mixtral = ModelConfig.from_dict(
+        {**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "sliding_window": 4096}
+    )
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (4, 48, True)
+    assert mixtral.moe_layers == tuple(range(6)) and mixtral.sliding_window == 4096
+
+
+def test_expert_weights_missing_or_out_of_range_are_named(tmp_path):
+    build_hf_model(
+        "Qwen3Moe",
+        {"num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+        tmp_path,
+    )
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    config = ModelConfig.from_folder(tmp_path)
+    save_file(
+        {k: v for k, v in weights.items() if k != "model.layers.1.mlp.experts.2.up_proj.weight"},
+        str(tmp_path / "model.safetensors"),
+    )
+    with pytest.raises(ValueError, match=r"missing .*layers\.1\.mlp\.w13"):
+        load_model(tmp_path, config, torch.float32, torch.device("cpu"), 64)
+    extra = weights["model.layers.0.mlp.experts.0.up_proj.weight"].clone()
+    save_file({**weights, "model.layers.0.mlp.experts.4.up_proj.weight": extra}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"no place in Qwen3MoeForCausalLM.*experts\.4"):
+        load_model(tmp_path, config, torch.float32, torch.device("cpu"), 64)

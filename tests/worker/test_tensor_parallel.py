@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (gloo, one worker process per rank; 2 ranks here, 4 in make test-slow): a model
 split over ranks computes what it computes whole, token for token, with logprobs within 1e-4, through chunked prefill,
 preemption and prefix-cache hits; for GQA (KV heads split), MQA (the one KV head replicated), q/k/v
-biases, tied and untied LM heads and a vocabulary that does not split evenly. A split that cannot be
+biases, tied and untied LM heads, a vocabulary that does not split evenly, and experts (each expert's
+intermediate features split, routed layers among dense ones). A split that cannot be
 made is refused at start-up, naming why."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ MODELS = {
     "qwen3-mqa-replicated": SHAPES["qwen3-linear-rope"],
     "qwen2-gqa2-bias": SHAPES["qwen2-gqa2-bias"],
     "llama-mha-untied-odd-vocab": ("Llama", {"num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1021}),
+    "qwen3moe-e8-top2-mlponly": SHAPES["qwen3moe-e8-top2-mlponly"],
 }
 
 
@@ -54,6 +56,7 @@ def _run(llm: LLM) -> list[tuple[list[int], list[float]]]:
         # Four ranks (make test-slow): KV heads split four ways, and two KV heads each replicated on two ranks.
         pytest.param("llama-mha-untied-odd-vocab", 4, marks=pytest.mark.slow),
         pytest.param("llama-gqa4-tied-llama3rope", 4, marks=pytest.mark.slow),
+        pytest.param("qwen3moe-e16-top4-step2", 4, marks=pytest.mark.slow),
     ],
 )
 def test_split_ranks_compute_what_one_computes(name, size, tmp_path):
@@ -109,6 +112,13 @@ def test_preemption_and_long_chunked_prompts_at_two_ranks():
 def test_an_impossible_split_is_refused_at_start_up():
     with pytest.raises(ValueError, match="4 attention heads do not split over 3 ranks"):
         EngineArgs(model=str(ensure_demo_model()), device="cpu", tensor_parallel_size=3).build_engine_core()
+
+
+def test_experts_that_cannot_split_are_refused(tmp_path):
+    family, overrides = SHAPES["qwen3moe-e4-top1"]
+    build_hf_model(family, {**overrides, "moe_intermediate_size": 42}, tmp_path)
+    with pytest.raises(ValueError, match="an expert intermediate size of 42 does not split over 4 ranks"):
+        EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=4).build_engine_core()
 
 
 def test_a_rank_reads_only_its_own_slices_of_split_weights(monkeypatch, tmp_path):

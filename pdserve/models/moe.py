@@ -1,0 +1,40 @@
+"""A routed MLP layer (mixture of experts): the router, the experts' stacked weights, and the choice
+of expert kernel by device (Triton on CUDA, the grouped torch path on CPU).
+
+Under tensor parallelism every rank holds every expert, with its share of each expert's
+intermediate features (as the dense MLP is split); the router is replicated, so all ranks choose
+the same experts, and one all-reduce sums the partial outputs. Expert parallelism (experts placed
+whole on different ranks) is not built.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.kernels import moe
+from pdserve.models.config import ModelConfig
+from pdserve.models.parallel import TensorParallel
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        # The router's matrix, [hidden, experts]: stored transposed, as Linear stores its weight.
+        self.gate_weight_t = nn.Parameter(torch.empty(config.hidden_size, config.num_experts))
+        inter = config.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, 2 * inter))
+        self.w2 = nn.Parameter(torch.empty(config.num_experts, inter, config.hidden_size))
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.tp = tp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, ids = moe.select_experts(torch.mm(hidden, self.gate_weight_t), self.top_k, self.renormalize)
+        if hidden.is_cuda:
+            from pdserve.kernels import triton_moe  # imports triton: only where it is used
+
+            out = triton_moe.fused_experts(hidden, self.w13, self.w2, weights, ids)
+        else:
+            out = moe.grouped_experts(hidden, self.w13, self.w2, weights, ids)
+        return self.tp.all_reduce(out)
