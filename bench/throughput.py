@@ -12,8 +12,14 @@ page_size 32, num_blocks 640 (20480 token slots: all 64 requests stay resident),
 32, max_requests_per_batch 64, sdpa attention. (transformers gets faster as max_batch_tokens
 shrinks, down to 32: its paged attention on CPU seems to cost more than linearly in batch size.)
 
-With --plot DIR (and transformers measured), writes DIR/throughput.png.
-Last line: {"bench": "throughput", "pdserve_tok_s": X, "hf_tok_s": Y, "ratio": R}
+--family qwen3-moe runs a Qwen3-MoE model of the same scale instead (hidden 768, 12 layers, every
+layer routing each token to 2 of 16 experts of 512 features: ~240M parameters, ~62M active per
+token), and reports the share of a decode step spent in the routed layers (router + experts).
+transformers' experts implementation (eager, batched_mm, grouped_mm) is chosen by a short probe
+run of each on the same model: the fastest runs the full workload.
+
+With --plot DIR (and transformers measured), writes DIR/throughput.png (DIR/throughput-FAMILY.png).
+Last line: {"bench": "throughput", "family": F, "pdserve_tok_s": X, "hf_tok_s": Y, "ratio": R}
 """
 
 from __future__ import annotations
@@ -45,16 +51,39 @@ MODEL = {
     "tie_word_embeddings": True,
     "max_position_embeddings": 1024,
 }
+MOE_MODEL = {
+    **MODEL,
+    "intermediate_size": 2048,
+    "num_experts": 16,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "head_dim": 64,
+}
+FAMILIES = {"llama": ("Llama", MODEL), "qwen3-moe": ("Qwen3Moe", MOE_MODEL)}
+EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 HF_CB = {"page_size": 32, "num_blocks": 640, "max_batch_tokens": 32, "max_requests_per_batch": 64}
 
 
-def build_model(folder: str) -> int:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_model(folder: str, family: str = "llama") -> int:
+    import transformers
 
+    name, config = FAMILIES[family]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL)).eval()
+    config_class, model_class = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
+    model = model_class(config_class(**config)).eval()
     model.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
+
+
+def active_parameters(num_params: int, family: str) -> int:
+    """Parameters a token's forward pass multiplies: all of a dense model's; the chosen experts' of a MoE."""
+    config = FAMILIES[family][1]
+    if "num_experts" not in config:
+        return num_params
+    per_expert = 3 * config["hidden_size"] * config["moe_intermediate_size"]
+    idle = config["num_experts"] - config["num_experts_per_tok"]
+    return num_params - config["num_hidden_layers"] * idle * per_expert
 
 
 def weight_streaming_gbps() -> float:
@@ -80,8 +109,9 @@ def gemm_gflops() -> float:
     return 3 * 2 * 2048**3 / (time.perf_counter() - start) / 1e9
 
 
-def run_pdserve(folder: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(output tokens/s of the whole generate, median seconds of a batch-64 decode step)."""
+def run_pdserve(folder: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, float]:
+    """(output tokens/s of the whole generate, median seconds of a batch-64 decode step, the share of
+    that step spent in routed MLP layers: 0 for a dense model)."""
     llm = LLM(
         folder,
         tokenizer=str(ensure_demo_model()),
@@ -90,7 +120,41 @@ def run_pdserve(folder: str, prompts: list[list[int]], new_tokens: int) -> tuple
         max_num_batched_tokens=2048,
     )
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    return tokens_per_second(llm, prompts, new_tokens), median_decode_step(llm.engine, prompts, params, 8)
+    tok_s = tokens_per_second(llm, prompts, new_tokens)
+    with RoutedLayerClock(llm) as clock:
+        step_s = median_decode_step(llm.engine, prompts, params, 8)
+    return tok_s, step_s, clock.seconds / clock.steps / step_s if clock.steps else 0.0
+
+
+class RoutedLayerClock:
+    """Wall time inside the model's routed MLP layers (forward hooks: CPU work is synchronous), per
+    timed decode step. Needs the model in this process (the default executor)."""
+
+    def __init__(self, llm: LLM) -> None:
+        from pdserve.models.moe import SparseMoeBlock
+
+        model = llm.engine.model_executor.model  # the in-process executor is the ModelRunner
+        self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        self.seconds, self.steps, self.handles, self.started = 0.0, 0, [], 0.0
+        self.layers_seen = 0
+
+    def _before(self, *_: object) -> None:
+        self.started = time.perf_counter()
+
+    def _after(self, *_: object) -> None:
+        self.seconds += time.perf_counter() - self.started
+        self.layers_seen += 1
+        if self.layers_seen % len(self.blocks) == 0:
+            self.steps += 1
+
+    def __enter__(self) -> RoutedLayerClock:
+        for block in self.blocks:
+            self.handles += [block.register_forward_pre_hook(self._before), block.register_forward_hook(self._after)]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def tokens_per_second(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
@@ -124,10 +188,13 @@ def median_decode_step(engine: EngineCore, prompts: list[list[int]], params: Sam
     return statistics.median(step_times)
 
 
-def run_hf(folder: str, prompts: list[list[int]], new_tokens: int) -> float:
+def run_hf(folder: str, prompts: list[list[int]], new_tokens: int, experts_implementation: str | None = None) -> float:
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    options = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="sdpa", **options
+    ).eval()
     generation = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     batching = ContinuousBatchingConfig(**HF_CB)
     with torch.inference_mode():
@@ -146,33 +213,50 @@ def run_hf(folder: str, prompts: list[list[int]], new_tokens: int) -> float:
     return num_tokens / elapsed
 
 
+def fastest_experts_implementation(folder: str, prompts: list[list[int]]) -> str:
+    """transformers' fastest experts implementation here, by a short run of each (16 requests, 16 tokens)."""
+    rates = {}
+    for implementation in EXPERTS_IMPLEMENTATIONS:
+        try:
+            rates[implementation] = run_hf(folder, prompts[:16], 16, implementation)
+        except Exception as error:  # an implementation this build lacks is skipped, and said
+            print(f"transformers experts_implementation={implementation}: failed ({error})")
+            continue
+        print(f"transformers experts_implementation={implementation}: {rates[implementation]:.1f} tok/s (probe)")
+    return max(rates, key=rates.__getitem__)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true", help="measure pdserve only (no ratio)")
+    parser.add_argument("--family", choices=list(FAMILIES), default="llama")
     add_plot_argument(parser)
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(MODEL["vocab_size"]) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     with tempfile.TemporaryDirectory() as folder:
-        num_params = build_model(folder)
-        weight_bytes = num_params * 4
+        num_params = build_model(folder, args.family)
+        active = active_parameters(num_params, args.family)
+        weight_bytes = active * 4  # what a decode step streams (at batch 64 every expert is busy: a lower bound)
         print(
-            f"model: {num_params / 1e6:.1f}M parameters, {weight_bytes / 1e6:.0f} MB fp32, "
-            f"torch threads {torch.get_num_threads()}"
+            f"model ({args.family}): {num_params / 1e6:.1f}M parameters ({active / 1e6:.1f}M active per token), "
+            f"{num_params * 4 / 1e6:.0f} MB fp32, torch threads {torch.get_num_threads()}"
         )
         print(
             f"workload: {args.requests} requests x {args.prompt_len} prompt + {args.new_tokens} new tokens, "
             "greedy, EOS ignored",
             flush=True,
         )
-        pdserve_tok_s, decode_step_s = run_pdserve(folder, prompts, args.new_tokens)
+        pdserve_tok_s, decode_step_s, routed_share = run_pdserve(folder, prompts, args.new_tokens)
         print(f"pdserve LLM.generate:        {pdserve_tok_s:8.1f} output tok/s", flush=True)
+        if routed_share:
+            print(f"routed MLP layers (router + experts): {routed_share:.0%} of a batch-{args.requests} decode step")
         bandwidth = weight_streaming_gbps()
         roofline_s = weight_bytes / (bandwidth * 1e9)
-        compute_s = 2 * num_params * args.requests / (gemm_gflops() * 1e9)
+        compute_s = 2 * active * args.requests / (gemm_gflops() * 1e9)
         print(
             f"decode step at batch {args.requests}: {decode_step_s * 1e3:.1f} ms; weight-read roofline "
             f"{roofline_s * 1e3:.1f} ms at {bandwidth:.1f} GB/s -> {roofline_s / decode_step_s:.0%} of roofline; "
@@ -181,15 +265,20 @@ def main() -> None:
         )
         hf_tok_s = None
         if not args.skip_hf:
-            hf_tok_s = run_hf(folder, prompts, args.new_tokens)
-            print(f"transformers generate_batch: {hf_tok_s:8.1f} output tok/s ({HF_CB})")
+            implementation = None
+            if "num_experts" in FAMILIES[args.family][1]:
+                implementation = fastest_experts_implementation(folder, prompts)
+            hf_tok_s = run_hf(folder, prompts, args.new_tokens, implementation)
+            chosen = "" if implementation is None else f", experts_implementation={implementation}"
+            print(f"transformers generate_batch: {hf_tok_s:8.1f} output tok/s ({HF_CB}{chosen})")
             print(f"ratio: {pdserve_tok_s / hf_tok_s:.2f}x")
             if args.plot:
+                described = "~110M Llama" if args.family == "llama" else f"{num_params / 1e6:.0f}M {args.family}"
                 bar_chart(
                     args.plot,
-                    "throughput",
+                    "throughput" if args.family == "llama" else f"throughput-{args.family}",
                     f"offline generation, {args.requests} x ({args.prompt_len} + "
-                    f"{args.new_tokens}) tokens, ~110M Llama fp32",
+                    f"{args.new_tokens}) tokens, {described} fp32",
                     "output tokens/s",
                     {
                         "pdserve LLM.generate": {"tok/s": pdserve_tok_s},
@@ -200,6 +289,7 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "throughput",
+                "family": args.family,
                 "pdserve_tok_s": round(pdserve_tok_s, 1),
                 "hf_tok_s": None if hf_tok_s is None else round(hf_tok_s, 1),
                 "ratio": None if hf_tok_s is None else round(pdserve_tok_s / hf_tok_s, 2),

@@ -28,7 +28,7 @@ def test_gpu_check_dry_run_passes_every_section(tmp_path):
     )
     report = json.loads(out.read_text())
     assert report["dry_run"] is True
-    for section in ("kernels", "parity", "worker_process"):
+    for section in ("kernels", "moe_kernel", "parity", "worker_process"):
         assert report[section].get("passed") is True, (section, report[section], result.stdout[-3000:])
     # Speed targets are the GPU's: on CPU (Triton interpreted) these sections only have to run.
     assert "kv_read_gbps" in report["attention_bandwidth"], report["attention_bandwidth"]
