@@ -13,7 +13,7 @@ page_size 32, num_blocks 640 (20480 token slots: all 64 requests stay resident),
 shrinks, down to 32: its paged attention on CPU seems to cost more than linearly in batch size.)
 
 --family qwen3-moe runs a Qwen3-MoE model of the same scale instead (hidden 768, 12 layers, every
-layer routing each token to 2 of 16 experts of 512 features: ~240M parameters, ~62M active per
+layer routing each token to 2 of 16 experts of 512 features: ~270M parameters, ~72M active per
 token), and reports the share of a decode step spent in the routed layers (router + experts).
 transformers' experts implementation (eager, batched_mm, grouped_mm) is chosen by a short probe
 run of each on the same model: the fastest runs the full workload.

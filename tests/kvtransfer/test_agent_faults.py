@@ -168,13 +168,16 @@ def test_an_exception_writing_pulled_bytes_fails_that_pull_only():
 
 def test_renewals_of_many_requests_go_in_frames_the_prefill_accepts():
     # 30,000 ids in one frame exceed the prefill's 1 MiB frame bound: it would drop the frame and
-    # every lease would expire. Split, each frame is taken and the holds live on.
-    with engines({"filled": True, "lease_seconds": 1.0}, {"filled": False}) as (prefill, decode):
+    # every lease would expire. Split, each frame is taken and the holds live on. (A 3 s lease: the first
+    # renewal of 30,000 ids must be built, sent and taken within it, also on a loaded 2-core machine,
+    # where 1 s was once missed.)
+    with engines({"filled": True, "lease_seconds": 3.0}, {"filled": False}) as (prefill, decode):
         ids = [f"request-{n:08d}-{'x' * 24}" for n in range(30_000)]
+        remote = prefill.remote(ids[-1], [1], lease_seconds=3.0)
+        tracks = [(rid, dataclasses.replace(remote, request_id=rid)) for rid in ids]
         prefill.agent.submit(TransferWork(holds=[(ids[-1], [1])]))
-        remote = prefill.remote(ids[-1], [1], lease_seconds=1.0)
-        decode.agent.submit(TransferWork(tracks=[(rid, dataclasses.replace(remote, request_id=rid)) for rid in ids]))
-        seen = prefill.quiet_for(1.8)
+        decode.agent.submit(TransferWork(tracks=tracks))
+        seen = prefill.quiet_for(4.5)
         assert not seen.num_expired_leases and not seen.finished_sending
 
 

@@ -11,6 +11,7 @@ import json
 import shutil
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 
@@ -41,28 +42,25 @@ def test_the_fingerprint_tells_same_shaped_checkpoints_apart(tmp_path):
     assert weights_fingerprint(copy) != weights_fingerprint(demo)
 
 
-@pytest.fixture(scope="module")
-def pair_of_models(tmp_path_factory):
-    """decode + prefill on the demo model, a second prefill on a same-shaped other checkpoint
-    (served under the same name, as in a rollout), and a router over all of them."""
-    tmp_path = tmp_path_factory.mktemp("compat")
-    model = str(ensure_demo_model())
-    other = str(write_demo_model(tmp_path / "pdserve-demo-qwen3-v2", seed=SEED + 1))
+@contextmanager
+def _engines_behind_a_router(tmp_path, engines: dict[str, tuple[str, str, tuple[str, ...]]], decodes: list[str]):
+    """Start ``engines`` (name -> (role, model folder, extra flags)) on the demo model's settings and
+    a router over them (the ``decodes`` names as its decode pods, the other engines as prefills,
+    in the given order); yields every process by name, the router as "router"."""
     env = server_env()
     processes = {}
-    for name, role, folder in (("decode", "decode", model), ("same", "prefill", model), ("other", "prefill", other)):
+    for name, (role, folder, flags) in engines.items():
         port = free_port()
-        # A short lease: the forged read below leaves a hold nobody releases (draining waits for it).
-        argv = engine_argv(role, port, folder, *ENGINE_FLAGS, "--kv-lease-seconds", "5", transport="tcp")
+        argv = engine_argv(role, port, folder, *ENGINE_FLAGS, *flags, transport="tcp")
         processes[name] = Process(name, argv, env, port, str(tmp_path / f"{name}.log"))
     try:
         for process in processes.values():
             process.start()
         for process in processes.values():
             process.wait_healthy()
+        prefills = [processes[name].url for name in engines if name not in decodes]
         port = free_port()
-        prefill_urls = [processes["other"].url, processes["same"].url]
-        argv = router_argv(port, prefill_urls, [processes["decode"].url], "--pd-min-prefill-tokens", "1")
+        argv = router_argv(port, prefills, [processes[name].url for name in decodes], "--pd-min-prefill-tokens", "1")
         processes["router"] = Process("router", argv, env, port, str(tmp_path / "router.log"))
         processes["router"].start()
         processes["router"].wait_healthy()
@@ -70,6 +68,24 @@ def pair_of_models(tmp_path_factory):
     finally:
         for process in processes.values():
             process.stop()
+
+
+@pytest.fixture(scope="module")
+def pair_of_models(tmp_path_factory):
+    """decode + prefill on the demo model, a second prefill on a same-shaped other checkpoint
+    (served under the same name, as in a rollout), and a router over all of them."""
+    tmp_path = tmp_path_factory.mktemp("compat")
+    model = str(ensure_demo_model())
+    other = str(write_demo_model(tmp_path / "pdserve-demo-qwen3-v2", seed=SEED + 1))
+    # A short lease: the forged read below leaves a hold nobody releases (draining waits for it).
+    lease = ("--kv-lease-seconds", "5")
+    engines = {
+        "decode": ("decode", model, lease),
+        "other": ("prefill", other, lease),
+        "same": ("prefill", model, lease),
+    }
+    with _engines_behind_a_router(tmp_path, engines, decodes=["decode"]) as processes:
+        yield processes
 
 
 def _post_with_headers(url: str, prompt: str, params: dict) -> tuple[int, dict, dict[str, str]]:
@@ -156,31 +172,13 @@ def two_versions(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("rollout")
     old = str(ensure_demo_model())
     new = str(write_demo_model(tmp_path / "pdserve-demo-qwen3-v2", seed=SEED + 1))
-    env = server_env()
-    processes = {}
-    for version, folder in (("old", old), ("new", new)):
-        for role in ("prefill", "decode"):
-            port = free_port()
-            argv = engine_argv(role, port, folder, *ENGINE_FLAGS, transport="tcp")
-            processes[f"{version}-{role}"] = Process(
-                f"{version}-{role}", argv, env, port, str(tmp_path / f"{version}-{role}.log")
-            )
-    try:
-        for process in processes.values():
-            process.start()
-        for process in processes.values():
-            process.wait_healthy()
-        port = free_port()
-        prefills = [processes["old-prefill"].url, processes["new-prefill"].url]
-        decodes = [processes["old-decode"].url, processes["new-decode"].url]
-        argv = router_argv(port, prefills, decodes, "--pd-min-prefill-tokens", "1")
-        processes["router"] = Process("router", argv, env, port, str(tmp_path / "router.log"))
-        processes["router"].start()
-        processes["router"].wait_healthy()
+    engines = {
+        f"{version}-{role}": (role, folder, ())
+        for version, folder in (("old", old), ("new", new))
+        for role in ("prefill", "decode")
+    }
+    with _engines_behind_a_router(tmp_path, engines, decodes=["old-decode", "new-decode"]) as processes:
         yield processes
-    finally:
-        for process in processes.values():
-            process.stop()
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """P/D for a mixture-of-experts model (Qwen3-MoE layout, routed layers among dense ones) through the
-router equals colocated serving, token for token, over NIXL (``make test``) and TCP (``make test-slow``):
+router equals colocated serving, token for token, over NIXL and TCP (``make test-slow``):
 KV blocks move as for a dense model; what differs is only the compatibility hash, which covers the
 routing. Prompts of 1 token, one block and one block + 1, and longer ones; every hold ends."""
 
@@ -15,7 +15,7 @@ from pdserve.testing.hf_models import SHAPES, build_hf_model
 from pdserve.testing.metrics import scrape
 from tests.pd.cluster import Cluster, post, wait_for
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 SHAPE = "qwen3moe-e8-top2-mlponly"
 MAX_TOKENS = 8
@@ -42,7 +42,7 @@ def expected(moe_model) -> list[str]:
     return [output.outputs[0].text for output in outputs]
 
 
-@pytest.mark.parametrize("transport", ["nixl", pytest.param("tcp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("transport", ["nixl", "tcp"])
 def test_pd_of_a_moe_model_equals_colocated(transport, moe_model, expected, tmp_path):
     cluster = Cluster.start(tmp_path, transport, model=moe_model, router_flags=("--pd-min-prefill-tokens", "1"))
     try:

@@ -1,7 +1,8 @@
 """Disaggregated serving through the router equals colocated serving, token for token: 1P1D over
 NIXL and over TCP, 2P2D over NIXL, and 1P1D over NIXL with each engine's model (and transfer agent)
-in a worker process of its own, each a real cluster of processes started once. Structured outputs
-too: the decode applies the grammar, the outputs equal colocated ones with the same seeds."""
+in a worker process of its own (TCP and workers in make test-slow), each a real cluster of processes
+started once. Structured outputs too: the decode applies the grammar, the outputs equal colocated
+ones with the same seeds."""
 
 from __future__ import annotations
 
@@ -47,8 +48,13 @@ def expected() -> list[str]:
 
 @pytest.fixture(
     scope="module",
-    params=[("nixl", 1, 1, "uni"), ("tcp", 1, 1, "uni"), ("nixl", 2, 2, "uni"), ("nixl", 1, 1, "mp")],
-    ids=["nixl-1p1d", "tcp-1p1d", "nixl-2p2d", "nixl-1p1d-workers"],
+    # TCP and the worker-process executor in make test-slow (make test's time budget): make test keeps NIXL.
+    params=[
+        pytest.param(("nixl", 1, 1, "uni"), id="nixl-1p1d"),
+        pytest.param(("tcp", 1, 1, "uni"), id="tcp-1p1d", marks=pytest.mark.slow),
+        pytest.param(("nixl", 2, 2, "uni"), id="nixl-2p2d"),
+        pytest.param(("nixl", 1, 1, "mp"), id="nixl-1p1d-workers", marks=pytest.mark.slow),
+    ],
 )
 def cluster(request, tmp_path_factory):
     transport, num_prefill, num_decode, executor = request.param
