@@ -53,7 +53,6 @@ MODEL = {
 }
 MOE_MODEL = {
     **MODEL,
-    "intermediate_size": 2048,
     "num_experts": 16,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 512,
@@ -121,31 +120,36 @@ def run_pdserve(folder: str, prompts: list[list[int]], new_tokens: int) -> tuple
     )
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     tok_s = tokens_per_second(llm, prompts, new_tokens)
+    timed_steps = 8
     with RoutedLayerClock(llm) as clock:
-        step_s = median_decode_step(llm.engine, prompts, params, 8)
-    return tok_s, step_s, clock.seconds / clock.steps / step_s if clock.steps else 0.0
+        step_s = median_decode_step(llm.engine, prompts, params, timed_steps)
+    # The timed decode steps are the last forward passes (the prompts' steps come before them).
+    routed = clock.per_step[-timed_steps:]
+    return tok_s, step_s, statistics.median(routed) / step_s if routed else 0.0
 
 
 class RoutedLayerClock:
     """Wall time inside the model's routed MLP layers (forward hooks: CPU work is synchronous), per
-    timed decode step. Needs the model in this process (the default executor)."""
+    forward pass (``per_step``, in order). Needs the model in this process (the default executor)."""
 
     def __init__(self, llm: LLM) -> None:
         from pdserve.models.moe import SparseMoeBlock
 
         model = llm.engine.model_executor.model  # the in-process executor is the ModelRunner
         self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-        self.seconds, self.steps, self.handles, self.started = 0.0, 0, [], 0.0
-        self.layers_seen = 0
+        self.per_step: list[float] = []
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.started, self.running_sum, self.calls = 0.0, 0.0, 0
 
     def _before(self, *_: object) -> None:
         self.started = time.perf_counter()
 
     def _after(self, *_: object) -> None:
-        self.seconds += time.perf_counter() - self.started
-        self.layers_seen += 1
-        if self.layers_seen % len(self.blocks) == 0:
-            self.steps += 1
+        self.running_sum += time.perf_counter() - self.started
+        self.calls += 1
+        if self.calls % len(self.blocks) == 0:  # the last routed layer of a forward pass
+            self.per_step.append(self.running_sum)
+            self.running_sum = 0.0
 
     def __enter__(self) -> RoutedLayerClock:
         for block in self.blocks:

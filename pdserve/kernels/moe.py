@@ -31,7 +31,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights.to(router_logits.dtype), ids
 
 
-def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, the two halves of the last dimension."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -41,7 +42,7 @@ def experts_reference(
 ) -> torch.Tensor:
     """``[tokens, hidden]``: the weighted sum of each token's chosen experts' outputs."""
     gate_up = torch.einsum("th,tkhi->tki", hidden, w13[ids])
-    out = torch.einsum("tki,tkih->tkh", _swiglu(gate_up), w2[ids])
+    out = torch.einsum("tki,tkih->tkh", swiglu(gate_up), w2[ids])
     return (out * weights.unsqueeze(-1)).sum(dim=1)
 
 
@@ -60,7 +61,7 @@ def grouped_experts(
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            torch.mm(_swiglu(torch.mm(rows[start:end], w13[expert])), w2[expert], out=out[start:end])
+            torch.mm(swiglu(torch.mm(rows[start:end], w13[expert])), w2[expert], out=out[start:end])
             start = end
     out.mul_(weights.flatten()[order].unsqueeze(-1))
     # Summed into each token in expert order, as transformers does: the same float rounding.

@@ -15,9 +15,10 @@ weight; the top-k rows of a token are summed last. Blocks past the last expert's
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from pdserve.kernels.moe import swiglu
 
 BLOCK_M = 16  # rows (token choices) per program: decode steps route few tokens to each expert
 BLOCK_N = 64
@@ -153,8 +154,7 @@ def fused_experts(
     sorted_rows, block_experts = align_by_expert(ids, num_experts, BLOCK_M)
     gate_up = hidden.new_empty(num_tokens * top_k, two_inter)
     _expert_matmul(hidden, w13, gate_up, sorted_rows, block_experts, top_k, None)
-    gate, up = gate_up.chunk(2, dim=-1)
-    activated = F.silu(gate) * up
+    activated = swiglu(gate_up)
     out = hidden.new_empty(num_tokens * top_k, hidden_size)
     _expert_matmul(activated, w2, out, sorted_rows, block_experts, 1, weights.flatten().contiguous())
     return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
