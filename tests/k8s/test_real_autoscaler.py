@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 import urllib.error
 from pathlib import Path
@@ -83,6 +84,16 @@ def pool_size(cluster: Cluster, role: str) -> int:
     return get(cluster, "pdpools", f"{NAME}-{role}")["spec"]["replicas"]
 
 
+def scaled_rate(cluster: Cluster, name: str) -> float:
+    """The arrival rate in the PDService's Scaled event to 1P2D (0 while there is none)."""
+    events = cluster.core.list_namespaced_event(NAMESPACE, field_selector=f"involvedObject.name={name}").items
+    for event in events:
+        found = re.search(r"-> 1P2D \(plan 1P2D at (\S+) req/s\)", event.message or "")
+        if event.reason == "Scaled" and found:
+            return float(found.group(1))
+    return 0.0
+
+
 def test_the_autoscaler_follows_traffic_on_a_real_cluster(
     cluster: Cluster, kubelet: FakeKubelet, operator: Any, tmp_path: Path
 ) -> None:
@@ -100,11 +111,17 @@ def test_the_autoscaler_follows_traffic_on_a_real_cluster(
         traffic = Traffic(router.url, name)
         wait_for(lambda: traffic.answered, timeout=60, what="a completion through the router")
 
-        # Under traffic the plan is the most decode engines allowed: the operator writes the pool ...
-        wait_for(lambda: pool_size(cluster, "decode") == 2, timeout=60, what="the decode pool scaled up")
-        status = get(cluster, "pdservices", name)["status"]["autoscaling"]
-        assert status["reason"] == "Scaled" and status["inputs"]["arrivalRate"] > 0
-        assert status["target"] == {"prefill": 1, "decode": 2}
+        # Under traffic the plan is the most decode engines allowed: the operator writes the pool, then
+        # the decision into the status (the pool first: read both, not one then the other) ...
+        def scaled_up() -> bool:
+            status = (get(cluster, "pdservices", name).get("status") or {}).get("autoscaling") or {}
+            return pool_size(cluster, "decode") == 2 and status.get("replicas") == {"prefill": 1, "decode": 2}
+
+        wait_for(scaled_up, timeout=60, what="the decode pool scaled up")
+        assert get(cluster, "pdservices", name)["status"]["autoscaling"]["lastScaleTime"] is not None
+        # ... with a Scaled event that gives the plan and the arrival rate it saw (by now the status may
+        # show a later decision, RolloutInProgress or Cooldown; the event keeps this one).
+        wait_for(lambda: scaled_rate(cluster, name) > 0, timeout=30, what="a Scaled event with the arrival rate")
         # ... the real controllers make the pod, and the new engine serves.
         processes.start_healthy(running_pods(cluster, name, "decode", 2))
 
