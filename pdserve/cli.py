@@ -718,8 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--family",
         default="qwen3",
-        choices=["qwen3", "qwen3-moe"],
-        help="the model family (default: qwen3, the model `pdserve serve` runs; qwen3-moe: 8 experts, top-2)",
+        choices=["qwen3", "qwen3-moe", "qwen3.5"],  # models.demo.FAMILIES (not imported here: it imports torch)
+        help="the model family (default: qwen3, the model `pdserve serve` runs; qwen3-moe: 8 experts, top-2; "
+        "qwen3.5: hybrid linear attention)",
     )
     demo.set_defaults(handler=_demo_model)
     return parser

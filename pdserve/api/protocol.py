@@ -386,6 +386,7 @@ class ProtocolError(Exception):
 
 _ERROR_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _OWN_CHECK_FIELD = re.compile(r"^`(\w+)` ")  # our __post_init__ checks name their field first
+_CONTENT_PART_TYPE = re.compile(r"^Invalid enum value '([^']*)' - at `\$\.messages\[\d+\]\.content\[\d+\]\.type`$")
 
 
 def decode_request(body: bytes, request_type: type[Struct]) -> Any:
@@ -402,6 +403,13 @@ def decode_request(body: bytes, request_type: type[Struct]) -> Any:
             return msgspec.convert(_whole_floats_as_ints(msgspec.json.decode(body)), type=request_type)
     except msgspec.ValidationError as error:
         message = str(error)
+        part = _CONTENT_PART_TYPE.match(message)
+        if part is not None:  # an image, audio or file part: say why, not only where
+            where = message[message.index(" - at") :]
+            message = (
+                f"content parts of type {part.group(1)!r} are not supported: models are served text-only "
+                f"(a vision-language checkpoint's text model); send parts of type 'text'{where}"
+            )
         match = _ERROR_PATH.search(message) or _OWN_CHECK_FIELD.search(message)
         raise ProtocolError(message, param=(match.group(1) or None) if match else None) from error
     except msgspec.DecodeError as error:

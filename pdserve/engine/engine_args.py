@@ -130,9 +130,15 @@ class EngineArgs:
             kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_blocks=self.num_kv_blocks,
+            max_num_seqs=self.max_num_seqs,
             tp_size=self.tensor_parallel_size,
         )
         kv_transfer = self.kv_transfer
+        if model_config.is_hybrid and kv_transfer is not None:
+            raise ValueError(
+                f"{model_config.architecture} has linear-attention layers: their state does not move between "
+                "engines yet, so it runs colocated only (no --kv-transfer-config)"
+            )
         compat_hash = ""
         heads = head_ranges(model_config.num_kv_heads, self.tensor_parallel_size)  # per rank
         if kv_transfer is not None:
@@ -159,6 +165,7 @@ class EngineArgs:
         if self.distributed_executor_backend == "mp":
             worker = MultiprocExecutor(WorkerSpec(model_config, runner_config, kv_transfer, compat_hash, heads))
             executor, num_blocks, description = worker, worker.num_blocks, worker.describe()
+            num_state_slots = worker.num_state_slots
             generations, agent_ports = worker.generations, worker.agent_ports
         else:
             agents: list[TransferAgent] = []
@@ -175,6 +182,7 @@ class EngineArgs:
             runner_cls = _import_class(self.model_runner_cls) if self.model_runner_cls else ModelRunner
             runner = runner_cls(model_config, runner_config, make_agent if kv_transfer is not None else None)
             executor, num_blocks, description = runner, runner.num_blocks, runner.describe()
+            num_state_slots = runner.num_state_slots
             if agents:
                 generations, agent_ports = agents[0].generations, [agents[0].port]
         logger.info(
@@ -186,6 +194,11 @@ class EngineArgs:
             device,
             description,
         )
+        if model_config.is_hybrid and self.enable_prefix_caching:
+            logger.info(
+                "prefix caching is off: %s has linear-attention layers, whose state at a cached block is not kept",
+                model_config.architecture,
+            )
         connector = None
         if kv_transfer is not None:
             assert generations is not None  # the agent made them
@@ -198,6 +211,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 enable_prefix_caching=self.enable_prefix_caching,
+                num_state_slots=num_state_slots,
             ),
             connector,
             generations,

@@ -1,8 +1,12 @@
-"""KVCacheManager: which blocks each request owns, prefix-cache lookups, and prefix-cache stats.
+"""KVCacheManager: which blocks each request owns, prefix-cache lookups, and prefix-cache stats;
+for hybrid models also which state slot (``StateSlotManager``).
 
 Owned by the Scheduler (memory state is an input to every scheduling decision); it is the only
 caller of the BlockPool. A request's block table always covers the tokens it has computed plus
-those scheduled (or being loaded) this step.
+those scheduled (or being loaded) this step. A hybrid model's request also holds one state slot for
+its linear-attention layers from its first allocation to its release: ``allocate_slots`` gives both
+or neither, ``free`` and ``quarantine`` take both. Prefix caching is off for hybrid models (a
+cached block's KV says nothing of the linear layers' state at that point).
 """
 
 from __future__ import annotations
@@ -14,16 +18,23 @@ import numpy as np
 from pdserve.engine.block_hash import BlockHash, extend_block_hashes
 from pdserve.engine.block_pool import BlockPool, KVCacheBlock
 from pdserve.engine.request import Request
+from pdserve.engine.state_slots import StateSlotManager
 
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, block_generations: np.ndarray | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        block_generations: np.ndarray | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
-        self.enable_caching = enable_caching
+        self.state_slots = StateSlotManager(num_state_slots) if num_state_slots else None
+        self.enable_caching = enable_caching and self.state_slots is None
         self.block_pool = BlockPool(num_blocks, enable_caching, block_generations)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same tables as block ids, kept in step with req_to_blocks for the model runner.
@@ -107,6 +118,12 @@ class KVCacheManager:
         num_required = -(-num_total // self.block_size)
         num_owned = 0 if blocks is None else len(blocks)
         num_new_blocks = num_required - num_owned - len(new_computed_blocks)
+        slots = self.state_slots
+        if slots is not None and not slots.has_slot(request_id):
+            if not slots.num_free_slots:
+                return None
+            if blocks is not None or new_computed_blocks:  # (caching is off: no hit blocks either)
+                raise ValueError(f"request {request_id!r} owns blocks but no state slot")
 
         # Fast path, most decode steps: the last block still has room.
         if num_new_blocks <= 0 and blocks is not None and not new_computed_blocks:
@@ -129,6 +146,8 @@ class KVCacheManager:
             blocks = self.req_to_blocks[request_id] = []
             self.req_to_block_ids[request_id] = []
             self.num_cached_blocks[request_id] = 0
+            if slots is not None:
+                slots.allocate(request_id)
         block_ids = self.req_to_block_ids[request_id]
         if new_computed_blocks:
             pool.touch(new_computed_blocks)
@@ -173,6 +192,8 @@ class KVCacheManager:
         del self.req_to_block_ids[request_id]
         del self.num_cached_blocks[request_id]
         self.block_pool.free_blocks(reversed(blocks))
+        if self.state_slots is not None:
+            self.state_slots.free(request_id)
 
     def quarantine(self, request: Request) -> int:
         """Take the request's blocks away from it without freeing them (a load into them may still
@@ -184,6 +205,8 @@ class KVCacheManager:
         del self.req_to_block_ids[request_id]
         del self.num_cached_blocks[request_id]
         self.quarantined.setdefault(request_id, []).extend(blocks)
+        if self.state_slots is not None:
+            self.state_slots.quarantine(request_id)
         return len(blocks)
 
     def release_quarantine(self, request_id: str) -> None:
@@ -192,6 +215,8 @@ class KVCacheManager:
         blocks = self.quarantined.pop(request_id, None)
         if blocks is not None:
             self.block_pool.free_blocks(reversed(blocks))
+        if self.state_slots is not None:
+            self.state_slots.release_quarantine(request_id)
 
     @property
     def num_quarantined_blocks(self) -> int:

@@ -50,6 +50,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    num_state_slots: int = 0  # hybrid models: linear-attention state slots (one per running request)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -113,7 +114,11 @@ class Scheduler:
         self.config = config
         self.connector = connector or NoKVConnector()
         self.kv_cache_manager = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, block_generations
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            block_generations,
+            config.num_state_slots,
         )
         # Every request the scheduler still knows: unfinished ones, and finished ones whose blocks
         # are still held (for a remote reader, or until an in-flight load into them drains).
@@ -292,6 +297,10 @@ class Scheduler:
 
         finished_ids = self._finished_since_last_step
         self._finished_since_last_step = set()
+        state_slots = None
+        if kv.state_slots is not None:
+            slot_of = kv.state_slots.slot_of
+            state_slots = [slot_of(request.request_id) for request in scheduled]
         return SchedulerOutput(
             requests=scheduled,
             num_scheduled_tokens=num_scheduled,
@@ -302,6 +311,7 @@ class Scheduler:
             finished_req_ids=finished_ids,
             kv_connector_metadata=self.connector.build_connector_meta(),
             grammar=StepGrammar(grammar_rows) if grammar_rows else None,
+            state_slots=state_slots,
         )
 
     def _schedule_waiting(

@@ -38,6 +38,8 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor  # [num_decodes * decode_blocks] their block tables, flattened
     decode_padding: torch.Tensor  # [num_decodes, decode_blocks * block_size] True past each context
     prefill_seq_indices: list[int]  # sequences with query_len > 1
+    # Hybrid models: each sequence's state slot (linear-attention layers), int64 [num_seqs].
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

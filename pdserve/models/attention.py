@@ -20,6 +20,9 @@ class AttentionBackend:
     # q_heads + kv_heads, head_dim] in place, then store the k heads and v in their cache slots.
     rotate_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    # (key, value, k_cache, v_cache, metadata): store already-rotated k heads and v (partial rotary,
+    # where the rotation is the model's own).
+    write_kv: Callable[..., None]
 
 
 def rotate_and_cache_with(
@@ -49,7 +52,10 @@ def triton_backend() -> AttentionBackend:
     from pdserve.kernels import triton_attention  # imports triton: only where it is used
 
     return AttentionBackend(
-        "triton", rotate_and_cache_with(triton_attention.write_kv), triton_attention.paged_attention
+        "triton",
+        rotate_and_cache_with(triton_attention.write_kv),
+        triton_attention.paged_attention,
+        triton_attention.write_kv,
     )
 
 
@@ -57,7 +63,10 @@ def attention_backend(device: torch.device) -> AttentionBackend:
     if device.type == "cuda":
         return triton_backend()
     return AttentionBackend(
-        "cpu", rotate_and_cache_with(reference.write_kv, cpu_kernels.rope_write_kv), cpu_kernels.paged_attention
+        "cpu",
+        rotate_and_cache_with(reference.write_kv, cpu_kernels.rope_write_kv),
+        cpu_kernels.paged_attention,
+        reference.write_kv,
     )
 
 

@@ -3,6 +3,9 @@
 Reads both config dialects: transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x
 (``rope_parameters``). Mixture-of-experts models (Qwen3-MoE, Mixtral) are the dense layout with
 routed experts in place of some layers' MLP: which layers, how many experts, how many per token.
+Hybrid models (Qwen3.5) mix two token mixers, named per layer by ``layer_types``: gated full
+attention (on the paged KV cache) and Gated DeltaNet linear attention (a fixed-size state per
+request); a Qwen3.5 checkpoint of the vision-language class is read for its text model.
 Unsupported architectures and features fail here, with a clear error, before any weight is read.
 """
 
@@ -24,7 +27,13 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen2ForCausalLM": {"qkv_bias_only": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias_only": False, "qk_norm": True},
     "Qwen3MoeForCausalLM": {"qkv_bias_only": False, "qk_norm": True},
+    "Qwen3_5ForCausalLM": {"qkv_bias_only": False, "qk_norm": True},
+    "Qwen3_5ForConditionalGeneration": {"qkv_bias_only": False, "qk_norm": True},
 }
+# Hybrid architectures: linear-attention layers beside gated full attention, RMSNorm weights stored
+# as offsets from 1 (the loader adds the 1), rotary over part of each head.
+_HYBRID = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 # Architectures whose sliding_window, when set, applies without a use_sliding_window flag.
 _WINDOWED_BY_DEFAULT = ("MistralForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -64,6 +73,20 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Hybrid models: each layer's token mixer (empty: every layer is full attention), the share of a
+    # head that rotary embeddings turn, whether attention's output is gated by a sigmoid of a second
+    # query-sized projection, and whether RMSNorm weights are stored as offsets from 1.
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    norm_weight_offset: float = 0.0
+    # Gated DeltaNet layers: key heads (q, k) and value heads of their own sizes, and the width of
+    # the causal convolution over q, k and v.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -75,6 +98,11 @@ class ModelConfig:
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         features = SUPPORTED_ARCHITECTURES[architecture]
+        if architecture == "Qwen3_5ForConditionalGeneration":  # served text-only: its text model's config
+            outer: dict[str, Any] = {
+                key: raw[key] for key in ("tie_word_embeddings", "eos_token_id", "torch_dtype") if key in raw
+            }
+            raw = {**raw.get("text_config", {}), **outer, "architectures": [architecture]}
         hidden_size = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -85,8 +113,14 @@ class ModelConfig:
                 f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         rope["rope_type"] = rope_type
-        if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise UnsupportedModelError("partial rotary embeddings are not supported")
+        partial_rotary = float(
+            rope.pop(
+                "partial_rotary_factor", raw.get("partial_rotary_factor", 0.25 if architecture in _HYBRID else 1.0)
+            )
+        )
+        # Qwen3.5's multimodal rotary: for text every section has the same position, which is plain rope.
+        rope.pop("mrope_section", None)
+        rope.pop("mrope_interleaved", None)
         attention_bias = bool(raw.get("attention_bias", False))
         eos = raw.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
@@ -114,7 +148,9 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=int(window) if window else None,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            partial_rotary_factor=partial_rotary,
             **_experts(architecture, raw, num_layers),
+            **_hybrid(architecture, raw, num_layers),
         )
 
     @classmethod
@@ -148,9 +184,43 @@ class ModelConfig:
             f"norm_topk_prob={self.norm_topk_prob};layers={','.join(map(str, self.moe_layers))}"
         )
 
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with paged KV (all of them but a hybrid model's linear-attention layers)."""
+        return tuple(i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] == FULL_ATTENTION)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers whose state is one fixed-size slot per request (Gated DeltaNet)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading features of each q and k head that rotary embeddings turn."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear-attention layer's convolution: its q, k and v side by side."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * (
+            self.linear_value_head_dim
+        )
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+        return 2 * len(self.attention_layers) * self.num_kv_heads * self.head_dim * element_size
+
+    def state_bytes_per_request(self, dtype: torch.dtype) -> int:
+        """A request's linear-attention state over all such layers: the convolution's last inputs (in
+        ``dtype``) and the recurrent state (float32, whatever the model dtype)."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        conv = self.linear_conv_dim * (self.linear_conv_kernel_dim - 1) * element_size
+        recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return len(self.linear_layers) * (conv + recurrent)
 
 
 def _experts(architecture: str, raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -184,6 +254,41 @@ def _experts(architecture: str, raw: dict[str, Any], num_layers: int) -> dict[st
         "moe_intermediate_size": moe_intermediate_size,
         "norm_topk_prob": norm_topk_prob,
         "moe_layers": moe_layers,
+    }
+
+
+def _hybrid(architecture: str, raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The hybrid-model fields of ``ModelConfig`` (none for the other architectures)."""
+    if architecture not in _HYBRID:
+        return {}
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        interval = int(raw.get("full_attention_interval", 4))
+        layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
+    unknown = sorted(set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+    if unknown or len(layer_types) != num_layers:
+        raise UnsupportedModelError(
+            f"layer_types must name {num_layers} layers, each {FULL_ATTENTION} or {LINEAR_ATTENTION}; got {layer_types}"
+        )
+    fields = {
+        "linear_num_key_heads": int(raw.get("linear_num_key_heads", 16)),
+        "linear_num_value_heads": int(raw.get("linear_num_value_heads", 32)),
+        "linear_key_head_dim": int(raw.get("linear_key_head_dim", 128)),
+        "linear_value_head_dim": int(raw.get("linear_value_head_dim", 128)),
+        "linear_conv_kernel_dim": int(raw.get("linear_conv_kernel_dim", 4)),
+    }
+    if fields["linear_num_value_heads"] % fields["linear_num_key_heads"]:
+        raise UnsupportedModelError(
+            f"{fields['linear_num_value_heads']} linear-attention value heads do not share "
+            f"{fields['linear_num_key_heads']} key heads evenly"
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported; supported: silu")
+    return {
+        "layer_types": tuple(layer_types),
+        "attn_output_gate": bool(raw.get("attn_output_gate", True)),
+        "norm_weight_offset": 1.0,
+        **fields,
     }
 
 

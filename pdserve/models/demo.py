@@ -4,7 +4,8 @@ a ChatML chat template, built locally in seconds (no download), so everything ru
 Its weights are random (normal, std 0.2, so the logits are peaked and greedy decoding is stable
 across summation orders): it speaks gibberish, fluently and reproducibly. ``pdserve demo-model
 --family`` writes the other families we serve at the same scale: ``qwen3-moe`` routes each token
-to 2 of 8 experts in every layer.
+to 2 of 8 experts in every layer; ``qwen3.5`` is hybrid, three Gated DeltaNet layers then one gated
+full-attention layer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -81,6 +83,19 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         "Qwen3MoeForCausalLM",
         "qwen3_moe",
         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 192, "norm_topk_prob": True},
+    ),
+    "qwen3.5": (
+        "Qwen3_5ForCausalLM",
+        "qwen3_5_text",
+        {
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        },
     ),
 }
 _WORDS = (
@@ -246,21 +261,31 @@ def write_demo_model(path: str | Path, seed: int = SEED, family: str = "qwen3") 
     hidden = arch["hidden_size"]
     q_size = arch["num_attention_heads"] * arch["head_dim"]
     kv_size = arch["num_key_value_heads"] * arch["head_dim"]
-    tensors = {"model.embed_tokens.weight": normal(arch["vocab_size"], hidden), "model.norm.weight": torch.ones(hidden)}
+    hybrid = "layer_types" in arch
+    # Qwen3.5 stores its RMSNorm weights as offsets from 1 and gates attention with a second query.
+    norm = torch.zeros if hybrid else torch.ones
+    tensors = {"model.embed_tokens.weight": normal(arch["vocab_size"], hidden), "model.norm.weight": norm(hidden)}
     for layer in range(arch["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
         tensors.update(
             {
-                prefix + "input_layernorm.weight": torch.ones(hidden),
-                prefix + "post_attention_layernorm.weight": torch.ones(hidden),
-                prefix + "self_attn.q_proj.weight": normal(q_size, hidden),
-                prefix + "self_attn.k_proj.weight": normal(kv_size, hidden),
-                prefix + "self_attn.v_proj.weight": normal(kv_size, hidden),
-                prefix + "self_attn.o_proj.weight": normal(hidden, q_size),
-                prefix + "self_attn.q_norm.weight": torch.ones(arch["head_dim"]),
-                prefix + "self_attn.k_norm.weight": torch.ones(arch["head_dim"]),
+                prefix + "input_layernorm.weight": norm(hidden),
+                prefix + "post_attention_layernorm.weight": norm(hidden),
             }
         )
+        if hybrid and arch["layer_types"][layer] == "linear_attention":
+            tensors.update(_linear_attention(prefix + "linear_attn.", arch, normal))
+        else:
+            tensors.update(
+                {
+                    prefix + "self_attn.q_proj.weight": normal(q_size * (2 if hybrid else 1), hidden),
+                    prefix + "self_attn.k_proj.weight": normal(kv_size, hidden),
+                    prefix + "self_attn.v_proj.weight": normal(kv_size, hidden),
+                    prefix + "self_attn.o_proj.weight": normal(hidden, q_size),
+                    prefix + "self_attn.q_norm.weight": norm(arch["head_dim"]),
+                    prefix + "self_attn.k_norm.weight": norm(arch["head_dim"]),
+                }
+            )
         if "num_experts" in arch:
             tensors[prefix + "mlp.gate.weight"] = normal(arch["num_experts"], hidden)
             for expert in range(arch["num_experts"]):
@@ -270,3 +295,23 @@ def write_demo_model(path: str | Path, seed: int = SEED, family: str = "qwen3") 
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
+
+
+def _linear_attention(prefix: str, arch: dict, normal: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Gated DeltaNet layer's tensors, under Qwen3.5's names."""
+    hidden = arch["hidden_size"]
+    key_size = arch["linear_num_key_heads"] * arch["linear_key_head_dim"]
+    value_heads = arch["linear_num_value_heads"]
+    value_size = value_heads * arch["linear_value_head_dim"]
+    channels = 2 * key_size + value_size
+    return {
+        prefix + "in_proj_qkv.weight": normal(channels, hidden),
+        prefix + "in_proj_z.weight": normal(value_size, hidden),
+        prefix + "in_proj_b.weight": normal(value_heads, hidden),
+        prefix + "in_proj_a.weight": normal(value_heads, hidden),
+        prefix + "conv1d.weight": normal(channels, 1, arch["linear_conv_kernel_dim"]) * 5,
+        prefix + "dt_bias": torch.ones(value_heads),
+        prefix + "A_log": torch.linspace(0.0, 2.5, value_heads),  # decay rates A from 1 to e^2.5
+        prefix + "norm.weight": torch.ones(arch["linear_value_head_dim"]),
+        prefix + "out_proj.weight": normal(hidden, value_size),
+    }

@@ -3,13 +3,17 @@
 
 Mixture-of-experts checkpoints store one gate/up/down triple per expert (Qwen3-MoE's
 ``mlp.experts.E.gate_proj``, Mixtral's ``block_sparse_moe.experts.E.w1``); each fills its slice of
-the layer's stacked expert weights. No transformers model code runs here. Every checkpoint tensor
+the layer's stacked expert weights. Qwen3.5 checkpoints of the vision-language class keep the
+text model under ``model.language_model``: read as the text model, their vision tower and
+multi-token-prediction head skipped (one log line); their RMSNorm weights are offsets from 1,
+stored as 1 + w. No transformers model code runs here. Every checkpoint tensor
 must land somewhere and every parameter must be filled; anything else is an error naming the tensors.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +24,21 @@ from safetensors import safe_open
 
 from pdserve.models.attention import attention_backend
 from pdserve.models.config import ModelConfig
+from pdserve.models.linear import Linear
 from pdserve.models.moe import SparseMoeBlock
 from pdserve.models.parallel import TensorParallel, rank_config
 from pdserve.models.rope import RotaryEmbedding
-from pdserve.models.transformer import CausalLM, Linear
+from pdserve.models.transformer import CausalLM
 
+logger = logging.getLogger(__name__)
 # Checkpoint tensors that carry nothing we need (precomputed rotary tables in old checkpoints).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Parts of a vision-language checkpoint a text-only engine does not run: the vision tower, the
+# multi-token-prediction head (speculative decoding, not built).
+_SKIPPED = re.compile(r"^(model\.visual\.|mtp\.)")
+_TEXT_MODEL_PREFIX = "model.language_model."
+# RMSNorms whose weights a checkpoint may store as offsets from 1 (ModelConfig.norm_weight_offset).
+_OFFSET_NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -58,6 +70,7 @@ class _Target:
     source_rows: slice | None = None
     source_columns: slice | None = None
     expert: int | None = None  # the index into stacked expert weights, before rows
+    offset: float = 0.0  # added once copied (norm weights stored as offsets from 1)
 
 
 def _target(model: CausalLM, name: str, config: ModelConfig, tp: TensorParallel) -> _Target | None:
@@ -67,7 +80,7 @@ def _target(model: CausalLM, name: str, config: ModelConfig, tp: TensorParallel)
         vocab = slice(model.embed_tokens.start, model.embed_tokens.end)
         simple = {
             "model.embed_tokens.weight": _Target(model.embed_tokens.weight, source_rows=vocab),
-            "model.norm.weight": _Target(model.norm.weight),
+            "model.norm.weight": _Target(model.norm.weight, offset=config.norm_weight_offset),
             "lm_head.weight": None if model.lm_head is None else _Target(model.lm_head.weight, source_rows=vocab),
         }
         return simple.get(name)
@@ -82,14 +95,20 @@ def _target(model: CausalLM, name: str, config: ModelConfig, tp: TensorParallel)
     q_size, kv_size, inter = (q_end - q_start) * head_dim, (kv_end - kv_start) * head_dim, inter_end - inter_start
     q_rows, kv_rows = slice(q_start * head_dim, q_end * head_dim), slice(kv_start * head_dim, kv_end * head_dim)
     inter_rows = slice(inter_start, inter_end)
+    # A gated model's q_proj holds each head's query and gate, side by side: kept so in qkv_proj.
+    width = 2 if config.attn_output_gate else 1
+    q_width, q_source = width * q_size, slice(width * q_start * head_dim, width * q_end * head_dim)
     # Column-parallel: (our fused module, the rows it fills, the checkpoint rows this rank reads).
     fused = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q_size), q_rows),
-        "self_attn.k_proj": ("self_attn.qkv_proj", slice(q_size, q_size + kv_size), kv_rows),
-        "self_attn.v_proj": ("self_attn.qkv_proj", slice(q_size + kv_size, q_size + 2 * kv_size), kv_rows),
+        "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q_width), q_source),
+        "self_attn.k_proj": ("self_attn.qkv_proj", slice(q_width, q_width + kv_size), kv_rows),
+        "self_attn.v_proj": ("self_attn.qkv_proj", slice(q_width + kv_size, q_width + 2 * kv_size), kv_rows),
         "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter), inter_rows),
         "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter), inter_rows),
+        **_linear_attention_rows(config),
     }
+    if module_name == "linear_attn.conv1d":
+        module_name, kind = "linear_attn", "conv1d_weight"
     # Row-parallel: the checkpoint columns (input features) this rank reads; their biases are whole.
     split_inputs = {"self_attn.o_proj": q_rows, "mlp.down_proj": inter_rows}
     module_name, rows, source_rows = fused.get(module_name, (module_name, None, None))
@@ -103,7 +122,25 @@ def _target(model: CausalLM, name: str, config: ModelConfig, tp: TensorParallel)
     param = getattr(module, kind, None)
     if not isinstance(param, torch.nn.Parameter):
         return None
-    return _Target(param, rows, False, source_rows)
+    offset = config.norm_weight_offset if module_name in _OFFSET_NORMS else 0.0
+    return _Target(param, rows, False, source_rows, offset=offset)
+
+
+def _linear_attention_rows(config: ModelConfig) -> dict[str, tuple[str, slice, None]]:
+    """A Gated DeltaNet layer's four input projections, as parts of its fused in_proj."""
+    if not config.is_hybrid:
+        return {}
+    sizes = {
+        "in_proj_qkv": config.linear_conv_dim,
+        "in_proj_z": config.linear_num_value_heads * config.linear_value_head_dim,
+        "in_proj_b": config.linear_num_value_heads,
+        "in_proj_a": config.linear_num_value_heads,
+    }
+    rows, start = {}, 0
+    for name, size in sizes.items():
+        rows[f"linear_attn.{name}"] = ("linear_attn.in_proj", slice(start, start + size), None)
+        start += size
+    return rows
 
 
 def _expert_target(block: SparseMoeBlock, name: str, config: ModelConfig, tp: TensorParallel) -> _Target | None:
@@ -148,7 +185,7 @@ def load_model(
     """The model (this rank's share of it, under tensor parallelism ``tp``) with its weights."""
     folder = Path(folder)
     tp = tp or TensorParallel()
-    rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, dtype, device)
+    rotary = RotaryEmbedding(config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling, dtype, device)
     # Built on the meta device: no time spent initialising weights that are overwritten next.
     with torch.device("meta"):
         model = CausalLM(rank_config(config, tp), attention_backend(device), rotary, tp)
@@ -156,17 +193,22 @@ def load_model(
 
     filled: dict[int, int] = {}  # id(param) -> rows filled
     unexpected = []
+    skipped = 0
     with torch.no_grad():
         for path in checkpoint_files(folder):
             with safe_open(str(path), framework="pt") as checkpoint:
-                for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
+                for stored_name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if _SKIPPED.match(stored_name):
+                        skipped += 1
+                        continue
+                    name = stored_name.replace(_TEXT_MODEL_PREFIX, "model.", 1)
                     if _IGNORED.match(name) or (name == "lm_head.weight" and model.lm_head is None):
                         continue  # tied checkpoints sometimes store the shared matrix twice
                     target = _target(model, name, config, tp)
                     if target is None:
                         unexpected.append(name)
                         continue
-                    tensor = _read(checkpoint, name, target)
+                    tensor = _read(checkpoint, stored_name, target)
                     destination = target.param if target.expert is None else target.param[target.expert]
                     destination = destination.t() if target.transposed else destination
                     if target.rows is not None:
@@ -176,7 +218,13 @@ def load_model(
                             f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(destination.shape)}"
                         )
                     destination.copy_(tensor)
+                    if target.offset:
+                        destination.add_(target.offset)
                     filled[id(target.param)] = filled.get(id(target.param), 0) + tensor.numel()
+    if skipped:
+        logger.info(
+            "%s: %d tensors of the vision tower and multi-token prediction skipped (text only)", folder, skipped
+        )
     if unexpected:
         raise ValueError(f"checkpoint tensors with no place in {config.architecture}: {unexpected[:8]}")
     missing = [name for name, param in model.named_parameters() if filled.get(id(param), 0) != param.numel()]

@@ -73,6 +73,8 @@ def split_problem(config: ModelConfig, size: int) -> str | None:
         return f"{num_kv_heads} KV heads neither split over {size} ranks nor replicate evenly on them"
     if intermediate_size % size:
         return f"an intermediate size of {intermediate_size} does not split over {size} ranks"
+    if config.is_hybrid and size > 1:
+        return "linear-attention layers do not run under tensor parallelism yet"
     if config.num_experts and config.moe_intermediate_size % size:
         return f"an expert intermediate size of {config.moe_intermediate_size} does not split over {size} ranks"
     return None

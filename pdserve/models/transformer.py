@@ -1,11 +1,14 @@
-"""Our decoder-only transformer: the Llama / Mistral, Qwen2 and Qwen3 families in one module, and
-their mixture-of-experts variants (Mixtral, Qwen3-MoE).
+"""Our decoder-only transformer: the Llama / Mistral, Qwen2 and Qwen3 families in one module, their
+mixture-of-experts variants (Mixtral, Qwen3-MoE), and the hybrid Qwen3.5, whose layers are gated
+full attention or Gated DeltaNet linear attention (``models/gated_deltanet.py``).
 
-The families differ only in attention details (biases on q/k/v, RMSNorm over q and k heads),
-which ModelConfig turns into flags, and in which layers route tokens to experts (``models/moe.py``)
-instead of one MLP. q/k/v and gate/up projections are fused into one matmul each
-(the loader concatenates the checkpoint's separate weights). Tokens arrive flattened across the
-batch, ``[num_tokens, hidden]``, with their positions; attention goes through the paged KV cache.
+The families differ only in attention details (biases on q/k/v, RMSNorm over q and k heads, an
+output gate, rotary over part of a head), which ModelConfig turns into flags, and in which layers
+route tokens to experts (``models/moe.py``) instead of one MLP. q/k/v and gate/up projections are
+fused into one matmul each (the loader concatenates the checkpoint's separate weights). Tokens
+arrive flattened across the batch, ``[num_tokens, hidden]``, with their positions; attention goes
+through the paged KV cache, linear attention through each request's state slot (a layer's "cache"
+is then its state tensors).
 
 Under tensor parallelism (``models/parallel.py``) a rank's modules are built from its share of the
 model (``rank_config``: its heads, KV heads and intermediate features); o and down projections
@@ -22,11 +25,15 @@ from pdserve.kernels import cpu_kernels
 from pdserve.kernels.reference import AttentionMetadata
 from pdserve.models.attention import AttentionBackend
 from pdserve.models.config import ModelConfig
+from pdserve.models.gated_deltanet import GatedDeltaNet
+from pdserve.models.linear import Linear, RowParallelLinear
 from pdserve.models.moe import SparseMoeBlock
 from pdserve.models.parallel import TensorParallel
-from pdserve.models.rope import RotaryEmbedding
+from pdserve.models.rope import RotaryEmbedding, apply_rotary
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K, V), each [blocks, block_size, kv_heads, head_dim]
+# One layer's (K, V), each [blocks, block_size, kv_heads, head_dim]; for a linear-attention layer its
+# (convolution, recurrent) state tensors, indexed by state slot.
+KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # the batch's (cos, sin), from RotaryEmbedding.for_positions
 
 
@@ -51,36 +58,6 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = self.weight * x32.to(x.dtype)
         return normed if residual is None else (normed, residual)
-
-
-class Linear(nn.Module):
-    """``x @ W.T + b`` with W stored transposed, ``[in_features, out_features]``: on CPU the skinny
-    matmuls of decode batches run about 20% faster from this layout (docs/benchmarks.md)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__()
-        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return torch.mm(x, self.weight_t)
-        return torch.addmm(self.bias, x, self.weight_t)
-
-
-class RowParallelLinear(Linear):
-    """A Linear whose input features are split over the ranks: each multiplies its share, the
-    partial outputs are summed, then the (whole) bias is added once."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
-        super().__init__(in_features, out_features, bias)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return super().forward(x)
-        out = self.tp.all_reduce(torch.mm(x, self.weight_t))
-        return out if self.bias is None else out.add_(self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -112,10 +89,14 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        # A gated model's q projection gives each head its query then its gate, side by side.
+        self.gated = config.attn_output_gate
+        self.q_width = 2 * self.q_size if self.gated else self.q_size
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_width + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, tp)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -124,23 +105,29 @@ class Attention(nn.Module):
     def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        qk_size = self.q_size + self.kv_size
-        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_end = self.q_width + self.kv_size
+        v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        if self.q_norm is None or self.k_norm is None:
+        if self.q_norm is None and not self.gated:
             # q and k heads sit side by side in qkv: rotate them in place, in one pass.
-            qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qkv[:, :k_end].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         else:
-            qk = torch.cat(
-                [
-                    self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)),
-                    self.k_norm(qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)),
-                ],
-                dim=1,
-            )
-        self.backend.rotate_and_cache(qk, v, *rope, k_cache, v_cache, metadata)
+            q = qkv[:, : self.q_width].view(num_tokens, self.num_heads, -1)[..., : self.head_dim]
+            k = qkv[:, self.q_width : k_end].view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            qk = torch.cat([q, k], dim=1)
+        if self.rotary_dim == self.head_dim:
+            self.backend.rotate_and_cache(qk, v, *rope, k_cache, v_cache, metadata)
+        else:  # partial rotary: the leading features of each head turn, the rest pass as they are
+            turned = qk[..., : self.rotary_dim]
+            turned.copy_(apply_rotary(turned, *rope))
+            self.backend.write_kv(qk[:, self.num_heads :], v, k_cache, v_cache, metadata)
         q = qk[:, : self.num_heads]
         out = self.backend.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        if self.gated:
+            gate = qkv[:, : self.q_width].view(num_tokens, self.num_heads, -1)[..., self.head_dim :]
+            out = out.view(num_tokens, self.num_heads, self.head_dim) * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -160,7 +147,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend, tp)
+        # The token mixer: attention on paged KV, or (hybrid models) linear attention on a state slot.
+        self.self_attn = None if index in config.linear_layers else Attention(config, backend, tp)
+        self.linear_attn = GatedDeltaNet(config, tp) if index in config.linear_layers else None
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: nn.Module = SparseMoeBlock(config, tp) if index in config.moe_layers else MLP(config, tp)
 
@@ -179,7 +168,9 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, kv_cache, metadata)
+        mixer: nn.Module | None = self.linear_attn if self.self_attn is None else self.self_attn
+        assert mixer is not None
+        hidden = mixer(rope, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

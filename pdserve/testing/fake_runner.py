@@ -5,6 +5,12 @@ its block table names. The next token is a fixed function of the context *read b
 the block table*, not of the request's token list, so a wrong block table, a bad prefix-cache
 hit or a block reused while still owned changes the output. ``reference_generate`` computes
 the same function straight from token ids: the oracle any schedule must reproduce.
+
+With state slots (a hybrid model's linear-attention layers) it also keeps, per slot, the running
+weighted sum of the tokens fed through it and their count, zeroed when a request is scheduled from
+position 0, as the real runner zeroes a slot. A chunk that does not continue exactly where its
+slot's count stands (two requests in one slot, a slot reused while owned, a stale slot after
+preemption) raises, and the sampled token must agree with the slot's sum.
 """
 
 from __future__ import annotations
@@ -53,12 +59,15 @@ class FakeModelRunner:
         block_size: int,
         vocab_size: int = 1000,
         connector_worker: FakeConnectorWorker | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
         self.weights = _position_weights()
         self.connector_worker = connector_worker
+        # Per slot: (weighted sum modulo the prime, tokens fed).
+        self.state = np.zeros((num_state_slots, 2), dtype=np.int64)
 
     def slots(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
         positions = np.arange(start, end)
@@ -73,21 +82,41 @@ class FakeModelRunner:
         if self.connector_worker is not None:
             connector_output = self.connector_worker.step(scheduler_output.kv_connector_metadata, self)
         sampled = []
-        for request, num_new, start, block_ids in zip(
+        num_requests = len(scheduler_output.requests)
+        state_slots: list[int | None] = (
+            [*scheduler_output.state_slots] if scheduler_output.state_slots else [None] * num_requests
+        )
+        for request, num_new, start, block_ids, slot in zip(
             scheduler_output.requests,
             scheduler_output.num_scheduled_tokens,
             scheduler_output.start_positions,
             scheduler_output.block_ids,
+            state_slots,
             strict=True,
         ):
             end = start + num_new
             self.write_tokens(block_ids, start, request.all_token_ids[start:end])
+            if slot is not None:
+                self._feed_state(slot, request.request_id, start, request.all_token_ids[start:end])
             if end < request.num_tokens:
                 sampled.append(NO_TOKEN)
                 continue
             context = self.kv[self.slots(block_ids, 0, end)]
-            sampled.append(_next_token(context, self.weights, self.vocab_size))
+            token = _next_token(context, self.weights, self.vocab_size)
+            if slot is not None and int(self.state[slot, 0]) % self.vocab_size != token:
+                raise AssertionError(f"request {request.request_id}: state slot {slot} disagrees with its KV")
+            sampled.append(token)
         return ModelRunnerOutput(sampled, connector_output)
+
+    def _feed_state(self, slot: int, request_id: str, start: int, token_ids: list[int]) -> None:
+        if start == 0:
+            self.state[slot] = 0
+        total, count = (int(value) for value in self.state[slot])
+        if count != start:
+            raise AssertionError(f"request {request_id} continues at {start}, but its state slot {slot} holds {count}")
+        weights = self.weights[start : start + len(token_ids)]
+        total = (total + int((np.asarray(token_ids, dtype=np.int64) * weights).sum())) % _PRIME
+        self.state[slot] = (total, start + len(token_ids))
 
     def close(self) -> None:
         return None

@@ -67,35 +67,75 @@ SHAPES = {
         },
     ),
     "mixtral-e4-top2": ("Mixtral", {**_ATTENTION, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Hybrid (Qwen3.5): Gated DeltaNet layers with one gated full-attention layer in four, rotary over a
+    # quarter of each head; as a causal LM, and as the vision-language class served text-only.
+    "qwen3.5-hybrid": (
+        "Qwen3_5",
+        {
+            **_ATTENTION,
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 24,
+        },
+    ),
+    "qwen3.5-vl-text": (
+        "Qwen3_5Vl",
+        {
+            **_ATTENTION,
+            "layer_types": ["linear_attention", "full_attention"],
+            "head_dim": 16,
+            "linear_num_key_heads": 1,
+            "linear_num_value_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 
 def build_hf_model(family: str, overrides: dict, path) -> Any:
-    """A tiny seeded ``family`` model (Llama, Qwen2, Qwen3, Qwen3Moe, Mixtral) saved to ``path``: the
-    transformers model. (Mixtral's experts take ``intermediate_size``.)"""
+    """A tiny seeded ``family`` model (Llama, Qwen2, Qwen3, Qwen3Moe, Mixtral, Qwen3_5; Qwen3_5Vl: the
+    vision-language class with a tiny vision tower) saved to ``path``: the transformers model, whose
+    ``generate`` runs the text. (Mixtral's experts take ``intermediate_size``.)"""
     import transformers
 
-    config_class = getattr(transformers, f"{family}Config")
-    model_class = getattr(transformers, f"{family}ForCausalLM")
-    config = config_class(
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        rms_norm_eps=1e-6,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-        **{"vocab_size": VOCAB, **overrides},  # a smaller vocabulary still works with the demo tokenizer's ids
-    )
+    fields = {
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.2,
+        "rms_norm_eps": 1e-6,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+        "vocab_size": VOCAB,  # a smaller vocabulary still works with the demo tokenizer's ids
+        **overrides,
+    }
     torch.manual_seed(zlib.crc32(family.encode()))  # not hash(): it changes per process
-    model = model_class(config).eval()
-    if family == "Qwen2":  # its q/k/v biases start at zero: make them matter
-        with torch.no_grad():
+    if family == "Qwen3_5Vl":
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+        tied = fields.pop("tie_word_embeddings", False)
+        config = transformers.Qwen3_5Config(text_config=fields, vision_config=vision, tie_word_embeddings=tied)
+        model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    elif family == "Qwen3_5":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**fields)).eval()
+    else:
+        config = getattr(transformers, f"{family}Config")(**fields)
+        model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        if family == "Qwen2":  # its q/k/v biases start at zero: make them matter
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
+        if family.startswith("Qwen3_5"):  # norm weights start at 0 (offsets from 1) or 1: make them matter
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(str(path))
     return model
 

@@ -152,6 +152,9 @@ class SchedulerOutput(Generic[RequestT]):
     kv_connector_metadata: Any = None
     # The grammar constraint on this step's samples, if any request under a grammar samples.
     grammar: StepGrammar | None = None
+    # Hybrid models: each request's state slot (its linear-attention layers' state). A request
+    # scheduled from position 0 starts from a zeroed slot; later steps continue from the slot.
+    state_slots: list[int] | None = None
 
 
 @dataclass(slots=True)

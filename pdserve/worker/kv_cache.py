@@ -1,10 +1,16 @@
-"""The KV-cache tensors of one device: their layout, their size from a memory budget, their allocation.
+"""The KV-cache tensors of one device: their layout, their size from a memory budget, their allocation;
+and, for hybrid models, the linear-attention state slots beside them.
 
 The KV cache is one block-major tensor (see ``allocate_kv_cache``): each block's KV for every layer
 is one contiguous region (what the KV connectors register and move), and each layer's K and V
 caches are strided views of it. Its size comes from a memory budget: on CPU ``kv_cache_memory``
 bytes; on GPU the free memory left at ``gpu_memory_utilization`` after the weights and the peak of
 a profiling forward pass (vLLM's determine_available_memory approach).
+
+A hybrid model's attention layers use the KV cache; its linear-attention layers keep one state slot
+per running request (``allocate_state_cache``). The budget is split by what a request needs at
+``max_model_len``: its state plus that many tokens of KV. That many slots (at most
+``max_num_seqs``) are reserved, and the rest of the budget becomes KV blocks.
 """
 
 from __future__ import annotations
@@ -35,24 +41,45 @@ class RunnerConfig:
     kv_cache_memory: int | None = None  # bytes (CPU); None: DEFAULT_CPU_KV_CACHE_BYTES
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # fixes the block count, overriding the memory budget
+    max_num_seqs: int = 256  # the most state slots a hybrid model needs (one per running request)
     # Tensor parallelism: this runner is rank ``tp_rank`` of ``tp_size`` (the budget above is per rank).
     tp_rank: int = 0
     tp_size: int = 1
 
 
-def num_blocks_for(model: CausalLM, model_config: ModelConfig, config: RunnerConfig) -> int:
-    """How many KV blocks this device holds: fixed by the config, or what the memory budget allows."""
+@dataclass(frozen=True)
+class CacheSize:
+    """How much of each kind of cache a device holds."""
+
+    num_blocks: int
+    num_state_slots: int = 0  # zero unless the model has linear-attention layers
+
+
+def cache_size_for(model: CausalLM, model_config: ModelConfig, config: RunnerConfig) -> CacheSize:
+    """The KV blocks (and state slots) this device holds: fixed by the config, or what the memory
+    budget allows."""
+    state_bytes = model_config.state_bytes_per_request(config.dtype)
     if config.num_blocks:
-        return config.num_blocks
+        return CacheSize(config.num_blocks, config.max_num_seqs if state_bytes else 0)
     bytes_per_block = config.block_size * model_config.kv_bytes_per_token(config.dtype)
     if config.device.type == "cuda":
         budget = gpu_kv_budget(model, model_config, config)
     else:
         budget = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+    num_slots = 0
+    if state_bytes:
+        per_request = state_bytes + -(-config.max_model_len // config.block_size) * bytes_per_block
+        num_slots = min(config.max_num_seqs, budget // per_request)
+        if num_slots < 1:
+            raise ValueError(
+                f"a budget of {budget} bytes holds no request at max_model_len={config.max_model_len}: one needs "
+                f"{per_request} bytes ({state_bytes} of linear-attention state and the rest KV)"
+            )
+        budget -= num_slots * state_bytes
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {budget} bytes holds no block of {bytes_per_block} bytes")
-    return int(num_blocks)
+    return CacheSize(int(num_blocks), int(num_slots))
 
 
 def gpu_kv_budget(model: CausalLM, model_config: ModelConfig, config: RunnerConfig) -> int:
@@ -63,9 +90,10 @@ def gpu_kv_budget(model: CausalLM, model_config: ModelConfig, config: RunnerConf
     tokens = config.max_num_batched_tokens
     num_blocks = -(-tokens // config.block_size)
     scratch = allocate_kv_cache(model_config, num_blocks, config.block_size, config.dtype, config.device)
-    caches = layer_views(scratch)
+    caches = layer_caches(model_config, scratch, allocate_state_cache(model_config, 1, config.dtype, config.device))
     positions = torch.arange(tokens, device=config.device) % config.max_model_len
     metadata = build_attention_metadata([tokens], [tokens], [list(range(num_blocks))], config.block_size, config.device)
+    metadata.state_slots = torch.zeros(1, dtype=torch.int64, device=config.device)
     with torch.inference_mode():
         hidden = model(torch.zeros(tokens, dtype=torch.int64, device=config.device), positions, caches, metadata)
         model.compute_logits(hidden[-256:])
@@ -84,13 +112,15 @@ def gpu_kv_budget(model: CausalLM, model_config: ModelConfig, config: RunnerConf
 def allocate_kv_cache(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """The whole KV cache, ``[blocks, layers, 2 (K, V), kv_heads, block_size, head_dim]``, zeroed.
+    """The whole KV cache, ``[blocks, layers, 2 (K, V), kv_heads, block_size, head_dim]``, zeroed
+    (``layers``: those with attention).
 
-    Block-major: one block of every layer is a single contiguous region (one transfer descriptor).
-    Head-major inside a block: a head's slab is contiguous, which the CPU decode path gathers.
+        Block-major: one block of every layer is a single contiguous region (one transfer descriptor).
+        Head-major inside a block: a head's slab is contiguous, which the CPU decode path gathers.
     """
+    num_layers = len(config.attention_layers)
     return allocate_kv_memory(
-        (num_blocks, config.num_layers, 2, config.num_kv_heads, block_size, config.head_dim), dtype, device
+        (num_blocks, num_layers, 2, config.num_kv_heads, block_size, config.head_dim), dtype, device
     )
 
 
@@ -113,3 +143,33 @@ def layer_views(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor
         (kv_cache[:, layer, 0].transpose(1, 2), kv_cache[:, layer, 1].transpose(1, 2))
         for layer in range(kv_cache.shape[1])
     ]
+
+
+def allocate_state_cache(
+    config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each linear-attention layer's state slots, zeroed: the convolution's last inputs ``[slots,
+    channels, width - 1]`` in ``dtype``, and the recurrent state ``[slots, value_heads, key_dim,
+    value_dim]`` in float32 (the gated delta rule accumulates in it)."""
+    conv_shape = (num_slots, config.linear_conv_dim, config.linear_conv_kernel_dim - 1)
+    recurrent_shape = (
+        num_slots,
+        config.linear_num_value_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+    )
+    return [
+        (torch.zeros(conv_shape, dtype=dtype, device=device), torch.zeros(recurrent_shape, device=device))
+        for _ in config.linear_layers
+    ]
+
+
+def layer_caches(
+    config: ModelConfig, kv_cache: torch.Tensor, state_cache: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What each layer of the model reads and writes, in layer order: an attention layer its (K, V)
+    views of the KV cache, a linear-attention layer its (convolution, recurrent) state tensors."""
+    kv_views = iter(layer_views(kv_cache))
+    states = iter(state_cache)
+    linear = set(config.linear_layers)
+    return [next(states) if layer in linear else next(kv_views) for layer in range(config.num_layers)]

@@ -22,7 +22,13 @@ from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_model
 from pdserve.models.parallel import TensorParallel, rank_config
 from pdserve.worker.interface import NO_TOKEN, ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
-from pdserve.worker.kv_cache import RunnerConfig, allocate_kv_cache, layer_views, num_blocks_for
+from pdserve.worker.kv_cache import (
+    RunnerConfig,
+    allocate_kv_cache,
+    allocate_state_cache,
+    cache_size_for,
+    layer_caches,
+)
 from pdserve.worker.sampler import Sampler, logprob_entries
 
 logger = logging.getLogger(__name__)
@@ -70,7 +76,8 @@ class ModelRunner:
             retain_freed_memory()
             if config.dtype == torch.float32:
                 cpu_ops()  # build (or load) the fused CPU kernels now, not inside the first request
-        num_blocks = num_blocks_for(self.model, self.rank_model_config, config)
+        size = cache_size_for(self.model, self.rank_model_config, config)
+        num_blocks = size.num_blocks
         if self.tp.size > 1:  # every rank holds the same block ids: the smallest budget decides
             agreed = torch.tensor([num_blocks])
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
@@ -79,7 +86,11 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(
             self.rank_model_config, self.num_blocks, self.block_size, config.dtype, config.device
         )
-        self.layer_caches = layer_views(self.kv_cache)
+        self.num_state_slots = size.num_state_slots
+        self.state_cache = allocate_state_cache(
+            self.rank_model_config, self.num_state_slots, config.dtype, config.device
+        )
+        self.layer_caches = layer_caches(self.rank_model_config, self.kv_cache, self.state_cache)
         self.kv_connector = make_kv_connector(self.kv_cache) if make_kv_connector is not None else None
 
     @property
@@ -128,6 +139,8 @@ class ModelRunner:
         metadata = build_attention_metadata(
             scheduler_output.num_scheduled_tokens, context_lens, scheduler_output.block_ids, self.block_size, device
         )
+        if scheduler_output.state_slots is not None:
+            metadata.state_slots = self._state_slots(scheduler_output)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
@@ -159,6 +172,18 @@ class ModelRunner:
             kv_connector_output=agent.collect() if agent is not None else None,
         )
 
+    def _state_slots(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> torch.Tensor:
+        """The step's state slots as a tensor, after zeroing those of requests that start now."""
+        slots = scheduler_output.state_slots
+        assert slots is not None
+        fresh = [slot for slot, start in zip(slots, scheduler_output.start_positions, strict=True) if start == 0]
+        if fresh:
+            index = torch.tensor(fresh, dtype=torch.int64, device=self.device)
+            for conv, recurrent in self.state_cache:
+                conv.index_fill_(0, index, 0.0)
+                recurrent.index_fill_(0, index, 0.0)
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
     def close(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.close()
@@ -186,10 +211,23 @@ class ModelRunner:
                 f"tensor parallel {self.tp.size}: per rank {config.num_heads} attention heads, KV heads "
                 f"[{kv_start}, {kv_end}) of {self.model_config.num_kv_heads}, {config.intermediate_size} MLP features; "
             )
+        state = ""
+        if self.num_state_slots:
+            slot_bytes = self.rank_model_config.state_bytes_per_request(self.config.dtype)
+            size = f"{slot_bytes / 2**20:.2f} MiB" if slot_bytes >= 2**20 else f"{slot_bytes / 2**10:.1f} KiB"
+            state = (
+                f"linear-attention state: {self.num_state_slots} slots of {size} "
+                f"({len(self.model_config.linear_layers)} layers; one per running request); "
+            )
         return (
-            f"{layout}KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({tokens} tokens, "
+            f"{layout}{state}KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({tokens} tokens, "
             f"{self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB {str(self.config.dtype)[6:]}"
             f"{' per rank' if self.tp.size > 1 else ''}); "
             f"max concurrency at {self.config.max_model_len} tokens per request: "
-            f"{tokens / self.config.max_model_len:.1f}x"
+            f"{self._max_concurrency(tokens):.1f}x"
         )
+
+    def _max_concurrency(self, tokens: int) -> float:
+        """Requests of max_model_len tokens that fit at once (a hybrid model's also need a slot each)."""
+        by_kv = tokens / self.config.max_model_len
+        return min(by_kv, self.num_state_slots) if self.num_state_slots else by_kv

@@ -90,6 +90,7 @@ class MultiprocExecutor:
                 readies[ready.rank] = ready
             ready = readies[0]
             self.num_blocks = ready.num_blocks
+            self.num_state_slots = ready.num_state_slots
             # Each rank's transfer agent's side channel, in rank order (P/D only).
             self.agent_ports = [readies[rank].agent_port or 0 for rank in range(size)]
             self._description = ready.description

@@ -56,6 +56,7 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     num_blocks: int
     description: str  # the runner's KV-cache summary, for the core's start-up log
     agent_port: int | None = None  # this rank's transfer agent's side channel
+    num_state_slots: int = 0  # hybrid models: linear-attention state slots
 
 
 class WorkerFailed(msgspec.Struct, tag="failed"):
@@ -119,7 +120,9 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
 
         runner = ModelRunner(spec.model_config, spec.runner, make_agent)
         agent = runner.kv_connector
-        ready = WorkerReady(rank, runner.num_blocks, runner.describe(), getattr(agent, "port", None))
+        ready = WorkerReady(
+            rank, runner.num_blocks, runner.describe(), getattr(agent, "port", None), runner.num_state_slots
+        )
         outputs.send_multipart([rank_frame, msgspec.msgpack.encode(ready)])
         decoder = StepDecoder()
         # Every rank runs each step; rank 0's output is the one read, and the other ranks of a P/D

@@ -89,6 +89,7 @@ class Step(msgspec.Struct, array_like=True, tag="step"):
     finished_req_ids: list[str]
     kv_connector_metadata: TransferWork | None = None
     grammar_rows: list[int] | None = None  # a GrammarBitmask frame for these rows follows
+    state_slots: list[int] | None = None  # hybrid models: each scheduled request's state slot
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, tag="bitmask"):
@@ -165,6 +166,7 @@ class StepEncoder:
                 sorted(output.finished_req_ids),
                 output.kv_connector_metadata,
                 output.grammar.rows if output.grammar is not None else None,
+                output.state_slots,
             )
         )
 
@@ -239,6 +241,7 @@ class StepDecoder:
             set(message.finished_req_ids),
             message.kv_connector_metadata,
             self._grammar(message.grammar_rows, next_frame),
+            message.state_slots,
         )
 
     def _grammar(self, rows: list[int] | None, next_frame: Callable[[], bytes] | None) -> StepGrammar | None:

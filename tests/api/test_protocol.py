@@ -95,6 +95,14 @@ def test_bad_requests_name_the_field(body, request_type, param):
     assert payload["error"]["type"] == "invalid_request_error"
 
 
+def test_an_image_part_is_refused_as_unsupported_content():
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+    with pytest.raises(ProtocolError) as caught:
+        decode_request(json.dumps(body).encode(), ChatCompletionRequest)
+    assert caught.value.status == 400 and caught.value.param == "messages[0].content[0].type"
+    assert "content parts of type 'image_url' are not supported: models are served text-only" in str(caught.value)
+
+
 def test_whole_floats_are_integers():
     # 3.0 is an integer by JSON Schema (what the OpenAPI document promises), so integer fields take it.
     body = b'{"prompt": [1.0, 2], "n": 2.0, "max_tokens": 3.0, "temperature": 1.0, "seed": -4.0}'

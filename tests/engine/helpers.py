@@ -31,7 +31,9 @@ def make_engine(
     (``DeferredExecutor``), as a worker process is."""
     scheduler_config = SchedulerConfig(**config)
     worker = connector.worker if isinstance(connector, FakeRemoteConnector) else None
-    runner = FakeModelRunner(scheduler_config.num_blocks, scheduler_config.block_size, VOCAB, worker)
+    runner = FakeModelRunner(
+        scheduler_config.num_blocks, scheduler_config.block_size, VOCAB, worker, scheduler_config.num_state_slots
+    )
     executor = DeferredExecutor(runner) if async_scheduling else runner
     return EngineCore(Scheduler(scheduler_config, connector), executor, async_scheduling)
 
@@ -83,6 +85,14 @@ def check_invariants(scheduler: Scheduler, max_placeholders: int = 0) -> None:
         assert kv.req_to_block_ids[request_id] == [b.block_id for b in blocks]
         assert len(set(kv.req_to_block_ids[request_id])) == len(blocks), "a block appears twice in a table"
 
+    slots = kv.state_slots
+    if slots is not None:
+        # A hybrid model's request owns one slot exactly while it owns blocks; no slot has two owners.
+        assert set(slots.req_to_slot) == set(kv.req_to_blocks), (slots.req_to_slot, list(kv.req_to_blocks))
+        taken = [*slots.req_to_slot.values(), *slots.quarantined.values()]
+        assert len(set(taken)) == len(taken), f"a state slot has two owners: {slots.req_to_slot}"
+        assert slots.num_free_slots + len(taken) == slots.num_slots
+
     held = sum(kv.num_owned_blocks(request_id) for request_id in scheduler.held_for_remote)
     assert scheduler._num_held_blocks == held <= scheduler.max_held_blocks
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
@@ -115,6 +125,8 @@ def assert_nothing_leaks(scheduler: Scheduler) -> None:
     assert not kv.req_to_blocks and not kv.quarantined
     assert kv.block_pool.num_free_blocks == kv.num_blocks
     assert all(block.ref_cnt == 0 for block in kv.block_pool.blocks)
+    if kv.state_slots is not None:
+        assert kv.state_slots.num_free_slots == kv.state_slots.num_slots
 
 
 @dataclass

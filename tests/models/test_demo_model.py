@@ -76,3 +76,13 @@ def test_the_moe_demo_model_matches_transformers(tmp_path):
     )
     llm = _assert_matches_transformers(tmp_path)
     assert (llm.model_config.num_experts, llm.model_config.moe_layers) == (8, (0, 1, 2, 3))
+
+
+def test_the_hybrid_demo_model_matches_transformers(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "demo-model", "--family", "qwen3.5", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
+    llm = _assert_matches_transformers(tmp_path)
+    assert (llm.model_config.linear_layers, llm.model_config.attention_layers) == ((0, 1, 2), (3,))

@@ -14,6 +14,9 @@ from pdserve.testing.hf_models import SHAPES, VOCAB, first_divergence, hf_greedy
 
 MAX_NEW = 12
 TIE_MARGIN = 1e-3
+# Logprobs agree to 1e-4, except where the gated delta rule's chunks (a triangular solve, where
+# transformers substitutes forward row by row) round differently in float32: measured up to 1.3e-4.
+LOGPROB_ATOL = {"qwen3.5-hybrid": 5e-4, "qwen3.5-vl-text": 5e-4}
 
 
 def _prompts() -> list[list[int]]:
@@ -52,7 +55,7 @@ def _compare(name, outputs, reference, check_logprobs=False):
                 [step[token].logprob for step, token in zip(output.outputs[0].logprobs, got, strict=True)]
             )
             theirs = hf_logprobs[torch.arange(len(got)), torch.tensor(got)]
-            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+            torch.testing.assert_close(ours, theirs, atol=LOGPROB_ATOL.get(name, 1e-4), rtol=0)
     if ties:
         print(f"{name}: near-ties (not failures), (prompt, position, margin): {ties}")
 
@@ -87,3 +90,36 @@ def test_small_chunks_preemption_and_prefix_hits_equal_hf(name, hf_models, hf_re
     second = cached.generate(PROMPTS, GREEDY)
     assert sum(o.num_cached_tokens for o in second) > sum(o.num_cached_tokens for o in first) > 0
     _compare(name, second, hf_reference[name], check_logprobs=True)
+
+
+def test_hybrid_small_chunks_preemption_few_slots_and_a_worker_process_equal_hf(
+    hf_models, hf_reference, demo_model_path
+):
+    """Linear-attention state carried across prompt chunks, restarted after preemption, slots reused
+    as requests finish, and sent to a worker process with async scheduling."""
+    name = "qwen3.5-hybrid"
+    folder, _ = hf_models[name]
+    common = {"tokenizer": str(demo_model_path), "block_size": 4}
+    chunked = LLM(str(folder), max_num_batched_tokens=16, kv_cache_memory=32 << 20, **common)
+    _compare(name, chunked.generate(PROMPTS, GREEDY), hf_reference[name], check_logprobs=True)
+
+    tight = LLM(str(folder), num_kv_blocks=40, max_model_len=160, **common)
+    _compare(name, tight.generate(PROMPTS, GREEDY), hf_reference[name])
+    assert tight.engine.scheduler.num_preemptions > 0
+
+    few_slots = LLM(str(folder), max_num_seqs=2, kv_cache_memory=32 << 20, **common)
+    assert few_slots.engine.scheduler.kv_cache_manager.state_slots.num_slots == 2
+    _compare(name, few_slots.generate(PROMPTS, GREEDY), hf_reference[name], check_logprobs=True)
+
+    worker = LLM(
+        str(folder),
+        distributed_executor_backend="mp",
+        async_scheduling=True,
+        max_num_batched_tokens=32,
+        kv_cache_memory=32 << 20,
+        **common,
+    )
+    try:
+        _compare(name, worker.generate(PROMPTS, GREEDY), hf_reference[name], check_logprobs=True)
+    finally:
+        worker.close()

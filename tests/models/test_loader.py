@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.models.config import ModelConfig, UnsupportedModelError, resolve_dtype
 from pdserve.models.loader import load_model
-from pdserve.testing.hf_models import LLAMA3_ROPE, build_hf_model
+from pdserve.testing.hf_models import LLAMA3_ROPE, SHAPES, build_hf_model
 
 
 def _params(folder):
@@ -125,3 +125,77 @@ def test_expert_weights_missing_or_out_of_range_are_named(tmp_path):
     save_file({**weights, "model.layers.0.mlp.experts.4.up_proj.weight": extra}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"no place in Qwen3MoeForCausalLM.*experts\.4"):
         load_model(tmp_path, config, torch.float32, torch.device("cpu"), 64)
+
+
+HYBRID = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 12,
+    "linear_conv_kernel_dim": 4,
+}
+
+
+def test_hybrid_layer_types_rotary_share_and_memory_per_request():
+    config = ModelConfig.from_dict(HYBRID)
+    # Every fourth layer full attention by default; the rest Gated DeltaNet.
+    assert (config.attention_layers, config.linear_layers) == ((3, 7), (0, 1, 2, 4, 5, 6))
+    assert config.rotary_dim == 4 and config.attn_output_gate and config.norm_weight_offset == 1.0
+    assert config.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 16 * 4  # two attention layers only
+    conv = (2 * 2 * 8 + 4 * 12) * 3 * 4
+    assert config.state_bytes_per_request(torch.float32) == 6 * (conv + 4 * 8 * 12 * 4)
+    explicit = ModelConfig.from_dict({**HYBRID, "layer_types": ["full_attention"] + ["linear_attention"] * 7})
+    assert explicit.attention_layers == (0,)
+    interval = ModelConfig.from_dict(
+        {
+            **HYBRID,
+            "full_attention_interval": 2,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [1, 1, 0],
+            },
+        }
+    )
+    assert interval.attention_layers == (1, 3, 5, 7) and interval.rotary_dim == 8
+    assert interval.rope_scaling == {"rope_type": "default"}  # text-only: the multimodal sections are plain rope
+    # The vision-language class is read for its text model.
+    outer = {"architectures": ["Qwen3_5ForConditionalGeneration"], "tie_word_embeddings": True}
+    vl = ModelConfig.from_dict({**outer, "text_config": {k: v for k, v in HYBRID.items() if k != "architectures"}})
+    assert (vl.hidden_size, vl.linear_layers, vl.tie_word_embeddings) == (32, config.linear_layers, True)
+    dense = ModelConfig.from_dict({**HYBRID, "architectures": ["Qwen3ForCausalLM"]})
+    assert not dense.is_hybrid and dense.state_bytes_per_request(torch.float32) == 0
+
+
+def test_bad_hybrid_configs_fail_clearly():
+    with pytest.raises(UnsupportedModelError, match="layer_types must name 8 layers"):
+        ModelConfig.from_dict({**HYBRID, "layer_types": ["full_attention"] * 7})
+    with pytest.raises(UnsupportedModelError, match="each full_attention or linear_attention"):
+        ModelConfig.from_dict({**HYBRID, "layer_types": ["sliding_attention"] * 8})
+    with pytest.raises(UnsupportedModelError, match="3 linear-attention value heads"):
+        ModelConfig.from_dict({**HYBRID, "linear_num_value_heads": 3})
+
+
+def test_a_vision_language_checkpoint_loads_its_text_model_and_skips_the_vision_tower(tmp_path, caplog):
+    build_hf_model(*SHAPES["qwen3.5-vl-text"], tmp_path)
+    config = ModelConfig.from_folder(tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert any(name.startswith("model.visual.") for name in weights)
+    with caplog.at_level("INFO", logger="pdserve.models.loader"):
+        model = load_model(tmp_path, config, torch.float32, torch.device("cpu"), 64)
+    assert "vision tower and multi-token prediction skipped" in caplog.text
+    # Zero-centred norms are stored as 1 + w; the linear layers' gated norm is not zero-centred.
+    stored = weights["model.language_model.layers.0.input_layernorm.weight"]
+    torch.testing.assert_close(model.layers[0].input_layernorm.weight.detach(), stored + 1)
+    gated = weights["model.language_model.layers.0.linear_attn.norm.weight"]
+    assert model.layers[0].linear_attn is not None
+    torch.testing.assert_close(model.layers[0].linear_attn.norm.weight.detach(), gated)

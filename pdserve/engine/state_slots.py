@@ -1,0 +1,53 @@
+"""StateSlotManager: which state slot each request owns, for hybrid models' linear-attention layers.
+
+A linear-attention layer keeps a fixed-size state per request (a convolution window and a recurrent
+matrix), not KV per token: a request needs one slot from admission to its end, whatever its
+length. The worker holds the slots' tensors and zeroes a slot when its request is scheduled from
+position 0; this manager only hands out slot numbers. A preempted request loses its slot and
+recomputes from its first token (its state cannot be rebuilt from the prefix cache).
+"""
+
+from __future__ import annotations
+
+
+class StateSlotManager:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a hybrid model needs at least one state slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.req_to_slot: dict[str, int] = {}
+        self.quarantined: dict[str, int] = {}  # request id -> a slot a write may still reach
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def has_slot(self, request_id: str) -> bool:
+        return request_id in self.req_to_slot
+
+    def allocate(self, request_id: str) -> int:
+        """The request's slot, taken now if it has none (callers check ``num_free_slots`` first)."""
+        slot = self.req_to_slot.get(request_id)
+        if slot is None:
+            slot = self.req_to_slot[request_id] = self._free.pop()
+        return slot
+
+    def slot_of(self, request_id: str) -> int:
+        return self.req_to_slot[request_id]
+
+    def free(self, request_id: str) -> None:
+        slot = self.req_to_slot.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def quarantine(self, request_id: str) -> None:
+        """Take the request's slot away without freeing it (a load into it may still be writing)."""
+        slot = self.req_to_slot.pop(request_id, None)
+        if slot is not None:
+            self.quarantined[request_id] = slot
+
+    def release_quarantine(self, request_id: str) -> None:
+        slot = self.quarantined.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)

@@ -1,0 +1,109 @@
+"""A Gated DeltaNet layer (Qwen3.5's linear attention): its projections, and the sequence mixing of
+a scheduled batch over the requests' state slots.
+
+Tokens arrive flattened, as for attention; ``metadata`` says where each sequence's tokens are and
+``metadata.state_slots`` which slot holds its state. A layer's state is two tensors indexed by
+slot: the convolution's last ``width - 1`` inputs ``[slots, channels, width - 1]`` and the
+recurrent state ``[slots, value_heads, key_dim, value_dim]`` (float32). The model runner zeroes a
+slot before its request's first token; after that every step continues from what the slot holds,
+so a prompt may be computed over several steps (chunked prefill). Decodes (one token each) run
+batched through the recurrent form; prompt chunks one sequence at a time through the chunked form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kernels import gated_delta
+from pdserve.kernels.reference import AttentionMetadata
+from pdserve.models.config import ModelConfig
+from pdserve.models.linear import Linear, RowParallelLinear
+from pdserve.models.parallel import TensorParallel
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head's output, then times SiLU of the gate (in float32)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        # Checked where engines start (parallel.split_problem): the state would split by value head.
+        assert tp.size == 1, "linear-attention layers do not run under tensor parallelism"
+        self.num_key_heads = config.linear_num_key_heads
+        self.num_value_heads = config.linear_num_value_heads
+        self.key_dim = config.linear_key_head_dim
+        self.value_dim = config.linear_value_head_dim
+        self.conv_dim = config.linear_conv_dim
+        value_size = self.num_value_heads * self.value_dim
+        # The checkpoint's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a, fused into one matmul.
+        self.split_sizes = [self.conv_dim, value_size, self.num_value_heads, self.num_value_heads]
+        self.in_proj = Linear(config.hidden_size, sum(self.split_sizes), bias=False)
+        self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, 1, config.linear_conv_kernel_dim))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_value_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_value_heads))
+        self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
+        self.out_proj = RowParallelLinear(value_size, config.hidden_size, False, tp)
+
+    def forward(
+        self,
+        rope: object,
+        hidden: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The layer's output for the batch's tokens (``rope`` unused: position is in the state)."""
+        conv_states, recurrent_states = state
+        num_tokens = hidden.shape[0]
+        qkv, z, b, a = self.in_proj(hidden).split(self.split_sizes, dim=-1)
+        beta = b.sigmoid()
+        log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = torch.empty(num_tokens, self.num_value_heads, self.value_dim, dtype=hidden.dtype, device=hidden.device)
+        slots = metadata.state_slots
+        assert slots is not None, "a linear-attention layer needs the batch's state slots"
+        conv_weight = self.conv1d_weight[:, 0]
+        tokens = metadata.decode_token_indices
+        if tokens.numel():
+            # Gathered, computed on, written back: one token of each decoding sequence at once.
+            decode_slots = slots[metadata.decode_seq_indices]
+            conv = conv_states[decode_slots]
+            mixed = gated_delta.causal_conv1d_step(qkv[tokens], conv_weight, conv)
+            conv_states[decode_slots] = conv
+            recurrent = recurrent_states[decode_slots]
+            out[tokens] = gated_delta.recurrent_gated_delta_rule(
+                *self._heads(mixed), log_decay[tokens], beta[tokens], recurrent
+            )
+            recurrent_states[decode_slots] = recurrent
+        starts = metadata.query_start_loc
+        for seq in metadata.prefill_seq_indices:
+            start, end, slot = starts[seq], starts[seq + 1], int(slots[seq])
+            mixed = gated_delta.causal_conv1d(qkv[start:end], conv_weight, conv_states[slot])
+            out[start:end] = gated_delta.chunked_gated_delta_rule(
+                *self._heads(mixed), log_decay[start:end], beta[start:end], recurrent_states[slot]
+            )
+        gated = self.norm(out, z.view(num_tokens, self.num_value_heads, self.value_dim))
+        return self.out_proj(gated.view(num_tokens, -1))
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's output ``[tokens, channels]`` as q, k ``[tokens, key_heads, key_dim]``
+        and v ``[tokens, value_heads, value_dim]``."""
+        key_size = self.num_key_heads * self.key_dim
+        q, k, v = mixed.split([key_size, key_size, mixed.shape[-1] - 2 * key_size], dim=-1)
+        num_tokens = mixed.shape[0]
+        return (
+            q.view(num_tokens, self.num_key_heads, self.key_dim),
+            k.view(num_tokens, self.num_key_heads, self.key_dim),
+            v.view(num_tokens, self.num_value_heads, self.value_dim),
+        )
