@@ -28,7 +28,7 @@ from pdserve.models.demo import ensure_demo_model
 from pdserve.models.fingerprint import weights_fingerprint
 from pdserve.models.parallel import split_problem
 from pdserve.worker.interface import ModelExecutor
-from pdserve.worker.kv_cache import KV_CACHE_LAYOUT, RunnerConfig
+from pdserve.worker.kv_cache import KV_CACHE_LAYOUT, STATE_SLOT_LAYOUT, RunnerConfig
 from pdserve.worker.model_runner import ModelRunner
 from pdserve.worker.multiproc import MultiprocExecutor
 from pdserve.worker.process import WorkerSpec
@@ -134,11 +134,6 @@ class EngineArgs:
             tp_size=self.tensor_parallel_size,
         )
         kv_transfer = self.kv_transfer
-        if model_config.is_hybrid and kv_transfer is not None:
-            raise ValueError(
-                f"{model_config.architecture} has linear-attention layers: their state does not move between "
-                "engines yet, so it runs colocated only (no --kv-transfer-config)"
-            )
         compat_hash = ""
         heads = head_ranges(model_config.num_kv_heads, self.tensor_parallel_size)  # per rank
         if kv_transfer is not None:
@@ -158,6 +153,9 @@ class EngineArgs:
                 dtype=str(dtype),
                 block_size=self.block_size,
                 layout=KV_CACHE_LAYOUT,
+                # Hybrid models: which layers keep a state slot, and how a slot lies in its rows.
+                layer_types=",".join(model_config.layer_types),
+                state_layout=STATE_SLOT_LAYOUT if model_config.is_hybrid else "",
             )
         executor: ModelExecutor
         generations = None
@@ -165,7 +163,7 @@ class EngineArgs:
         if self.distributed_executor_backend == "mp":
             worker = MultiprocExecutor(WorkerSpec(model_config, runner_config, kv_transfer, compat_hash, heads))
             executor, num_blocks, description = worker, worker.num_blocks, worker.describe()
-            num_state_slots = worker.num_state_slots
+            cache_size = worker.cache_size
             generations, agent_ports = worker.generations, worker.agent_ports
         else:
             agents: list[TransferAgent] = []
@@ -174,7 +172,7 @@ class EngineArgs:
                 # The agent registers the KV cache and the block generations with its transport,
                 # so both exist before the scheduler's block pool, which is then built on them.
                 assert kv_transfer is not None
-                block_generations = new_block_generations(kv_cache.shape[0])
+                block_generations = new_block_generations(kv_cache.shape[0])  # every row, state slots' too
                 agent = TransferAgent(kv_transfer, kv_cache, block_generations, compat_hash, heads)
                 agents.append(agent)
                 return agent
@@ -182,7 +180,7 @@ class EngineArgs:
             runner_cls = _import_class(self.model_runner_cls) if self.model_runner_cls else ModelRunner
             runner = runner_cls(model_config, runner_config, make_agent if kv_transfer is not None else None)
             executor, num_blocks, description = runner, runner.num_blocks, runner.describe()
-            num_state_slots = runner.num_state_slots
+            cache_size = runner.cache_size
             if agents:
                 generations, agent_ports = agents[0].generations, [agents[0].port]
         logger.info(
@@ -202,7 +200,9 @@ class EngineArgs:
         connector = None
         if kv_transfer is not None:
             assert generations is not None  # the agent made them
-            connector = PDConnectorScheduler(kv_transfer, compat_hash, self.block_size, agent_ports, generations)
+            connector = PDConnectorScheduler(
+                kv_transfer, compat_hash, self.block_size, agent_ports, generations, cache_size.rows_per_state_slot
+            )
         scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=num_blocks,
@@ -211,7 +211,8 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 enable_prefix_caching=self.enable_prefix_caching,
-                num_state_slots=num_state_slots,
+                num_state_slots=cache_size.num_state_slots,
+                rows_per_state_slot=cache_size.rows_per_state_slot,
             ),
             connector,
             generations,

@@ -29,13 +29,22 @@ class KVCacheManager:
         enable_caching: bool = True,
         block_generations: np.ndarray | None = None,
         num_state_slots: int = 0,
+        rows_per_state_slot: int = 0,
     ) -> None:
+        """``num_state_slots`` of ``rows_per_state_slot`` rows each (hybrid models) follow the pool's
+        blocks in the cache; ``block_generations``, when given, covers those rows too."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
-        self.state_slots = StateSlotManager(num_state_slots) if num_state_slots else None
+        self.state_slots = (
+            StateSlotManager(num_state_slots, num_blocks, rows_per_state_slot, block_generations)
+            if num_state_slots
+            else None
+        )
         self.enable_caching = enable_caching and self.state_slots is None
-        self.block_pool = BlockPool(num_blocks, enable_caching, block_generations)
+        self.block_pool = BlockPool(
+            num_blocks, self.enable_caching, None if block_generations is None else block_generations[:num_blocks]
+        )
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same tables as block ids, kept in step with req_to_blocks for the model runner.
         self.req_to_block_ids: dict[str, list[int]] = {}
@@ -225,6 +234,14 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (the live list: read it, never modify it); empty if it owns none."""
         return self.req_to_block_ids.get(request_id, [])
+
+    def transfer_block_ids(self, request_id: str) -> list[int]:
+        """What a KV transfer of the request moves: its block table, then (hybrid models) its state
+        slot's rows."""
+        block_ids = self.get_block_ids(request_id)
+        if self.state_slots is None or request_id not in self.state_slots.req_to_slot:
+            return block_ids
+        return [*block_ids, *self.state_slots.rows_of(request_id)]
 
     def num_owned_blocks(self, request_id: str) -> int:
         return len(self.req_to_block_ids.get(request_id, ()))

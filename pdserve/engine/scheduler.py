@@ -13,7 +13,10 @@ last; a stop (EOS, stop token or string) found later wastes one step's compute f
 
 KV transfer enters only through the connector hooks (pdserve.kvtransfer.base): remote loads
 park a request in WAITING_FOR_REMOTE_KVS, and a finished request's blocks may be held for a
-remote reader until the worker reports the send done.
+remote reader until the worker reports the send done. A hybrid model's request moves its state
+slot with its blocks; one whose KV will be handed over (a P/D prefill leg) runs its last prompt
+token as a step of its own that leaves the slot as it was (``SchedulerOutput.state_restores``),
+so the state handed over is as of the token before, the one the reader computes from.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     num_state_slots: int = 0  # hybrid models: linear-attention state slots (one per running request)
+    rows_per_state_slot: int = 0  # cache rows each slot takes, after the pool's blocks
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -96,6 +100,13 @@ class SchedulerStats:
     grammar_bitmask_seconds: list[float] = field(default_factory=list)
 
 
+def _before_last_prompt_token(request: Request, num_computed: int, num_new: int) -> int:
+    """``num_new`` cut so that a chunk ends before the last prompt token, which then runs alone
+    (a request handing over its linear-attention state, as of the token before)."""
+    last = request.num_prompt_tokens - 1
+    return min(num_new, last - num_computed) if num_computed < last else num_new
+
+
 def _waiting_status(request: Request) -> RequestStatus:
     """A queued request waits for its grammar until the grammar is compiled."""
     grammar = request.structured_output
@@ -119,6 +130,7 @@ class Scheduler:
             config.enable_prefix_caching,
             block_generations,
             config.num_state_slots,
+            config.rows_per_state_slot,
         )
         # Every request the scheduler still knows: unfinished ones, and finished ones whose blocks
         # are still held (for a remote reader, or until an in-flight load into them drains).
@@ -128,6 +140,9 @@ class Scheduler:
         self.held_for_remote: dict[str, Request] = {}
         self._num_held_blocks = 0  # owned by held_for_remote's requests
         self.max_held_blocks = int(self.connector.max_held_fraction * config.num_blocks)
+        self.max_held_slots = int(self.connector.max_held_fraction * config.num_state_slots)
+        # Hybrid models: requests whose KV (and state) will be handed over when they finish.
+        self._hands_over: set[str] = set()
         self.kv_holds_refused = 0
         self.aborted_while_loading: dict[str, Request] = {}
         self.finished_recving: set[str] = set()
@@ -165,6 +180,8 @@ class Scheduler:
         request.status = _waiting_status(request)
         self.waiting.append(request)
         self.connector.request_added(request)
+        if self.kv_cache_manager.state_slots is not None and self.connector.hands_over(request):
+            self._hands_over.add(request.request_id)
 
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -197,7 +214,7 @@ class Scheduler:
         request_id = request.request_id
         self._finished_since_last_step.add(request_id)
         hold, kv_transfer_params = self.connector.request_finished(
-            request, self.kv_cache_manager.get_block_ids(request_id), request.status.finish_reason or "abort"
+            request, self.kv_cache_manager.transfer_block_ids(request_id), request.status.finish_reason or "abort"
         )
         if load_in_flight:
             # The worker may still be writing into these blocks: freeing them now could let
@@ -205,7 +222,8 @@ class Scheduler:
             self.aborted_while_loading[request_id] = request
         elif hold:
             num_blocks = self.kv_cache_manager.num_owned_blocks(request_id)
-            if self._num_held_blocks + num_blocks > self.max_held_blocks:
+            over_slots = self.max_held_slots and len(self.held_for_remote) >= self.max_held_slots
+            if self._num_held_blocks + num_blocks > self.max_held_blocks or over_slots:
                 # Holding more for remote readers would starve this engine's own requests: this one
                 # hands nothing over (its answer has no params; its decode computes the prompt).
                 self.connector.hold_cancelled(request_id)
@@ -227,6 +245,7 @@ class Scheduler:
     def _drop(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._hands_over.discard(request.request_id)
 
     def has_work(self) -> bool:
         """Unfinished requests, blocks still waiting on the transfer worker, or work for it."""
@@ -256,6 +275,7 @@ class Scheduler:
         preempted_ids: set[str] = set()
         grammar_rows: list[int] = []  # scheduled requests whose sampled token a grammar constrains
 
+        hands_over = self._hands_over
         running = self.running
         index = 0
         while index < len(running) and budget > 0:
@@ -268,6 +288,8 @@ class Scheduler:
                 continue
             if num_new > budget:
                 num_new = budget
+            if hands_over and request.request_id in hands_over:
+                num_new = _before_last_prompt_token(request, num_computed, num_new)
             while kv.allocate_slots(request, num_new) is None:
                 victim = running.pop()
                 self._preempt(victim)
@@ -297,10 +319,16 @@ class Scheduler:
 
         finished_ids = self._finished_since_last_step
         self._finished_since_last_step = set()
-        state_slots = None
+        state_slots = restores = None
         if kv.state_slots is not None:
             slot_of = kv.state_slots.slot_of
             state_slots = [slot_of(request.request_id) for request in scheduled]
+            if hands_over:
+                restores = [
+                    slot
+                    for request, slot, start in zip(scheduled, state_slots, start_positions, strict=True)
+                    if request.request_id in hands_over and start == request.num_prompt_tokens - 1
+                ]
         return SchedulerOutput(
             requests=scheduled,
             num_scheduled_tokens=num_scheduled,
@@ -312,6 +340,7 @@ class Scheduler:
             kv_connector_metadata=self.connector.build_connector_meta(),
             grammar=StepGrammar(grammar_rows) if grammar_rows else None,
             state_slots=state_slots,
+            state_restores=restores or None,
         )
 
     def _schedule_waiting(
@@ -370,6 +399,8 @@ class Scheduler:
                 parked.append(waiting.popleft())
                 continue
             num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+            if request.request_id in self._hands_over:
+                num_new = _before_last_prompt_token(request, num_computed, num_new)
 
             if (
                 kv.allocate_slots(request, num_new + num_external, hit_blocks, num_local, delay_cache_blocks=load_async)
@@ -380,7 +411,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_local
             block_ids = kv.get_block_ids(request.request_id)
-            self.connector.update_state_after_alloc(request, block_ids, num_external)
+            self.connector.update_state_after_alloc(request, kv.transfer_block_ids(request.request_id), num_external)
             if load_async:
                 # The tokens being loaded count as computed: the request owns their blocks now.
                 request.num_computed_tokens = num_computed

@@ -130,6 +130,10 @@ class KVConnectorScheduler(ABC):
         """Work for the worker side that needs a step even when nothing is scheduled."""
         return False
 
+    def hands_over(self, request: ConnectorRequest) -> bool:
+        """The request's KV is to be held for a remote reader when it finishes (a P/D prefill leg)."""
+        return False
+
     def expects_remote_kv(self, request: ConnectorRequest) -> bool:
         """The request's prompt KV may come from elsewhere when it is admitted (its pull can
         start before it can compute, e.g. while its grammar compiles)."""

@@ -13,6 +13,7 @@ import numpy as np
 from pdserve.kvtransfer.base import ConnectorRequest, KVConnectorScheduler
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.decode_side import DecodeSide
+from pdserve.kvtransfer.params import wants_remote_decode
 from pdserve.kvtransfer.prefill_side import PrefillSide
 from pdserve.kvtransfer.work import TransferWork, WorkOrders
 
@@ -28,9 +29,11 @@ class PDConnectorScheduler(KVConnectorScheduler):
         block_size: int,
         advertised_ports: list[int],
         block_generations: np.ndarray,
+        state_rows: int = 0,
     ) -> None:
         """``advertised_ports``: where each rank's transfer agent listens (rank order); ``block_generations``:
-        the block pool's generation array, handed out with held blocks."""
+        the cache rows' generation array, handed out with held blocks; ``state_rows``: the rows of a
+        request's state slot (hybrid models), which follow its blocks in every transfer."""
         self.compat_hash = compat_hash
         self.recompute_failed_loads = config.load_failure == "recompute"
         # The agent bounds a pull by a handshake and a transfer timeout (after any injected delay);
@@ -39,8 +42,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self.quarantine_seconds = 3 * config.transfer_timeout
         self.max_held_fraction = config.max_held_fraction
         self.outbox = WorkOrders()
-        self.prefill = PrefillSide(config, compat_hash, block_size, advertised_ports, block_generations, self.outbox)
-        self.decode = DecodeSide(compat_hash, block_size, self.outbox)
+        self.prefill = PrefillSide(
+            config, compat_hash, block_size, advertised_ports, block_generations, self.outbox, state_rows
+        )
+        self.decode = DecodeSide(compat_hash, block_size, self.outbox, state_rows)
 
     def request_added(self, request: ConnectorRequest) -> None:
         self.decode.request_added(request)
@@ -50,6 +55,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         return self.decode.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def hands_over(self, request: ConnectorRequest) -> bool:
+        return wants_remote_decode(request.kv_transfer_params)
 
     def expects_remote_kv(self, request: ConnectorRequest) -> bool:
         return self.decode.expects_remote_kv(request)

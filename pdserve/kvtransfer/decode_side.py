@@ -14,8 +14,9 @@
    that token is skipped). It allocates blocks for them and parks the request in
    ``WAITING_FOR_REMOTE_KVS``.
 4. ``update_state_after_alloc`` turns that into a ``LoadSpec``: only the blocks past the local
-   hit, with their expected generations. The remote reference is consumed here, so a later
-   preemption recomputes instead of pulling twice; a full local hit pulls nothing and releases.
+   hit, with their expected generations (a hybrid model's state slot rows too, after the
+   blocks). The remote reference is consumed here, so a later preemption recomputes instead of
+   pulling twice; a full local hit pulls nothing and releases.
 5. The transfer agent hand-shakes with the prefill engine (once per peer), pulls, checks the
    generations (stale blocks are a failure, never data) and tells the prefill engine to free.
    The scheduler caches the landed blocks and the request runs. A failed pull recomputes the
@@ -52,10 +53,11 @@ def unusable_reason(
 
 
 class DecodeSide:
-    def __init__(self, compat_hash: str, block_size: int, outbox: WorkOrders) -> None:
+    def __init__(self, compat_hash: str, block_size: int, outbox: WorkOrders, state_rows: int = 0) -> None:
         self.compat_hash = compat_hash
         self.block_size = block_size
         self.outbox = outbox
+        self.state_rows = state_rows  # the trailing rows of both sides' transfer ids: the state slot
         self._remote: dict[str, RemotePrefill] = {}  # queued requests not yet allocated
         self._pulling: set[str] = set()  # requests whose pull was handed to the agent
 
@@ -69,12 +71,18 @@ class DecodeSide:
             return
         # The API process screens these first (and counts them); a direct caller may not have.
         reason = unusable_reason(remote, request.prompt_token_ids, self.compat_hash, request.wants_prompt_logprobs)
+        if reason is None and self.state_rows and len(remote.block_ids) != self._num_rows(remote.num_tokens):
+            reason = "state slot"  # the params do not end with a state slot's rows: nothing to pull it from
         if reason is not None:
             logger.warning("request %s: remote KV unusable (%s); prefilling locally", request.request_id, reason)
             self.outbox.pending.releases.append((request.request_id, remote))
             return
         self._remote[request.request_id] = remote
         self.outbox.pending.tracks.append((request.request_id, remote))
+
+    def _num_rows(self, num_tokens: int) -> int:
+        """A hybrid prefill's transfer ids for ``num_tokens``: the prompt's blocks and a state slot."""
+        return -(-num_tokens // self.block_size) + self.state_rows
 
     def release_remote(self, kv_transfer_params: dict[str, Any] | None) -> None:
         try:
@@ -107,16 +115,17 @@ class DecodeSide:
             return
         first = (request.num_tokens - num_external_tokens) // self.block_size
         last = -(-request.num_tokens // self.block_size)
-        self._pulling.add(request.request_id)
-        self.outbox.pending.loads.append(
-            LoadSpec(
-                request.request_id,
-                remote,
-                block_ids[first:last],
-                remote.block_ids[first:last],
-                remote.generations[first:last],
-            )
+        local, remote_ids, generations = (
+            block_ids[first:last],
+            remote.block_ids[first:last],
+            remote.generations[first:last],
         )
+        if self.state_rows:  # the state as of the last prompt token, whose KV is computed here again
+            local = local + block_ids[-self.state_rows :]
+            remote_ids = remote_ids + remote.block_ids[-self.state_rows :]
+            generations = generations + remote.generations[-self.state_rows :]
+        self._pulling.add(request.request_id)
+        self.outbox.pending.loads.append(LoadSpec(request.request_id, remote, local, remote_ids, generations))
 
     def request_finished(self, request: ConnectorRequest, finish_reason: str) -> None:
         remote = self._remote.pop(request.request_id, None)

@@ -6,6 +6,9 @@
    and its blocks are always handed over.
 2. The scheduler runs the prompt like any other (prefix-cache hits, chunked prefill) and samples
    the one token.
+   A hybrid model's leg runs its last prompt token as a step of its own that leaves the request's
+   state slot as it found it: what it hands over is the state before that token, which the decode
+   engine computes again (for its logits) and a linear layer must not see twice.
 3. It finishes by length: ``PrefillSide.request_finished`` keeps its prompt blocks (the scheduler
    holds them instead of freeing) and returns ``remote_prefill_params`` — where the blocks are, their
    generations, the prompt's length and hash, the KV compatibility hash and the lease — which the
@@ -64,6 +67,7 @@ class PrefillSide:
         advertised_ports: list[int],
         block_generations: np.ndarray,
         outbox: WorkOrders,
+        state_rows: int = 0,
     ) -> None:
         self.config = config
         self.compat_hash = compat_hash
@@ -71,15 +75,18 @@ class PrefillSide:
         self.advertised_ports = advertised_ports
         self.generations = block_generations
         self.outbox = outbox
+        self.state_rows = state_rows  # the trailing rows of a request's transfer ids: its state slot
 
     def request_finished(
         self, request: ConnectorRequest, block_ids: list[int], finish_reason: str
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Hold a finished prefill leg's prompt blocks and say where they are; else nothing."""
+        """Hold a finished prefill leg's prompt blocks (and state slot) and say where they are; else nothing."""
         if not (wants_remote_decode(request.kv_transfer_params) and finish_reason == "length" and block_ids):
             return False, None
         num_tokens = len(request.prompt_token_ids)
         held = block_ids[: -(-num_tokens // self.block_size)]
+        if self.state_rows:
+            held += block_ids[-self.state_rows :]
         self.outbox.pending.holds.append((request.request_id, list(held)))
         return True, remote_prefill_params(
             engine_id=self.config.engine_id,

@@ -214,14 +214,6 @@ class ModelConfig:
         element_size = torch.empty((), dtype=dtype).element_size()
         return 2 * len(self.attention_layers) * self.num_kv_heads * self.head_dim * element_size
 
-    def state_bytes_per_request(self, dtype: torch.dtype) -> int:
-        """A request's linear-attention state over all such layers: the convolution's last inputs (in
-        ``dtype``) and the recurrent state (float32, whatever the model dtype)."""
-        element_size = torch.empty((), dtype=dtype).element_size()
-        conv = self.linear_conv_dim * (self.linear_conv_kernel_dim - 1) * element_size
-        recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
-        return len(self.linear_layers) * (conv + recurrent)
-
 
 def _experts(architecture: str, raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of ``ModelConfig`` (none for a dense architecture)."""
@@ -277,6 +269,8 @@ def _hybrid(architecture: str, raw: dict[str, Any], num_layers: int) -> dict[str
         "linear_value_head_dim": int(raw.get("linear_value_head_dim", 128)),
         "linear_conv_kernel_dim": int(raw.get("linear_conv_kernel_dim", 4)),
     }
+    if FULL_ATTENTION not in layer_types:
+        raise UnsupportedModelError("a hybrid model without full-attention layers is not supported")
     if fields["linear_num_value_heads"] % fields["linear_num_key_heads"]:
         raise UnsupportedModelError(
             f"{fields['linear_num_value_heads']} linear-attention value heads do not share "

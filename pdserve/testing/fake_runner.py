@@ -10,7 +10,8 @@ With state slots (a hybrid model's linear-attention layers) it also keeps, per s
 weighted sum of the tokens fed through it and their count, zeroed when a request is scheduled from
 position 0, as the real runner zeroes a slot. A chunk that does not continue exactly where its
 slot's count stands (two requests in one slot, a slot reused while owned, a stale slot after
-preemption) raises, and the sampled token must agree with the slot's sum.
+preemption) raises, and the sampled token must agree with the slot's sum. A step's
+``state_restores`` slots are put back as they were before it.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class FakeModelRunner:
         if self.connector_worker is not None:
             connector_output = self.connector_worker.step(scheduler_output.kv_connector_metadata, self)
         sampled = []
+        kept = {slot: self.state[slot].copy() for slot in scheduler_output.state_restores or ()}
         num_requests = len(scheduler_output.requests)
         state_slots: list[int | None] = (
             [*scheduler_output.state_slots] if scheduler_output.state_slots else [None] * num_requests
@@ -106,6 +108,8 @@ class FakeModelRunner:
             if slot is not None and int(self.state[slot, 0]) % self.vocab_size != token:
                 raise AssertionError(f"request {request.request_id}: state slot {slot} disagrees with its KV")
             sampled.append(token)
+        for slot, state in kept.items():  # a step that hands its state over as it found it
+            self.state[slot] = state
         return ModelRunnerOutput(sampled, connector_output)
 
     def _feed_state(self, slot: int, request_id: str, start: int, token_ids: list[int]) -> None:

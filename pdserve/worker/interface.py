@@ -155,6 +155,10 @@ class SchedulerOutput(Generic[RequestT]):
     # Hybrid models: each request's state slot (its linear-attention layers' state). A request
     # scheduled from position 0 starts from a zeroed slot; later steps continue from the slot.
     state_slots: list[int] | None = None
+    # Slots whose state this step must leave as it found them: a P/D prefill leg's last prompt token,
+    # run alone so that the state it hands over is as of the token before (the decode engine
+    # computes the last token again, and a linear layer's state must not see it twice).
+    state_restores: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -8,8 +8,11 @@ bytes; on GPU the free memory left at ``gpu_memory_utilization`` after the weigh
 a profiling forward pass (vLLM's determine_available_memory approach).
 
 A hybrid model's attention layers use the KV cache; its linear-attention layers keep one state slot
-per running request (``allocate_state_cache``). The budget is split by what a request needs at
-``max_model_len``: its state plus that many tokens of KV. That many slots (at most
+per running request, in rows of the same tensor past the pool's blocks: slot s is rows
+``[num_blocks + s * rows_per_slot, ...)``, each linear layer's convolution window and recurrent
+state at fixed offsets in them (``state_views``). So a slot moves between engines like blocks do:
+same registration, same descriptors, same generations. The budget is split by what a request
+needs at ``max_model_len``: its slot plus that many tokens of KV. That many slots (at most
 ``max_num_seqs``) are reserved, and the rest of the budget becomes KV blocks.
 """
 
@@ -28,6 +31,9 @@ from pdserve.models.transformer import CausalLM
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 # Names the KV cache layout below; engines exchanging blocks must agree on it (KV compatibility hash).
 KV_CACHE_LAYOUT = "blocks,layers,kv,heads,block_size,head_dim"
+# And the layout of a state slot in its rows: per linear layer, conv window then recurrent state.
+STATE_SLOT_LAYOUT = "layers,conv[channels,width-1],recurrent[value_heads,key_dim,value_dim]f32,align16"
+_STATE_ALIGN = 16
 
 
 @dataclass
@@ -53,33 +59,61 @@ class CacheSize:
 
     num_blocks: int
     num_state_slots: int = 0  # zero unless the model has linear-attention layers
+    rows_per_state_slot: int = 0  # block-sized rows each slot takes past the pool's blocks
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the cache tensor: the pool's blocks, then the state slots."""
+        return self.num_blocks + self.num_state_slots * self.rows_per_state_slot
+
+
+def _state_offsets(config: ModelConfig, dtype: torch.dtype) -> tuple[list[tuple[int, int]], int]:
+    """Each linear layer's (conv offset, recurrent offset) in a slot's bytes, and the slot's bytes."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    conv_bytes = config.linear_conv_dim * (config.linear_conv_kernel_dim - 1) * element_size
+    recurrent_bytes = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    offsets, end = [], 0
+    for _ in config.linear_layers:
+        conv = end
+        recurrent = -(-(conv + conv_bytes) // _STATE_ALIGN) * _STATE_ALIGN
+        end = -(-(recurrent + recurrent_bytes) // _STATE_ALIGN) * _STATE_ALIGN
+        offsets.append((conv, recurrent))
+    return offsets, end
+
+
+def rows_per_state_slot(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+    """Block-sized rows one request's linear-attention state takes (0 for a model without such layers)."""
+    if not config.is_hybrid:
+        return 0
+    block_bytes = block_size * config.kv_bytes_per_token(dtype)
+    return -(-_state_offsets(config, dtype)[1] // block_bytes)
 
 
 def cache_size_for(model: CausalLM, model_config: ModelConfig, config: RunnerConfig) -> CacheSize:
     """The KV blocks (and state slots) this device holds: fixed by the config, or what the memory
     budget allows."""
-    state_bytes = model_config.state_bytes_per_request(config.dtype)
+    rows_per_slot = rows_per_state_slot(model_config, config.dtype, config.block_size)
     if config.num_blocks:
-        return CacheSize(config.num_blocks, config.max_num_seqs if state_bytes else 0)
+        return CacheSize(config.num_blocks, config.max_num_seqs if rows_per_slot else 0, rows_per_slot)
     bytes_per_block = config.block_size * model_config.kv_bytes_per_token(config.dtype)
     if config.device.type == "cuda":
         budget = gpu_kv_budget(model, model_config, config)
     else:
         budget = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
     num_slots = 0
-    if state_bytes:
-        per_request = state_bytes + -(-config.max_model_len // config.block_size) * bytes_per_block
+    if rows_per_slot:
+        per_request = (rows_per_slot + -(-config.max_model_len // config.block_size)) * bytes_per_block
         num_slots = min(config.max_num_seqs, budget // per_request)
         if num_slots < 1:
             raise ValueError(
                 f"a budget of {budget} bytes holds no request at max_model_len={config.max_model_len}: one needs "
-                f"{per_request} bytes ({state_bytes} of linear-attention state and the rest KV)"
+                f"{per_request} bytes ({rows_per_slot * bytes_per_block} of linear-attention state and the rest KV)"
             )
-        budget -= num_slots * state_bytes
+        budget -= num_slots * rows_per_slot * bytes_per_block
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {budget} bytes holds no block of {bytes_per_block} bytes")
-    return CacheSize(int(num_blocks), int(num_slots))
+    return CacheSize(int(num_blocks), int(num_slots), rows_per_slot)
 
 
 def gpu_kv_budget(model: CausalLM, model_config: ModelConfig, config: RunnerConfig) -> int:
@@ -89,8 +123,10 @@ def gpu_kv_budget(model: CausalLM, model_config: ModelConfig, config: RunnerConf
     # Profile the largest step the scheduler can issue, with a throwaway cache just big enough.
     tokens = config.max_num_batched_tokens
     num_blocks = -(-tokens // config.block_size)
-    scratch = allocate_kv_cache(model_config, num_blocks, config.block_size, config.dtype, config.device)
-    caches = layer_caches(model_config, scratch, allocate_state_cache(model_config, 1, config.dtype, config.device))
+    rows_per_slot = rows_per_state_slot(model_config, config.dtype, config.block_size)
+    scratch_size = CacheSize(num_blocks, 1 if rows_per_slot else 0, rows_per_slot)
+    scratch = allocate_kv_cache(model_config, scratch_size.num_rows, config.block_size, config.dtype, config.device)
+    caches = layer_caches(model_config, scratch, scratch_size)
     positions = torch.arange(tokens, device=config.device) % config.max_model_len
     metadata = build_attention_metadata([tokens], [tokens], [list(range(num_blocks))], config.block_size, config.device)
     metadata.state_slots = torch.zeros(1, dtype=torch.int64, device=config.device)
@@ -145,31 +181,42 @@ def layer_views(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor
     ]
 
 
-def allocate_state_cache(
-    config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
+def state_views(
+    config: ModelConfig, kv_cache: torch.Tensor, size: CacheSize
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each linear-attention layer's state slots, zeroed: the convolution's last inputs ``[slots,
-    channels, width - 1]`` in ``dtype``, and the recurrent state ``[slots, value_heads, key_dim,
-    value_dim]`` in float32 (the gated delta rule accumulates in it)."""
-    conv_shape = (num_slots, config.linear_conv_dim, config.linear_conv_kernel_dim - 1)
+    """Each linear layer's state over the slots' rows of ``kv_cache``: the convolution's last inputs
+    ``[slots, channels, width - 1]`` in the cache's dtype, and the recurrent state ``[slots,
+    value_heads, key_dim, value_dim]`` in float32 (the gated delta rule accumulates in it)."""
+    if not size.num_state_slots:
+        return []
+    offsets, slot_bytes = _state_offsets(config, kv_cache.dtype)
+    rows = kv_cache[size.num_blocks : size.num_rows].view(torch.uint8)
+    slots = rows.reshape(size.num_state_slots, -1)[:, :slot_bytes]
+    conv_shape = (size.num_state_slots, config.linear_conv_dim, config.linear_conv_kernel_dim - 1)
     recurrent_shape = (
-        num_slots,
+        size.num_state_slots,
         config.linear_num_value_heads,
         config.linear_key_head_dim,
         config.linear_value_head_dim,
     )
+    element_size = kv_cache.element_size()
+    conv_bytes = conv_shape[1] * conv_shape[2] * element_size
+    recurrent_bytes = recurrent_shape[1] * recurrent_shape[2] * recurrent_shape[3] * 4
     return [
-        (torch.zeros(conv_shape, dtype=dtype, device=device), torch.zeros(recurrent_shape, device=device))
-        for _ in config.linear_layers
+        (
+            slots[:, conv : conv + conv_bytes].view(kv_cache.dtype).view(conv_shape),
+            slots[:, recurrent : recurrent + recurrent_bytes].view(torch.float32).view(recurrent_shape),
+        )
+        for conv, recurrent in offsets
     ]
 
 
 def layer_caches(
-    config: ModelConfig, kv_cache: torch.Tensor, state_cache: list[tuple[torch.Tensor, torch.Tensor]]
+    config: ModelConfig, kv_cache: torch.Tensor, size: CacheSize
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """What each layer of the model reads and writes, in layer order: an attention layer its (K, V)
-    views of the KV cache, a linear-attention layer its (convolution, recurrent) state tensors."""
+    views of the KV cache, a linear-attention layer its (convolution, recurrent) state views."""
     kv_views = iter(layer_views(kv_cache))
-    states = iter(state_cache)
+    states = iter(state_views(config, kv_cache, size))
     linear = set(config.linear_layers)
     return [next(states) if layer in linear else next(kv_views) for layer in range(config.num_layers)]

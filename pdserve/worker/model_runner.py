@@ -23,11 +23,12 @@ from pdserve.models.loader import load_model
 from pdserve.models.parallel import TensorParallel, rank_config
 from pdserve.worker.interface import NO_TOKEN, ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pdserve.worker.kv_cache import (
+    CacheSize,
     RunnerConfig,
     allocate_kv_cache,
-    allocate_state_cache,
     cache_size_for,
     layer_caches,
+    state_views,
 )
 from pdserve.worker.sampler import Sampler, logprob_entries
 
@@ -83,14 +84,13 @@ class ModelRunner:
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             num_blocks = int(agreed.item())
         self.num_blocks = num_blocks
+        # The pool's blocks, then (hybrid models) the state slots' rows: one tensor, one registration.
+        self.cache_size = CacheSize(num_blocks, size.num_state_slots, size.rows_per_state_slot)
         self.kv_cache = allocate_kv_cache(
-            self.rank_model_config, self.num_blocks, self.block_size, config.dtype, config.device
+            self.rank_model_config, self.cache_size.num_rows, self.block_size, config.dtype, config.device
         )
-        self.num_state_slots = size.num_state_slots
-        self.state_cache = allocate_state_cache(
-            self.rank_model_config, self.num_state_slots, config.dtype, config.device
-        )
-        self.layer_caches = layer_caches(self.rank_model_config, self.kv_cache, self.state_cache)
+        self.state_cache = state_views(self.rank_model_config, self.kv_cache, self.cache_size)
+        self.layer_caches = layer_caches(self.rank_model_config, self.kv_cache, self.cache_size)
         self.kv_connector = make_kv_connector(self.kv_cache) if make_kv_connector is not None else None
 
     @property
@@ -139,14 +139,19 @@ class ModelRunner:
         metadata = build_attention_metadata(
             scheduler_output.num_scheduled_tokens, context_lens, scheduler_output.block_ids, self.block_size, device
         )
+        kept = None
         if scheduler_output.state_slots is not None:
             metadata.state_slots = self._state_slots(scheduler_output)
+            if scheduler_output.state_restores:
+                kept = self._keep_states(scheduler_output.state_restores)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
             self.layer_caches,
             metadata,
         )
+        if kept is not None:
+            self._restore_states(*kept)
 
         sampled = [NO_TOKEN] * len(requests)
         logprobs: list[TokenLogprobs | None] | None = None
@@ -184,6 +189,16 @@ class ModelRunner:
                 recurrent.index_fill_(0, index, 0.0)
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
+    def _keep_states(self, slots: list[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Copies of these slots' states, taken before the forward pass that ``_restore_states`` undoes."""
+        index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return index, [(conv[index], recurrent[index]) for conv, recurrent in self.state_cache]
+
+    def _restore_states(self, index: torch.Tensor, kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for (conv, recurrent), (conv_kept, recurrent_kept) in zip(self.state_cache, kept, strict=True):
+            conv[index] = conv_kept
+            recurrent[index] = recurrent_kept
+
     def close(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.close()
@@ -212,11 +227,12 @@ class ModelRunner:
                 f"[{kv_start}, {kv_end}) of {self.model_config.num_kv_heads}, {config.intermediate_size} MLP features; "
             )
         state = ""
-        if self.num_state_slots:
-            slot_bytes = self.rank_model_config.state_bytes_per_request(self.config.dtype)
+        num_slots = self.cache_size.num_state_slots
+        if num_slots:
+            slot_bytes = self.cache_size.rows_per_state_slot * self.bytes_per_block
             size = f"{slot_bytes / 2**20:.2f} MiB" if slot_bytes >= 2**20 else f"{slot_bytes / 2**10:.1f} KiB"
             state = (
-                f"linear-attention state: {self.num_state_slots} slots of {size} "
+                f"linear-attention state: {num_slots} slots of {size} "
                 f"({len(self.model_config.linear_layers)} layers; one per running request); "
             )
         return (
@@ -230,4 +246,5 @@ class ModelRunner:
     def _max_concurrency(self, tokens: int) -> float:
         """Requests of max_model_len tokens that fit at once (a hybrid model's also need a slot each)."""
         by_kv = tokens / self.config.max_model_len
-        return min(by_kv, self.num_state_slots) if self.num_state_slots else by_kv
+        num_slots = self.cache_size.num_state_slots
+        return min(by_kv, num_slots) if num_slots else by_kv

@@ -31,6 +31,7 @@ import zmq
 from pdserve.kvtransfer.aggregate import RankReports
 from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.worker.interface import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pdserve.worker.kv_cache import CacheSize
 from pdserve.worker.process import WorkerFailed, WorkerReady, WorkerSpec, generations_file, shared_generations
 from pdserve.worker.step import RankReport, StepEncoder, decode_output, encode_bitmask, encode_shutdown
 
@@ -90,7 +91,7 @@ class MultiprocExecutor:
                 readies[ready.rank] = ready
             ready = readies[0]
             self.num_blocks = ready.num_blocks
-            self.num_state_slots = ready.num_state_slots
+            self.cache_size = CacheSize(ready.num_blocks, ready.num_state_slots, ready.rows_per_state_slot)
             # Each rank's transfer agent's side channel, in rank order (P/D only).
             self.agent_ports = [readies[rank].agent_port or 0 for rank in range(size)]
             self._description = ready.description
@@ -98,7 +99,7 @@ class MultiprocExecutor:
             # mapped here too, then removed (the mappings outlive it).
             self.generations: np.ndarray | None = None
             if generations_path is not None:
-                self.generations = shared_generations(generations_path, self.num_blocks)
+                self.generations = shared_generations(generations_path, self.cache_size.num_rows)
         except BaseException:
             self.close()
             raise

@@ -57,6 +57,7 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     description: str  # the runner's KV-cache summary, for the core's start-up log
     agent_port: int | None = None  # this rank's transfer agent's side channel
     num_state_slots: int = 0  # hybrid models: linear-attention state slots
+    rows_per_state_slot: int = 0  # and the cache rows each takes after the pool's blocks
 
 
 class WorkerFailed(msgspec.Struct, tag="failed"):
@@ -121,7 +122,12 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
         runner = ModelRunner(spec.model_config, spec.runner, make_agent)
         agent = runner.kv_connector
         ready = WorkerReady(
-            rank, runner.num_blocks, runner.describe(), getattr(agent, "port", None), runner.num_state_slots
+            rank,
+            runner.num_blocks,
+            runner.describe(),
+            getattr(agent, "port", None),
+            runner.cache_size.num_state_slots,
+            runner.cache_size.rows_per_state_slot,
         )
         outputs.send_multipart([rank_frame, msgspec.msgpack.encode(ready)])
         decoder = StepDecoder()

@@ -90,6 +90,7 @@ class Step(msgspec.Struct, array_like=True, tag="step"):
     kv_connector_metadata: TransferWork | None = None
     grammar_rows: list[int] | None = None  # a GrammarBitmask frame for these rows follows
     state_slots: list[int] | None = None  # hybrid models: each scheduled request's state slot
+    state_restores: list[int] | None = None  # slots the step leaves as it found them
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, tag="bitmask"):
@@ -167,6 +168,7 @@ class StepEncoder:
                 output.kv_connector_metadata,
                 output.grammar.rows if output.grammar is not None else None,
                 output.state_slots,
+                output.state_restores,
             )
         )
 
@@ -242,6 +244,7 @@ class StepDecoder:
             message.kv_connector_metadata,
             self._grammar(message.grammar_rows, next_frame),
             message.state_slots,
+            message.state_restores,
         )
 
     def _grammar(self, rows: list[int] | None, next_frame: Callable[[], bytes] | None) -> StepGrammar | None:

@@ -189,6 +189,9 @@ class FakeRemoteConnector(KVConnectorScheduler):
         self._pending: list[_Transfer] = []
         self.num_loads = 0
 
+    def hands_over(self, request: ConnectorRequest) -> bool:
+        return bool(request.kv_transfer_params and request.kv_transfer_params.get("do_remote_decode"))
+
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):

@@ -624,3 +624,38 @@ class DecodeLifecycle(RuleBasedStateMachine):
 
 DecodeLifecycle.TestCase.settings = settings(deadline=None, stateful_step_count=30)
 TestDecodeLifecycle = DecodeLifecycle.TestCase
+
+
+# ----- hybrid models: the state slot's rows follow the blocks -----------------------------------
+
+
+def test_a_hybrid_prefill_leg_holds_its_state_rows_and_a_decode_pulls_them_into_its_own():
+    generations = np.arange(NUM_BLOCKS, dtype=np.int64) + 1
+    prefill = PDConnectorScheduler(_config(), COMPAT, BLOCK_SIZE, [PORT], generations, state_rows=2)
+    prompt = list(range(1000, 1040))  # 2.5 blocks
+    leg = _request("leg", prompt, {"do_remote_decode": True})
+    assert prefill.hands_over(leg)
+    # Its blocks (the 4th opened for the sampled token), then its slot's two rows.
+    hold, params = prefill.request_finished(leg, [9, 3, 12, 5, 60, 61], "length")
+    assert hold and params is not None
+    assert params["remote_block_ids"] == [9, 3, 12, 60, 61]
+    assert params["remote_block_generations"] == [10, 4, 13, 61, 62]
+    assert _take(prefill).holds == [("leg", [9, 3, 12, 60, 61])]
+
+    decode = PDConnectorScheduler(_config(), COMPAT, BLOCK_SIZE, [PORT], generations, state_rows=2)
+    request = _request("d", prompt, params)
+    decode.request_added(request)
+    assert decode.get_num_new_matched_tokens(request, 0) == (40, True)
+    decode.update_state_after_alloc(request, [20, 21, 22, 50, 51], 40)
+    (load,) = _take(decode).loads
+    assert (load.local_block_ids, load.remote_block_ids) == ([20, 21, 22, 50, 51], [9, 3, 12, 60, 61])
+    assert load.generations == [10, 4, 13, 61, 62]
+
+
+def test_hybrid_params_without_a_state_slot_are_not_pulled_from():
+    decode = PDConnectorScheduler(_config(), COMPAT, BLOCK_SIZE, [PORT], np.zeros(NUM_BLOCKS, np.int64), state_rows=2)
+    prompt = list(range(40))
+    request = _request("d", prompt, _remote_params(prompt))  # the blocks only: no slot to read the state from
+    decode.request_added(request)
+    assert not decode.expects_remote_kv(request)
+    assert [request_id for request_id, _ in _take(decode).releases] == ["d"]

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from pdserve.models.config import ModelConfig, UnsupportedModelError, resolve_dtype
 from pdserve.models.loader import load_model
 from pdserve.testing.hf_models import LLAMA3_ROPE, SHAPES, build_hf_model
+from pdserve.worker.kv_cache import rows_per_state_slot
 
 
 def _params(folder):
@@ -150,8 +151,10 @@ def test_hybrid_layer_types_rotary_share_and_memory_per_request():
     assert (config.attention_layers, config.linear_layers) == ((3, 7), (0, 1, 2, 4, 5, 6))
     assert config.rotary_dim == 4 and config.attn_output_gate and config.norm_weight_offset == 1.0
     assert config.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 16 * 4  # two attention layers only
-    conv = (2 * 2 * 8 + 4 * 12) * 3 * 4
-    assert config.state_bytes_per_request(torch.float32) == 6 * (conv + 4 * 8 * 12 * 4)
+    # A slot: per linear layer a conv window of 80 channels x 3 and a 4 x 8 x 12 state, 2496 bytes; six
+    # layers take two rows of 16-token blocks (8192 bytes each).
+    assert rows_per_state_slot(config, torch.float32, 16) == 2
+    assert rows_per_state_slot(config, torch.float32, 64) == 1
     explicit = ModelConfig.from_dict({**HYBRID, "layer_types": ["full_attention"] + ["linear_attention"] * 7})
     assert explicit.attention_layers == (0,)
     interval = ModelConfig.from_dict(
@@ -173,7 +176,7 @@ def test_hybrid_layer_types_rotary_share_and_memory_per_request():
     vl = ModelConfig.from_dict({**outer, "text_config": {k: v for k, v in HYBRID.items() if k != "architectures"}})
     assert (vl.hidden_size, vl.linear_layers, vl.tie_word_embeddings) == (32, config.linear_layers, True)
     dense = ModelConfig.from_dict({**HYBRID, "architectures": ["Qwen3ForCausalLM"]})
-    assert not dense.is_hybrid and dense.state_bytes_per_request(torch.float32) == 0
+    assert not dense.is_hybrid and rows_per_state_slot(dense, torch.float32, 16) == 0
 
 
 def test_bad_hybrid_configs_fail_clearly():

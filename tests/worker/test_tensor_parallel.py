@@ -121,14 +121,11 @@ def test_experts_that_cannot_split_are_refused(tmp_path):
         EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=4).build_engine_core()
 
 
-def test_hybrid_models_are_refused_where_their_state_cannot_go_yet(tmp_path):
-    # Linear-attention state is not split over ranks, nor moved between P/D engines: both refused at
-    # start-up, saying so, before any weight is read.
+def test_hybrid_models_are_refused_under_tensor_parallelism(tmp_path):
+    # Linear-attention state is not split over ranks: refused at start-up, saying so, before any weight is read.
     build_hf_model(*SHAPES["qwen3.5-hybrid"], tmp_path)
     with pytest.raises(ValueError, match="linear-attention layers do not run under tensor parallelism yet"):
         EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=2).build_engine_core()
-    with pytest.raises(ValueError, match="their state does not move between engines yet"):
-        EngineArgs(model=str(tmp_path), device="cpu", role="prefill").build_engine_core()
 
 
 def test_a_rank_reads_only_its_own_slices_of_split_weights(monkeypatch, tmp_path):
