@@ -18,6 +18,12 @@ token), and reports the share of a decode step spent in the routed layers (route
 transformers' experts implementation (eager, batched_mm, grouped_mm) is chosen by a short probe
 run of each on the same model: the fastest runs the full workload.
 
+--family qwen3.5 runs a hybrid Qwen3.5 model of the same scale (hidden 768, 12 layers: 9 Gated
+DeltaNet layers of 6 key and 12 value heads of 64, and 3 gated full-attention layers; ~125M
+parameters). transformers' continuous batching does not run linear-attention layers, so its side
+is ``generate`` on the whole batch at once (the prompts have one length: no padding), with its
+torch implementations of the gated delta rule (no flash-linear-attention on CPU).
+
 With --plot DIR (and transformers measured), writes DIR/throughput.png (DIR/throughput-FAMILY.png).
 Last line: {"bench": "throughput", "family": F, "pdserve_tok_s": X, "hf_tok_s": Y, "ratio": R}
 """
@@ -59,7 +65,22 @@ MOE_MODEL = {
     "norm_topk_prob": True,
     "head_dim": 64,
 }
-FAMILIES = {"llama": ("Llama", MODEL), "qwen3-moe": ("Qwen3Moe", MOE_MODEL)}
+HYBRID_MODEL = {
+    **MODEL,
+    "head_dim": 64,
+    "num_key_value_heads": 4,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 3,
+    "linear_num_key_heads": 6,
+    "linear_num_value_heads": 12,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+}
+# family -> (transformers config class, model class, config)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", MODEL),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE_MODEL),
+    "qwen3.5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", HYBRID_MODEL),
+}
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 HF_CB = {"page_size": 32, "num_blocks": 640, "max_batch_tokens": 32, "max_requests_per_batch": 64}
 
@@ -67,17 +88,16 @@ HF_CB = {"page_size": 32, "num_blocks": 640, "max_batch_tokens": 32, "max_reques
 def build_model(folder: str, family: str = "llama") -> int:
     import transformers
 
-    name, config = FAMILIES[family]
+    config_name, model_name, config = FAMILIES[family]
     torch.manual_seed(0)
-    config_class, model_class = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
-    model = model_class(config_class(**config)).eval()
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**config)).eval()
     model.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
 
 
 def active_parameters(num_params: int, family: str) -> int:
     """Parameters a token's forward pass multiplies: all of a dense model's; the chosen experts' of a MoE."""
-    config = FAMILIES[family][1]
+    config = FAMILIES[family][2]
     if "num_experts" not in config:
         return num_params
     per_expert = 3 * config["hidden_size"] * config["moe_intermediate_size"]
@@ -217,6 +237,31 @@ def run_hf(folder: str, prompts: list[list[int]], new_tokens: int, experts_imple
     return num_tokens / elapsed
 
 
+def run_hf_generate(folder: str, prompts: list[list[int]], new_tokens: int) -> float:
+    """transformers' ``generate`` on the whole batch at once (prompts of one length), after a warm-up."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    batch = torch.tensor(prompts)
+    options = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    with torch.inference_mode():
+        model.generate(
+            batch[:4], attention_mask=torch.ones_like(batch[:4]), max_new_tokens=4, min_new_tokens=4, **options
+        )
+        start = time.perf_counter()
+        out = model.generate(
+            batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            **options,
+        )
+        elapsed = time.perf_counter() - start
+    num_tokens = (out.shape[1] - batch.shape[1]) * out.shape[0]
+    assert num_tokens == len(prompts) * new_tokens, num_tokens
+    return num_tokens / elapsed
+
+
 def fastest_experts_implementation(folder: str, prompts: list[list[int]]) -> str:
     """transformers' fastest experts implementation here, by a short run of each (16 requests, 16 tokens)."""
     rates = {}
@@ -268,13 +313,19 @@ def main() -> None:
             "a step is compute-bound, not weight-bound)"
         )
         hf_tok_s = None
-        if not args.skip_hf:
+        hf_name = "transformers generate_batch"
+        if not args.skip_hf and "layer_types" in FAMILIES[args.family][2]:
+            hf_name = "transformers generate"
+            hf_tok_s = run_hf_generate(folder, prompts, args.new_tokens)
+            print(f"{hf_name}: {hf_tok_s:8.1f} output tok/s (batch {args.requests})")
+        elif not args.skip_hf:
             implementation = None
-            if "num_experts" in FAMILIES[args.family][1]:
+            if "num_experts" in FAMILIES[args.family][2]:
                 implementation = fastest_experts_implementation(folder, prompts)
             hf_tok_s = run_hf(folder, prompts, args.new_tokens, implementation)
             chosen = "" if implementation is None else f", experts_implementation={implementation}"
-            print(f"transformers generate_batch: {hf_tok_s:8.1f} output tok/s ({HF_CB}{chosen})")
+            print(f"{hf_name}: {hf_tok_s:8.1f} output tok/s ({HF_CB}{chosen})")
+        if hf_tok_s is not None:
             print(f"ratio: {pdserve_tok_s / hf_tok_s:.2f}x")
             if args.plot:
                 described = "~110M Llama" if args.family == "llama" else f"{num_params / 1e6:.0f}M {args.family}"
@@ -286,7 +337,7 @@ def main() -> None:
                     "output tokens/s",
                     {
                         "pdserve LLM.generate": {"tok/s": pdserve_tok_s},
-                        "transformers generate_batch": {"tok/s": hf_tok_s},
+                        hf_name: {"tok/s": hf_tok_s},
                     },
                 )
     print(

@@ -45,38 +45,44 @@ def chunked_gated_delta_rule(
     state: torch.Tensor,
     chunk_size: int = 64,
 ) -> torch.Tensor:
-    """One sequence's tokens: q, k ``[tokens, key_heads, key_dim]``, v ``[tokens, value_heads,
-    value_dim]``, log_decay and beta ``[tokens, value_heads]``; ``state`` ``[value_heads, key_dim,
-    value_dim]`` (float32) is read and replaced by the state after the last token. Returns the
-    outputs ``[tokens, value_heads, value_dim]`` in v's dtype."""
-    num_tokens, num_heads, _ = value.shape
+    """Sequences' tokens, any leading batch dimensions ``...``: q, k ``[..., tokens, key_heads,
+    key_dim]``, v ``[..., tokens, value_heads, value_dim]``, log_decay and beta ``[..., tokens,
+    value_heads]``; ``state`` ``[..., value_heads, key_dim, value_dim]`` (float32) is read and
+    replaced by the state after the last token. Returns the outputs ``[..., tokens, value_heads,
+    value_dim]`` in v's dtype.
+
+    Sequences of different lengths batch by padding at the end with beta = 0 (nothing written) and
+    log_decay = 0 (nothing forgotten): a padded token leaves the state as it is."""
+    num_tokens, num_heads = value.shape[-3], value.shape[-2]
     query, key = _heads_first(query, key, num_heads)
-    q, k = query.transpose(0, 1), key.transpose(0, 1)  # [heads, tokens, key_dim]
-    v = value.float().transpose(0, 1)
-    g, b = log_decay.float().t(), beta.float().t()  # [heads, tokens]
+    q, k = query.transpose(-3, -2), key.transpose(-3, -2)  # [..., heads, tokens, key_dim]
+    v = value.float().transpose(-3, -2)
+    g, b = log_decay.float().transpose(-1, -2), beta.float().transpose(-1, -2)  # [..., heads, tokens]
+    value_dim = v.shape[-1]
     out = torch.empty_like(v)
     s = state.float().clone()
     for start in range(0, num_tokens, chunk_size):
         end = min(start + chunk_size, num_tokens)
-        qc, kc, vc, bc = q[:, start:end], k[:, start:end], v[:, start:end], b[:, start:end, None]
-        cumulative = g[:, start:end].cumsum(-1)  # log of the decay from the chunk's start to each token
+        qc, kc, vc = q[..., start:end, :], k[..., start:end, :], v[..., start:end, :]
+        bc = b[..., start:end, None]
+        cumulative = g[..., start:end].cumsum(-1)  # log of the decay from the chunk's start to each token
         n = end - start
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         # decay[i, j]: from token j to token i (i >= j); 0 above the diagonal.
-        decay = (cumulative[:, :, None] - cumulative[:, None, :]).masked_fill(~causal, float("-inf")).exp()
+        decay = (cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(~causal, float("-inf")).exp()
         kb = kc * bc
         # Token i's write corrects for the earlier tokens' writes in the chunk: (I + strictly lower) x = rhs.
         system = (kb @ kc.transpose(-1, -2)) * decay
         rhs = torch.cat([vc * bc, kb * cumulative.exp()[..., None]], dim=-1)
         solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        writes, reads = solved[..., : vc.shape[-1]], solved[..., vc.shape[-1] :]
+        writes, reads = solved[..., :value_dim], solved[..., value_dim:]
         new_values = writes - reads @ s  # what each token writes, given the state at the chunk's start
         attention = (qc @ kc.transpose(-1, -2)) * decay
-        out[:, start:end] = (qc * cumulative.exp()[..., None]) @ s + attention @ new_values
-        to_end = (cumulative[:, -1:] - cumulative).exp()[..., None]
-        s = s * cumulative[:, -1].exp()[:, None, None] + (kc * to_end).transpose(-1, -2) @ new_values
+        out[..., start:end, :] = (qc * cumulative.exp()[..., None]) @ s + attention @ new_values
+        to_end = (cumulative[..., -1:] - cumulative).exp()[..., None]
+        s = s * cumulative[..., -1].exp()[..., None, None] + (kc * to_end).transpose(-1, -2) @ new_values
     state.copy_(s)
-    return out.transpose(0, 1).to(value.dtype)
+    return out.transpose(-3, -2).to(value.dtype)
 
 
 def recurrent_gated_delta_rule(
@@ -89,15 +95,24 @@ def recurrent_gated_delta_rule(
 ) -> torch.Tensor:
     """One token of each of a batch of sequences (a decode step): q, k ``[batch, key_heads,
     key_dim]``, v ``[batch, value_heads, value_dim]``, log_decay and beta ``[batch, value_heads]``;
-    ``states`` ``[batch, value_heads, key_dim, value_dim]`` (float32) updated in place. Returns
-    ``[batch, value_heads, value_dim]`` in v's dtype."""
-    q, k = _heads_first(query, key, value.shape[-2])
-    s = states * log_decay.float().exp()[..., None, None]
-    predicted = (s * k[..., None]).sum(-2)
-    delta = (value.float() - predicted) * beta.float()[..., None]
-    s = s + k[..., None] * delta[..., None, :]
-    states.copy_(s)
-    return (s * q[..., None]).sum(-2).to(value.dtype)
+    ``states`` ``[batch, value_heads, key_dim, value_dim]`` (float32, contiguous) updated in place.
+    Returns ``[batch, value_heads, value_dim]`` in v's dtype.
+
+    Decode steps are bound by reading and writing the states, so the old state is read once, by one
+    batched matmul for both ``S^T k`` and ``S^T q``; with d the decay and delta the write,
+    ``S' = d S + k delta^T`` is made in place and the output follows from the old reads:
+    ``S'^T q = d S^T q + (k . q) delta``."""
+    batch, num_heads, value_dim = value.shape
+    q, k = _heads_first(query, key, num_heads)
+    key_dim = k.shape[-1]
+    decay = log_decay.float().exp()[..., None]  # [batch, heads, 1]
+    flat = states.view(batch * num_heads, key_dim, value_dim)
+    reads = torch.bmm(torch.stack([k, q], dim=-2).view(-1, 2, key_dim), flat).view(batch, num_heads, 2, value_dim)
+    delta = (value.float() - reads[..., 0, :] * decay) * beta.float()[..., None]
+    flat.mul_(decay.view(-1, 1, 1))
+    flat.baddbmm_(k.reshape(-1, key_dim, 1), delta.view(-1, 1, value_dim))
+    out = reads[..., 1, :] * decay + (k * q).sum(-1, keepdim=True) * delta
+    return out.to(value.dtype)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ slot: the convolution's last ``width - 1`` inputs ``[slots, channels, width - 1]
 recurrent state ``[slots, value_heads, key_dim, value_dim]`` (float32). The model runner zeroes a
 slot before its request's first token; after that every step continues from what the slot holds,
 so a prompt may be computed over several steps (chunked prefill). Decodes (one token each) run
-batched through the recurrent form; prompt chunks one sequence at a time through the chunked form.
+batched through the recurrent form; prompt chunks batched through the chunked form, padded to the
+longest.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from pdserve.kernels import gated_delta
 from pdserve.kernels.reference import AttentionMetadata
@@ -86,24 +88,58 @@ class GatedDeltaNet(nn.Module):
                 *self._heads(mixed), log_decay[tokens], beta[tokens], recurrent
             )
             recurrent_states[decode_slots] = recurrent
-        starts = metadata.query_start_loc
-        for seq in metadata.prefill_seq_indices:
-            start, end, slot = starts[seq], starts[seq + 1], int(slots[seq])
-            mixed = gated_delta.causal_conv1d(qkv[start:end], conv_weight, conv_states[slot])
-            out[start:end] = gated_delta.chunked_gated_delta_rule(
-                *self._heads(mixed), log_decay[start:end], beta[start:end], recurrent_states[slot]
-            )
+        if metadata.prefill_seq_indices:
+            self._prompt_chunks(qkv, log_decay, beta, state, metadata, out)
         gated = self.norm(out, z.view(num_tokens, self.num_value_heads, self.value_dim))
         return self.out_proj(gated.view(num_tokens, -1))
 
+    def _prompt_chunks(
+        self,
+        qkv: torch.Tensor,
+        log_decay: torch.Tensor,
+        beta: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """The batch's prompt chunks (more than one token each): each through its convolution, then
+        all together through the chunked delta rule, padded to the longest (a padded token writes
+        nothing and forgets nothing)."""
+        conv_states, recurrent_states = state
+        assert metadata.state_slots is not None
+        conv_weight = self.conv1d_weight[:, 0]
+        starts, seqs = metadata.query_start_loc, metadata.prefill_seq_indices
+        spans = [(starts[seq], starts[seq + 1]) for seq in seqs]
+        slots = metadata.state_slots[seqs]
+        mixed = [
+            gated_delta.causal_conv1d(qkv[start:end], conv_weight, conv_states[int(slot)])
+            for (start, end), slot in zip(spans, slots, strict=True)
+        ]
+        if len(spans) == 1:
+            (start, end), recurrent = spans[0], recurrent_states[int(slots[0])]
+            out[start:end] = gated_delta.chunked_gated_delta_rule(
+                *self._heads(mixed[0]), log_decay[start:end], beta[start:end], recurrent
+            )
+            return
+        recurrent = recurrent_states[slots]
+        chunks = gated_delta.chunked_gated_delta_rule(
+            *self._heads(pad_sequence(mixed, batch_first=True)),
+            pad_sequence([log_decay[start:end] for start, end in spans], batch_first=True),
+            pad_sequence([beta[start:end] for start, end in spans], batch_first=True),
+            recurrent,
+        )
+        recurrent_states[slots] = recurrent
+        for index, (start, end) in enumerate(spans):
+            out[start:end] = chunks[index, : end - start]
+
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The convolution's output ``[tokens, channels]`` as q, k ``[tokens, key_heads, key_dim]``
-        and v ``[tokens, value_heads, value_dim]``."""
+        """The convolution's output ``[..., tokens, channels]`` as q, k ``[..., tokens, key_heads,
+        key_dim]`` and v ``[..., tokens, value_heads, value_dim]``."""
         key_size = self.num_key_heads * self.key_dim
         q, k, v = mixed.split([key_size, key_size, mixed.shape[-1] - 2 * key_size], dim=-1)
-        num_tokens = mixed.shape[0]
+        leading = mixed.shape[:-1]
         return (
-            q.view(num_tokens, self.num_key_heads, self.key_dim),
-            k.view(num_tokens, self.num_key_heads, self.key_dim),
-            v.view(num_tokens, self.num_value_heads, self.value_dim),
+            q.view(*leading, self.num_key_heads, self.key_dim),
+            k.view(*leading, self.num_key_heads, self.key_dim),
+            v.view(*leading, self.num_value_heads, self.value_dim),
         )
