@@ -3,7 +3,8 @@
 Reads both config dialects: transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x
 (``rope_parameters``). Mixture-of-experts models (Qwen3-MoE, Mixtral) are the dense layout with
 routed experts in place of some layers' MLP: which layers, how many experts, how many per token.
-Hybrid models (Qwen3.5) mix two token mixers, named per layer by ``layer_types``: gated full
+Hybrid models (Qwen3.5, and Qwen3.5-MoE with routed experts and a gated shared expert in every
+layer) mix two token mixers, named per layer by ``layer_types``: gated full
 attention (on the paged KV cache) and Gated DeltaNet linear attention (a fixed-size state per
 request); a Qwen3.5 checkpoint of the vision-language class is read for its text model.
 Unsupported architectures and features fail here, with a clear error, before any weight is read.
@@ -29,10 +30,19 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3MoeForCausalLM": {"qkv_bias_only": False, "qk_norm": True},
     "Qwen3_5ForCausalLM": {"qkv_bias_only": False, "qk_norm": True},
     "Qwen3_5ForConditionalGeneration": {"qkv_bias_only": False, "qk_norm": True},
+    "Qwen3_5MoeForCausalLM": {"qkv_bias_only": False, "qk_norm": True},
+    "Qwen3_5MoeForConditionalGeneration": {"qkv_bias_only": False, "qk_norm": True},
 }
 # Hybrid architectures: linear-attention layers beside gated full attention, RMSNorm weights stored
 # as offsets from 1 (the loader adds the 1), rotary over part of each head.
-_HYBRID = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+_HYBRID = (
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+# Vision-language classes, served text-only: their config.json nests the text model's under text_config.
+_VISION_LANGUAGE = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 # Architectures whose sliding_window, when set, applies without a use_sliding_window flag.
 _WINDOWED_BY_DEFAULT = ("MistralForCausalLM", "MixtralForCausalLM")
@@ -73,6 +83,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Qwen3.5-MoE: beside the routed experts, one shared expert MLP every token goes through, its
+    # output scaled by a sigmoid gate of the token (0: none).
+    shared_expert_intermediate_size: int = 0
     # Hybrid models: each layer's token mixer (empty: every layer is full attention), the share of a
     # head that rotary embeddings turn, whether attention's output is gated by a sigmoid of a second
     # query-sized projection, and whether RMSNorm weights are stored as offsets from 1.
@@ -98,7 +111,7 @@ class ModelConfig:
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         features = SUPPORTED_ARCHITECTURES[architecture]
-        if architecture == "Qwen3_5ForConditionalGeneration":  # served text-only: its text model's config
+        if architecture in _VISION_LANGUAGE:  # served text-only: its text model's config
             outer: dict[str, Any] = {
                 key: raw[key] for key in ("tie_word_embeddings", "eos_token_id", "torch_dtype") if key in raw
             }
@@ -181,7 +194,8 @@ class ModelConfig:
             return ""
         return (
             f"experts={self.num_experts};top_k={self.num_experts_per_tok};"
-            f"norm_topk_prob={self.norm_topk_prob};layers={','.join(map(str, self.moe_layers))}"
+            f"norm_topk_prob={self.norm_topk_prob};layers={','.join(map(str, self.moe_layers))};"
+            f"shared={self.shared_expert_intermediate_size}"
         )
 
     @property
@@ -217,6 +231,7 @@ class ModelConfig:
 
 def _experts(architecture: str, raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of ``ModelConfig`` (none for a dense architecture)."""
+    shared = 0
     if architecture == "MixtralForCausalLM":  # every layer routed, the chosen experts' weights renormalised
         num_experts = int(raw["num_local_experts"])
         moe_layers: tuple[int, ...] = tuple(range(num_layers))
@@ -231,6 +246,12 @@ def _experts(architecture: str, raw: dict[str, Any], num_layers: int) -> dict[st
         )
         moe_intermediate_size = int(raw.get("moe_intermediate_size", 0))
         norm_topk_prob = bool(raw.get("norm_topk_prob", False))
+    elif architecture in ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
+        # Every layer routed, the chosen experts' weights renormalised, and a gated shared expert.
+        num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        moe_layers = tuple(range(num_layers)) if num_experts else ()
+        moe_intermediate_size, norm_topk_prob = int(raw.get("moe_intermediate_size", 0)), True
+        shared = int(raw.get("shared_expert_intermediate_size", 0))
     else:
         return {}
     if not moe_layers:
@@ -246,6 +267,7 @@ def _experts(architecture: str, raw: dict[str, Any], num_layers: int) -> dict[st
         "moe_intermediate_size": moe_intermediate_size,
         "norm_topk_prob": norm_topk_prob,
         "moe_layers": moe_layers,
+        "shared_expert_intermediate_size": shared,
     }
 
 

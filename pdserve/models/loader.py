@@ -25,7 +25,7 @@ from safetensors import safe_open
 from pdserve.models.attention import attention_backend
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import Linear
-from pdserve.models.moe import SparseMoeBlock
+from pdserve.models.moe import SharedExpert, SparseMoeBlock
 from pdserve.models.parallel import TensorParallel, rank_config
 from pdserve.models.rope import RotaryEmbedding
 from pdserve.models.transformer import CausalLM
@@ -153,6 +153,8 @@ def _expert_target(block: SparseMoeBlock, name: str, config: ModelConfig, tp: Te
         name = ".".join(parts)
     if name == "mlp.gate.weight":
         return _Target(block.gate_weight_t, transposed=True)
+    if name.startswith("mlp.shared_expert") and block.shared_expert is not None:
+        return _shared_expert_target(block.shared_expert, name)
     match = _EXPERT.match(name)
     if match is None or int(match.group(1)) >= block.w13.shape[0]:
         return None
@@ -163,6 +165,18 @@ def _expert_target(block: SparseMoeBlock, name: str, config: ModelConfig, tp: Te
         return _Target(block.w2, transposed=True, source_columns=rank_rows, expert=expert)
     rows = slice(0, inter) if projection == "gate_proj" else slice(inter, 2 * inter)
     return _Target(block.w13, rows, transposed=True, source_rows=rank_rows, expert=expert)
+
+
+def _shared_expert_target(shared: SharedExpert, name: str) -> _Target | None:
+    """Where a Qwen3.5-MoE shared expert's tensor goes (read whole: hybrid models run at TP 1)."""
+    inter = shared.down_proj.weight_t.shape[0]
+    targets = {
+        "mlp.shared_expert_gate.weight": _Target(shared.gate_weight_t, transposed=True),
+        "mlp.shared_expert.gate_proj.weight": _Target(shared.gate_up_proj.weight_t, slice(0, inter), True),
+        "mlp.shared_expert.up_proj.weight": _Target(shared.gate_up_proj.weight_t, slice(inter, 2 * inter), True),
+        "mlp.shared_expert.down_proj.weight": _Target(shared.down_proj.weight_t, transposed=True),
+    }
+    return targets.get(name)
 
 
 def _read(checkpoint: Any, name: str, target: _Target) -> torch.Tensor:

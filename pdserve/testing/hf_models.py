@@ -81,6 +81,22 @@ SHAPES = {
             "linear_value_head_dim": 24,
         },
     ),
+    "qwen3.5-moe-e8-top2-shared": (
+        "Qwen3_5Moe",
+        {
+            **_ATTENTION,
+            "layer_types": ["linear_attention", "full_attention"],
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
+    ),
     "qwen3.5-vl-text": (
         "Qwen3_5Vl",
         {
@@ -122,8 +138,9 @@ def build_hf_model(family: str, overrides: dict, path) -> Any:
         tied = fields.pop("tie_word_embeddings", False)
         config = transformers.Qwen3_5Config(text_config=fields, vision_config=vision, tie_word_embeddings=tied)
         model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
-    elif family == "Qwen3_5":
-        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**fields)).eval()
+    elif family in ("Qwen3_5", "Qwen3_5Moe"):
+        config = getattr(transformers, f"{family}TextConfig")(**fields)
+        model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     else:
         config = getattr(transformers, f"{family}Config")(**fields)
         model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
@@ -136,6 +153,8 @@ def build_hf_model(family: str, overrides: dict, path) -> Any:
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.add_(torch.randn_like(param) * 0.2)
+                if name.endswith("mlp.gate.weight"):  # the router starts at zero: every expert tied
+                    param.normal_(0, 0.2)
     model.save_pretrained(str(path))
     return model
 

@@ -175,6 +175,13 @@ def test_hybrid_layer_types_rotary_share_and_memory_per_request():
     outer = {"architectures": ["Qwen3_5ForConditionalGeneration"], "tie_word_embeddings": True}
     vl = ModelConfig.from_dict({**outer, "text_config": {k: v for k, v in HYBRID.items() if k != "architectures"}})
     assert (vl.hidden_size, vl.linear_layers, vl.tie_word_embeddings) == (32, config.linear_layers, True)
+    # Qwen3.5-MoE: every layer routed (renormalised) with a gated shared expert, which the routing names.
+    moe_fields = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    moe = ModelConfig.from_dict(
+        {**HYBRID, **moe_fields, "shared_expert_intermediate_size": 24, "architectures": ["Qwen3_5MoeForCausalLM"]}
+    )
+    assert moe.moe_layers == tuple(range(8)) and moe.norm_topk_prob and moe.linear_layers == config.linear_layers
+    assert moe.shared_expert_intermediate_size == 24 and "shared=24" in moe.routing
     dense = ModelConfig.from_dict({**HYBRID, "architectures": ["Qwen3ForCausalLM"]})
     assert not dense.is_hybrid and rows_per_state_slot(dense, torch.float32, 16) == 0
 

@@ -1,6 +1,6 @@
 """Disaggregated serving through the router equals colocated serving, token for token: 1P1D over
 NIXL and over TCP, 2P2D over NIXL, and 1P1D over NIXL with each engine's model (and transfer agent)
-in a worker process of its own (TCP and workers in make test-slow), each a real cluster of processes
+in a worker process of its own (TCP, 2P2D and workers in make test-slow), each a real cluster of processes
 started once. Structured outputs too: the decode applies the grammar, the outputs equal colocated
 ones with the same seeds."""
 
@@ -48,11 +48,12 @@ def expected() -> list[str]:
 
 @pytest.fixture(
     scope="module",
-    # TCP and the worker-process executor in make test-slow (make test's time budget): make test keeps NIXL.
+    # TCP, two of each engine and the worker-process executor in make test-slow (make test's time budget):
+    # make test keeps one of each over NIXL.
     params=[
         pytest.param(("nixl", 1, 1, "uni"), id="nixl-1p1d"),
         pytest.param(("tcp", 1, 1, "uni"), id="tcp-1p1d", marks=pytest.mark.slow),
-        pytest.param(("nixl", 2, 2, "uni"), id="nixl-2p2d"),
+        pytest.param(("nixl", 2, 2, "uni"), id="nixl-2p2d", marks=pytest.mark.slow),
         pytest.param(("nixl", 1, 1, "mp"), id="nixl-1p1d-workers", marks=pytest.mark.slow),
     ],
 )
