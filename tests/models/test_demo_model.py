@@ -7,6 +7,7 @@ import hashlib
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
@@ -68,21 +69,18 @@ def test_demo_model_matches_transformers(demo_model_path):
     assert llm.processor.eos_token_id == llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
-def test_the_moe_demo_model_matches_transformers(tmp_path):
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [
+        ("qwen3-moe", lambda config: (config.num_experts, config.moe_layers) == (8, (0, 1, 2, 3))),
+        ("qwen3.5", lambda config: (config.linear_layers, config.attention_layers) == ((0, 1, 2), (3,))),
+    ],
+)
+def test_the_other_families_demo_models_match_transformers(family, layout, tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "demo-model", "--family", "qwen3-moe", str(tmp_path)],
+        [sys.executable, "-m", "pdserve.cli", "demo-model", "--family", family, str(tmp_path)],
         check=True,
         capture_output=True,
     )
     llm = _assert_matches_transformers(tmp_path)
-    assert (llm.model_config.num_experts, llm.model_config.moe_layers) == (8, (0, 1, 2, 3))
-
-
-def test_the_hybrid_demo_model_matches_transformers(tmp_path):
-    subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "demo-model", "--family", "qwen3.5", str(tmp_path)],
-        check=True,
-        capture_output=True,
-    )
-    llm = _assert_matches_transformers(tmp_path)
-    assert (llm.model_config.linear_layers, llm.model_config.attention_layers) == ((0, 1, 2), (3,))
+    assert layout(llm.model_config)

@@ -115,3 +115,26 @@ def assert_a_cached_prefix_is_not_pulled_again(decode_url: str, complete) -> Non
     complete(prefix + [rng.randrange(10, 1000) for _ in range(20)])  # same 10 blocks, new tail
     second = pulled() - first - before
     assert first > 0 and second == first / 12 * 2, (first, second)
+
+
+def assert_disaggregated_like_colocated(
+    cluster: Cluster, prompts: list[list[int]], expected: list[str], max_tokens: int
+):
+    """Greedy completions of ``prompts`` through the router equal ``expected`` (colocated serving's
+    texts), every one went prefill → decode with its KV pulled and none failed, and every hold on
+    the prefill engine ends without its lease expiring."""
+    from pdserve.testing.metrics import scrape
+
+    got = []
+    for prompt in prompts:
+        body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        status, answer = post(cluster.router.url + "/v1/completions", body)
+        assert status == 200, answer
+        got.append(answer["choices"][0]["text"])
+    assert got == expected
+    assert scrape(cluster.router.url)['pdserve_router_requests_total{path="disagg"}'] == len(prompts)
+    decode = scrape(cluster.decodes[0].url)
+    assert decode["pdserve_kv_transfer_bytes_total"] > 0 and decode["pdserve_kv_transfer_failures_total"] == 0
+    prefill_url = cluster.prefills[0].url
+    wait_for(lambda: scrape(prefill_url)["pdserve_kv_blocks_held_for_remote"] == 0, 10, "prefill holds to end")
+    assert scrape(prefill_url)["pdserve_kv_lease_expirations_total"] == 0

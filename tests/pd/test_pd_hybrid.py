@@ -16,8 +16,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.models.demo import ensure_demo_model
 from pdserve.testing.hf_models import SHAPES, build_hf_model
-from pdserve.testing.metrics import scrape
-from tests.pd.cluster import Cluster, post, wait_for
+from tests.pd.cluster import Cluster, assert_disaggregated_like_colocated
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -62,19 +61,6 @@ def test_pd_of_a_hybrid_model_equals_colocated(transport, flags, hybrid_model, e
         router_flags=("--pd-min-prefill-tokens", "1"),
     )
     try:
-        got = []
-        for prompt in _prompts():
-            body = {"model": "demo", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-            status, answer = post(cluster.router.url + "/v1/completions", body)
-            assert status == 200, answer
-            got.append(answer["choices"][0]["text"])
-        assert got == expected
-        router = scrape(cluster.router.url)
-        assert router['pdserve_router_requests_total{path="disagg"}'] == len(_prompts())
-        decode = scrape(cluster.decodes[0].url)
-        assert decode["pdserve_kv_transfer_bytes_total"] > 0 and decode["pdserve_kv_transfer_failures_total"] == 0
-        prefill_url = cluster.prefills[0].url
-        wait_for(lambda: scrape(prefill_url)["pdserve_kv_blocks_held_for_remote"] == 0, 10, "prefill holds to end")
-        assert scrape(prefill_url)["pdserve_kv_lease_expirations_total"] == 0
+        assert_disaggregated_like_colocated(cluster, _prompts(), expected, MAX_TOKENS)
     finally:
         cluster.stop()
