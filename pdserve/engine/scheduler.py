@@ -92,6 +92,10 @@ class SchedulerStats:
     kv_loads_abandoned: int = 0  # loads the watchdog ended because the worker side never reported them
     kv_holds_refused: int = 0  # finished prefill legs not held: the held share of the cache was at its cap
     num_blocks_quarantined: int = 0  # blocks of abandoned loads, kept out of use until no write can land
+    # Hybrid models: state slots owned by requests (running, loading, held or quarantined), and those
+    # of finished prefill legs held for remote readers.
+    num_state_slots_used: int = 0
+    num_state_slots_held_for_remote: int = 0
     # Structured outputs (set by the engine core): grammars compiling now, compiles failed (cumulative),
     # and since the last stats the compile time of each grammar and the bitmask fill time of each step.
     num_waiting_for_grammar: int = 0
@@ -686,6 +690,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         transfer_seconds, self._kv_transfer_seconds = self._kv_transfer_seconds, []
+        slots_used, slots_held = self._state_slot_stats()
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -704,4 +709,14 @@ class Scheduler:
             kv_loads_abandoned=self.kv_loads_abandoned,
             kv_holds_refused=self.kv_holds_refused,
             num_blocks_quarantined=kv.num_quarantined_blocks,
+            num_state_slots_used=slots_used,
+            num_state_slots_held_for_remote=slots_held,
         )
+
+    def _state_slot_stats(self) -> tuple[int, int]:
+        """(state slots owned, those of requests held for remote readers); zeros without slots."""
+        slots = self.kv_cache_manager.state_slots
+        if slots is None:
+            return 0, 0
+        held = sum(1 for request_id in self.held_for_remote if slots.has_slot(request_id))
+        return slots.num_slots - slots.num_free_slots, held

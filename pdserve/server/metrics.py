@@ -54,6 +54,14 @@ class _SchedulerCollector:
                 "KV blocks of abandoned loads kept out of use until no write into them can land",
                 stats.num_blocks_quarantined,
             ),
+            "pdserve_state_slots_used": (
+                "Linear-attention state slots owned by requests (hybrid models; 0 otherwise)",
+                stats.num_state_slots_used,
+            ),
+            "pdserve_state_slots_held_for_remote": (
+                "State slots of finished prefill legs held for remote decode (hybrid models)",
+                stats.num_state_slots_held_for_remote,
+            ),
             "vllm:num_requests_running": ("Requests being computed (vLLM name)", stats.num_running),
             "vllm:num_requests_waiting": ("Requests queued (vLLM name)", stats.num_waiting),
             "vllm:kv_cache_usage_perc": ("KV cache usage, 1 = full (vLLM name)", stats.kv_cache_usage),

@@ -67,8 +67,9 @@ SHAPES = {
         },
     ),
     "mixtral-e4-top2": ("Mixtral", {**_ATTENTION, "num_local_experts": 4, "num_experts_per_tok": 2}),
-    # Hybrid (Qwen3.5): Gated DeltaNet layers with one gated full-attention layer in four, rotary over a
-    # quarter of each head; as a causal LM, and as the vision-language class served text-only.
+    # Hybrid (Qwen3.5): Gated DeltaNet layers with one gated full-attention layer in four (or two), rotary over
+    # a quarter (or half) of each head, convolutions of width 4 (or 2), key heads shared by 2 or 3 value heads;
+    # as a causal LM, with routed and shared experts, and as the vision-language class served text-only.
     "qwen3.5-hybrid": (
         "Qwen3_5",
         {
@@ -79,6 +80,22 @@ SHAPES = {
             "linear_num_value_heads": 4,
             "linear_key_head_dim": 16,
             "linear_value_head_dim": 24,
+        },
+    ),
+    "qwen3.5-interval2-conv2": (
+        "Qwen3_5",
+        {
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "num_hidden_layers": 4,
+            "full_attention_interval": 2,
+            "head_dim": 24,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            "linear_conv_kernel_dim": 2,
+            "linear_num_key_heads": 1,
+            "linear_num_value_heads": 3,
+            "linear_key_head_dim": 24,
+            "linear_value_head_dim": 8,
         },
     ),
     "qwen3.5-moe-e8-top2-shared": (

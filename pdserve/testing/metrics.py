@@ -14,7 +14,7 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{.*\})?)\s+(\S+)(?:\s+-?\d+)?$")
 
 
 # An engine is idle when all of these are 0: nothing runs, nothing waits (for the scheduler or for remote KV), no
-# blocks are held for remote decodes or quarantined, none is owned by a request.
+# blocks are held for remote decodes or quarantined, none is owned by a request, nor any state slot.
 IDLE_SERIES = (
     "pdserve_num_requests_running",
     "pdserve_num_requests_waiting",
@@ -22,6 +22,7 @@ IDLE_SERIES = (
     "pdserve_kv_blocks_held_for_remote",
     "pdserve_kv_blocks_quarantined",
     "pdserve_kv_cache_usage_ratio",
+    "pdserve_state_slots_used",
 )
 
 

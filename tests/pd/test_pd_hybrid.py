@@ -16,7 +16,8 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.models.demo import ensure_demo_model
 from pdserve.testing.hf_models import SHAPES, build_hf_model
-from tests.pd.cluster import Cluster, assert_disaggregated_like_colocated
+from pdserve.testing.metrics import scrape
+from tests.pd.cluster import Cluster, assert_disaggregated_like_colocated, post, wait_for
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -62,5 +63,43 @@ def test_pd_of_a_hybrid_model_equals_colocated(transport, flags, hybrid_model, e
     )
     try:
         assert_disaggregated_like_colocated(cluster, _prompts(), expected, MAX_TOKENS)
+        for engine in (*cluster.prefills, *cluster.decodes):  # every slot back: none held, none owned
+            wait_for(lambda url=engine.url: scrape(url)["pdserve_state_slots_used"] == 0, 10, "slots to be freed")
+            assert scrape(engine.url)["pdserve_state_slots_held_for_remote"] == 0
+    finally:
+        cluster.stop()
+
+
+def test_an_expired_lease_and_a_refused_decode_leg_free_the_state_slot(hybrid_model, expected, tmp_path):
+    # The prefill holds for 1 s; this decode engine neither renews nor pulls before 4 s, so the lease
+    # expires: the slot (with the blocks) is freed, and the late pull fails on the rows' new
+    # generations, so decode recomputes. A decode leg refused at the door releases at once instead.
+    cluster = Cluster.start(
+        tmp_path,
+        "nixl",
+        with_router=False,
+        prefill_flags=("--kv-lease-seconds", "1"),
+        decode_faults="delay_load=4,no_renew",
+        model=hybrid_model,
+    )
+    prefill, decode = cluster.prefills[0].url, cluster.decodes[0].url
+    prompt = _prompts()[5]  # 130 tokens
+    body = {"model": "demo", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    try:
+        status, leg = post(prefill + "/v1/completions", {**body, "kv_transfer_params": {"do_remote_decode": True}})
+        assert status == 200 and scrape(prefill)["pdserve_state_slots_held_for_remote"] == 1
+        status, answer = post(decode + "/v1/completions", {**body, "kv_transfer_params": leg["kv_transfer_params"]})
+        assert status == 200 and answer["choices"][0]["text"] == expected[5]
+        after_expiry = scrape(prefill)
+        assert after_expiry["pdserve_kv_lease_expirations_total"] == 1
+        assert after_expiry["pdserve_state_slots_held_for_remote"] == after_expiry["pdserve_state_slots_used"] == 0
+        assert scrape(decode)["pdserve_kv_transfer_failures_total"] >= 1  # the late pull saw new generations
+
+        status, leg = post(prefill + "/v1/completions", {**body, "kv_transfer_params": {"do_remote_decode": True}})
+        assert status == 200
+        refused = {**body, "max_tokens": -1, "kv_transfer_params": leg["kv_transfer_params"]}
+        assert post(decode + "/v1/completions", refused)[0] == 400
+        wait_for(lambda: scrape(prefill)["pdserve_state_slots_used"] == 0, 0.9, "the refused leg's slot released")
+        assert scrape(prefill)["pdserve_kv_lease_expirations_total"] == 1  # released, not expired
     finally:
         cluster.stop()
