@@ -139,7 +139,8 @@ class EngineArgs:
         if kv_transfer is not None:
             # Exactly what determines a token's KV: the weights, rope and window, the cache's dtype,
             # block size, shape and layout. Not the tensor-parallel size: engines of one model at
-            # different TP sizes may pair (each rank's head ranges are a handshake matter).
+            # different TP sizes may pair (each rank's head ranges are a handshake matter), except
+            # hybrid models, whose state slots are split by rank.
             compat_hash = kv_compat_hash(
                 weights=weights_fingerprint(folder),
                 architecture=model_config.architecture,
@@ -153,9 +154,10 @@ class EngineArgs:
                 dtype=str(dtype),
                 block_size=self.block_size,
                 layout=KV_CACHE_LAYOUT,
-                # Hybrid models: which layers keep a state slot, and how a slot lies in its rows.
+                # Hybrid models: which layers keep a state slot, how a slot lies in its rows, and (a rank's
+                # slot holds its own value heads' state) the tensor-parallel size.
                 layer_types=",".join(model_config.layer_types),
-                state_layout=STATE_SLOT_LAYOUT if model_config.is_hybrid else "",
+                state_layout=f"{STATE_SLOT_LAYOUT};tp={self.tensor_parallel_size}" if model_config.is_hybrid else "",
             )
         executor: ModelExecutor
         generations = None

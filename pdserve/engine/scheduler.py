@@ -180,11 +180,16 @@ class Scheduler:
         room = max_model_len - request.num_prompt_tokens
         max_tokens = request.sampling_params.max_tokens
         request.max_output_tokens = room if max_tokens is None else min(max_tokens, room)
+        hands_over = self.kv_cache_manager.state_slots is not None and self.connector.hands_over(request)
+        if hands_over and request.max_output_tokens != 1:
+            # What it hands over is the state before its last prompt token: further tokens would build on
+            # that state, not on the one their prompt leaves.
+            raise ValueError("a prefill leg (kv_transfer_params.do_remote_decode) of a hybrid model samples one token")
         self.requests[request.request_id] = request
         request.status = _waiting_status(request)
         self.waiting.append(request)
         self.connector.request_added(request)
-        if self.kv_cache_manager.state_slots is not None and self.connector.hands_over(request):
+        if hands_over:
             self._hands_over.add(request.request_id)
 
     def finish_requests(
@@ -226,7 +231,9 @@ class Scheduler:
             self.aborted_while_loading[request_id] = request
         elif hold:
             num_blocks = self.kv_cache_manager.num_owned_blocks(request_id)
-            over_slots = self.max_held_slots and len(self.held_for_remote) >= self.max_held_slots
+            over_slots = (
+                self.kv_cache_manager.state_slots is not None and len(self.held_for_remote) >= self.max_held_slots
+            )
             if self._num_held_blocks + num_blocks > self.max_held_blocks or over_slots:
                 # Holding more for remote readers would starve this engine's own requests: this one
                 # hands nothing over (its answer has no params; its decode computes the prompt).
@@ -642,6 +649,7 @@ class Scheduler:
         if request is not None:
             kv.quarantine(request)
             del self.requests[request_id]
+            self._hands_over.discard(request_id)
         else:
             request = self.requests.get(request_id)
             if request is None or request.status != _WAITING_FOR_REMOTE_KVS or request_id in self.finished_recving:

@@ -22,13 +22,15 @@ class StateSlotManager:
         rows too); None when nothing reads them remotely."""
         if num_slots < 1 or rows_per_slot < 1:
             raise ValueError(f"a hybrid model needs state slots of at least one row, got {num_slots} x {rows_per_slot}")
+        if generations is not None and len(generations) < first_row + num_slots * rows_per_slot:
+            raise ValueError(f"{len(generations)} row generations do not cover {num_slots} slots after row {first_row}")
         self.num_slots = num_slots
         self.first_row = first_row
         self.rows_per_slot = rows_per_slot
         self.generations = generations
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.req_to_slot: dict[str, int] = {}
-        self.quarantined: dict[str, int] = {}  # request id -> a slot a write may still reach
+        self.quarantined: dict[str, list[int]] = {}  # request id -> slots a write may still reach
 
     @property
     def num_free_slots(self) -> int:
@@ -67,9 +69,8 @@ class StateSlotManager:
         """Take the request's slot away without freeing it (a load into it may still be writing)."""
         slot = self.req_to_slot.pop(request_id, None)
         if slot is not None:
-            self.quarantined[request_id] = slot
+            self.quarantined.setdefault(request_id, []).append(slot)
 
     def release_quarantine(self, request_id: str) -> None:
-        slot = self.quarantined.pop(request_id, None)
-        if slot is not None:
+        for slot in self.quarantined.pop(request_id, ()):
             self._release(slot)

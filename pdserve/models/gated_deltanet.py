@@ -9,6 +9,10 @@ slot before its request's first token; after that every step continues from what
 so a prompt may be computed over several steps (chunked prefill). Decodes (one token each) run
 batched through the recurrent form; prompt chunks batched through the chunked form, padded to the
 longest.
+
+Under tensor parallelism a rank holds its share of the key heads and of the value heads (they
+group alike: value head j reads key head j // group), so its slots hold their states only; the
+output projection is row-parallel and all-reduces.
 """
 
 from __future__ import annotations
@@ -42,8 +46,6 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        # Checked where engines start (parallel.split_problem): the state would split by value head.
-        assert tp.size == 1, "linear-attention layers do not run under tensor parallelism"
         self.num_key_heads = config.linear_num_key_heads
         self.num_value_heads = config.linear_num_value_heads
         self.key_dim = config.linear_key_head_dim

@@ -38,6 +38,8 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _SKIPPED = re.compile(r"^(model\.visual\.|mtp\.)")
 _TEXT_MODEL_PREFIX = "model.language_model."
 # RMSNorms whose weights a checkpoint may store as offsets from 1 (ModelConfig.norm_weight_offset).
+# Checkpoint rows a rank reads: all (None), a range, or ranges joined in order.
+SourceRows = slice | tuple[slice, ...] | None
 _OFFSET_NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -67,7 +69,9 @@ class _Target:
     param: torch.Tensor
     rows: slice | None = None
     transposed: bool = False
-    source_rows: slice | None = None
+    # A tuple of slices: pieces of the checkpoint's rows, read and joined in order (a linear layer's
+    # q, k and v heads of this rank, which sit apart in the checkpoint's fused projection).
+    source_rows: SourceRows = None
     source_columns: slice | None = None
     expert: int | None = None  # the index into stacked expert weights, before rows
     offset: float = 0.0  # added once copied (norm weights stored as offsets from 1)
@@ -99,18 +103,22 @@ def _target(model: CausalLM, name: str, config: ModelConfig, tp: TensorParallel)
     width = 2 if config.attn_output_gate else 1
     q_width, q_source = width * q_size, slice(width * q_start * head_dim, width * q_end * head_dim)
     # Column-parallel: (our fused module, the rows it fills, the checkpoint rows this rank reads).
-    fused = {
+    fused: dict[str, tuple[str, slice | None, SourceRows]] = {
         "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q_width), q_source),
         "self_attn.k_proj": ("self_attn.qkv_proj", slice(q_width, q_width + kv_size), kv_rows),
         "self_attn.v_proj": ("self_attn.qkv_proj", slice(q_width + kv_size, q_width + 2 * kv_size), kv_rows),
         "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter), inter_rows),
         "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter), inter_rows),
-        **_linear_attention_rows(config),
+        **_linear_attention_rows(config, tp),
     }
-    if module_name == "linear_attn.conv1d":
+    linear = _linear_attention_split(config, tp)
+    if module_name == "linear_attn.conv1d":  # one channel per q, k and v feature, split as they are
         module_name, kind = "linear_attn", "conv1d_weight"
+        fused["linear_attn"] = ("linear_attn", None, linear.channels)
+    if module_name == "linear_attn" and kind in ("dt_bias", "A_log"):  # one per value head
+        fused["linear_attn"] = ("linear_attn", None, linear.value_heads)
     # Row-parallel: the checkpoint columns (input features) this rank reads; their biases are whole.
-    split_inputs = {"self_attn.o_proj": q_rows, "mlp.down_proj": inter_rows}
+    split_inputs = {"self_attn.o_proj": q_rows, "mlp.down_proj": inter_rows, "linear_attn.out_proj": linear.values}
     module_name, rows, source_rows = fused.get(module_name, (module_name, None, None))
     source_columns = split_inputs.get(module_name) if kind == "weight" else None
     try:
@@ -126,19 +134,49 @@ def _target(model: CausalLM, name: str, config: ModelConfig, tp: TensorParallel)
     return _Target(param, rows, False, source_rows, offset=offset)
 
 
-def _linear_attention_rows(config: ModelConfig) -> dict[str, tuple[str, slice, None]]:
-    """A Gated DeltaNet layer's four input projections, as parts of its fused in_proj."""
+@dataclass(frozen=True)
+class _LinearSplit:
+    """The parts of a Gated DeltaNet layer's checkpoint tensors one rank reads: its key heads' q and
+    k features and its value heads' v features (the convolution's channels, in that order), its
+    value heads' features (z, the output projection's inputs), and its value heads themselves."""
+
+    channels: tuple[slice, slice, slice]
+    values: slice
+    value_heads: slice
+
+
+def _linear_attention_split(config: ModelConfig, tp: TensorParallel) -> _LinearSplit:
+    key_start, key_end = tp.even_range(config.linear_num_key_heads)
+    value_start, value_end = tp.even_range(config.linear_num_value_heads)
+    key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+    key_size = config.linear_num_key_heads * key_dim
+    return _LinearSplit(
+        (
+            slice(key_start * key_dim, key_end * key_dim),
+            slice(key_size + key_start * key_dim, key_size + key_end * key_dim),
+            slice(2 * key_size + value_start * value_dim, 2 * key_size + value_end * value_dim),
+        ),
+        slice(value_start * value_dim, value_end * value_dim),
+        slice(value_start, value_end),
+    )
+
+
+def _linear_attention_rows(config: ModelConfig, tp: TensorParallel) -> dict[str, tuple[str, slice | None, SourceRows]]:
+    """A Gated DeltaNet layer's four input projections, as parts of its fused in_proj: (our module,
+    the rows they fill, the checkpoint rows this rank reads)."""
     if not config.is_hybrid:
         return {}
-    sizes = {
-        "in_proj_qkv": config.linear_conv_dim,
-        "in_proj_z": config.linear_num_value_heads * config.linear_value_head_dim,
-        "in_proj_b": config.linear_num_value_heads,
-        "in_proj_a": config.linear_num_value_heads,
+    split = _linear_attention_split(config, tp)
+    parts: dict[str, tuple[int, SourceRows]] = {
+        "in_proj_qkv": (sum(piece.stop - piece.start for piece in split.channels), split.channels),
+        "in_proj_z": (split.values.stop - split.values.start, split.values),
+        "in_proj_b": (split.value_heads.stop - split.value_heads.start, split.value_heads),
+        "in_proj_a": (split.value_heads.stop - split.value_heads.start, split.value_heads),
     }
-    rows, start = {}, 0
-    for name, size in sizes.items():
-        rows[f"linear_attn.{name}"] = ("linear_attn.in_proj", slice(start, start + size), None)
+    rows: dict[str, tuple[str, slice | None, SourceRows]] = {}
+    start = 0
+    for name, (size, source) in parts.items():
+        rows[f"linear_attn.{name}"] = ("linear_attn.in_proj", slice(start, start + size), source)
         start += size
     return rows
 
@@ -154,7 +192,7 @@ def _expert_target(block: SparseMoeBlock, name: str, config: ModelConfig, tp: Te
     if name == "mlp.gate.weight":
         return _Target(block.gate_weight_t, transposed=True)
     if name.startswith("mlp.shared_expert") and block.shared_expert is not None:
-        return _shared_expert_target(block.shared_expert, name)
+        return _shared_expert_target(block.shared_expert, name, config, tp)
     match = _EXPERT.match(name)
     if match is None or int(match.group(1)) >= block.w13.shape[0]:
         return None
@@ -167,14 +205,19 @@ def _expert_target(block: SparseMoeBlock, name: str, config: ModelConfig, tp: Te
     return _Target(block.w13, rows, transposed=True, source_rows=rank_rows, expert=expert)
 
 
-def _shared_expert_target(shared: SharedExpert, name: str) -> _Target | None:
-    """Where a Qwen3.5-MoE shared expert's tensor goes (read whole: hybrid models run at TP 1)."""
-    inter = shared.down_proj.weight_t.shape[0]
+def _shared_expert_target(shared: SharedExpert, name: str, config: ModelConfig, tp: TensorParallel) -> _Target | None:
+    """Where a Qwen3.5-MoE shared expert's tensor goes: its intermediate features split over the
+    ranks as a dense MLP's are; its gate whole."""
+    start, end = tp.even_range(config.shared_expert_intermediate_size)
+    rank_rows, inter = slice(start, end), end - start
+    weight_t = shared.gate_up_proj.weight_t
     targets = {
         "mlp.shared_expert_gate.weight": _Target(shared.gate_weight_t, transposed=True),
-        "mlp.shared_expert.gate_proj.weight": _Target(shared.gate_up_proj.weight_t, slice(0, inter), True),
-        "mlp.shared_expert.up_proj.weight": _Target(shared.gate_up_proj.weight_t, slice(inter, 2 * inter), True),
-        "mlp.shared_expert.down_proj.weight": _Target(shared.down_proj.weight_t, transposed=True),
+        "mlp.shared_expert.gate_proj.weight": _Target(weight_t, slice(0, inter), True, rank_rows),
+        "mlp.shared_expert.up_proj.weight": _Target(weight_t, slice(inter, 2 * inter), True, rank_rows),
+        "mlp.shared_expert.down_proj.weight": _Target(
+            shared.down_proj.weight_t, transposed=True, source_columns=rank_rows
+        ),
     }
     return targets.get(name)
 
@@ -184,6 +227,8 @@ def _read(checkpoint: Any, name: str, target: _Target) -> torch.Tensor:
     if target.source_rows is None and target.source_columns is None:
         return checkpoint.get_tensor(name)
     part = checkpoint.get_slice(name)
+    if isinstance(target.source_rows, tuple):
+        return torch.cat([part[rows] for rows in target.source_rows])
     rows = target.source_rows or slice(None)
     return part[rows] if target.source_columns is None else part[rows, target.source_columns]
 

@@ -73,16 +73,22 @@ def split_problem(config: ModelConfig, size: int) -> str | None:
         return f"{num_kv_heads} KV heads neither split over {size} ranks nor replicate evenly on them"
     if intermediate_size % size:
         return f"an intermediate size of {intermediate_size} does not split over {size} ranks"
-    if config.is_hybrid and size > 1:
-        return "linear-attention layers do not run under tensor parallelism yet"
+    for count, what in (
+        (config.linear_num_key_heads, "linear-attention key heads"),
+        (config.linear_num_value_heads, "linear-attention value heads"),
+        (config.shared_expert_intermediate_size, "a shared expert's intermediate features"),
+    ):
+        if count % size:
+            return f"{count} {what} do not split over {size} ranks"
     if config.num_experts and config.moe_intermediate_size % size:
         return f"an expert intermediate size of {config.moe_intermediate_size} does not split over {size} ranks"
     return None
 
 
 def rank_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
-    """The model as one rank holds it: its own attention heads, KV heads and intermediate features,
-    dense and per expert (the vocabulary stays whole: the embedding and LM head split it themselves)."""
+    """The model as one rank holds it: its own attention heads, KV heads and intermediate features
+    (dense, per expert and of a shared expert), and its linear-attention key and value heads (the
+    vocabulary stays whole: the embedding and LM head split it themselves)."""
     if tp.size == 1:
         return config
     kv_start, kv_end = tp.kv_head_range(config.num_kv_heads)
@@ -92,4 +98,7 @@ def rank_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
         num_kv_heads=kv_end - kv_start,
         intermediate_size=config.intermediate_size // tp.size,
         moe_intermediate_size=config.moe_intermediate_size // tp.size,
+        linear_num_key_heads=config.linear_num_key_heads // tp.size,
+        linear_num_value_heads=config.linear_num_value_heads // tp.size,
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // tp.size,
     )

@@ -83,7 +83,8 @@ class FakeModelRunner:
         if self.connector_worker is not None:
             connector_output = self.connector_worker.step(scheduler_output.kv_connector_metadata, self)
         sampled = []
-        kept = {slot: self.state[slot].copy() for slot in scheduler_output.state_restores or ()}
+        restores = set(scheduler_output.state_restores or ())
+        kept: dict[int, np.ndarray] = {}
         num_requests = len(scheduler_output.requests)
         state_slots: list[int | None] = (
             [*scheduler_output.state_slots] if scheduler_output.state_slots else [None] * num_requests
@@ -99,6 +100,8 @@ class FakeModelRunner:
             end = start + num_new
             self.write_tokens(block_ids, start, request.all_token_ids[start:end])
             if slot is not None:
+                if slot in restores:  # kept after a start-0 zeroing, as the real runner keeps it
+                    kept[slot] = self.state[slot].copy() if start else np.zeros(2, dtype=np.int64)
                 self._feed_state(slot, request.request_id, start, request.all_token_ids[start:end])
             if end < request.num_tokens:
                 sampled.append(NO_TOKEN)

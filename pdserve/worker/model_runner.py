@@ -78,14 +78,14 @@ class ModelRunner:
             if config.dtype == torch.float32:
                 cpu_ops()  # build (or load) the fused CPU kernels now, not inside the first request
         size = cache_size_for(self.model, self.rank_model_config, config)
-        num_blocks = size.num_blocks
-        if self.tp.size > 1:  # every rank holds the same block ids: the smallest budget decides
-            agreed = torch.tensor([num_blocks])
+        num_blocks, num_slots = size.num_blocks, size.num_state_slots
+        if self.tp.size > 1:  # every rank holds the same block and slot ids: the smallest budget decides
+            agreed = torch.tensor([num_blocks, num_slots])
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-            num_blocks = int(agreed.item())
+            num_blocks, num_slots = (int(value) for value in agreed.tolist())
         self.num_blocks = num_blocks
         # The pool's blocks, then (hybrid models) the state slots' rows: one tensor, one registration.
-        self.cache_size = CacheSize(num_blocks, size.num_state_slots, size.rows_per_state_slot)
+        self.cache_size = CacheSize(num_blocks, num_slots, size.rows_per_state_slot)
         self.kv_cache = allocate_kv_cache(
             self.rank_model_config, self.cache_size.num_rows, self.block_size, config.dtype, config.device
         )

@@ -89,7 +89,7 @@ def check_invariants(scheduler: Scheduler, max_placeholders: int = 0) -> None:
     if slots is not None:
         # A hybrid model's request owns one slot exactly while it owns blocks; no slot has two owners.
         assert set(slots.req_to_slot) == set(kv.req_to_blocks), (slots.req_to_slot, list(kv.req_to_blocks))
-        taken = [*slots.req_to_slot.values(), *slots.quarantined.values()]
+        taken = [*slots.req_to_slot.values(), *(slot for held in slots.quarantined.values() for slot in held)]
         assert len(set(taken)) == len(taken), f"a state slot has two owners: {slots.req_to_slot}"
         assert slots.num_free_slots + len(taken) == slots.num_slots
 

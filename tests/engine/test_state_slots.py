@@ -189,3 +189,19 @@ def test_holds_past_the_held_share_of_slots_are_refused():
     assert sum(value is not None for value in params.values()) == 1 and engine.scheduler.kv_holds_refused == 1
     run_to_completion(engine)
     assert_nothing_leaks(engine.scheduler)
+
+
+def test_a_hybrid_prefill_leg_of_more_than_one_token_is_refused_and_a_one_token_prompt_hands_over_zeros():
+    engine = make_engine(
+        FakeRemoteConnector(), num_blocks=100, block_size=4, max_model_len=64, num_state_slots=2, rows_per_state_slot=1
+    )
+    with pytest.raises(ValueError, match="of a hybrid model samples one token"):
+        engine.add_request(make_request("long-leg", prompt_of(9, seed=1), {"do_remote_decode": True}, max_tokens=2))
+    assert not engine.scheduler.requests
+    leg = make_request("tiny", prompt_of(1, seed=2), {"do_remote_decode": True, "delay": 3}, max_tokens=1)
+    engine.add_request(leg)
+    engine.step()
+    slot = engine.scheduler.kv_cache_manager.state_slots.slot_of("tiny")
+    assert leg.is_finished and engine.model_executor.state[slot].tolist() == [0, 0]  # the state before its token
+    run_to_completion(engine)
+    assert_nothing_leaks(engine.scheduler)

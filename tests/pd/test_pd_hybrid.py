@@ -5,7 +5,7 @@ prefill leg runs its last token alone and leaves the slot as it was; the decode 
 token again): a state shipped as of the last token, or not shipped, changes the tokens. Prompts
 of 1 token, one block and one block + 1, and longer ones; every hold ends. With the engines'
 models in worker processes and async scheduling too (the slots and restores cross to the worker
-in each step's message)."""
+in each step's message), and with both engines at two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -47,10 +47,15 @@ def expected(hybrid_model) -> list[str]:
 
 
 WORKERS = ("--distributed-executor-backend", "mp", "--async-scheduling")
+# Both engines at two ranks: each decode rank pulls its KV heads and its own share of the state slot
+# (its value heads') from the prefill rank that holds the same share.
+TWO_RANKS = ("--tensor-parallel-size", "2", "--kv-side-channel-port", "0")
 
 
 @pytest.mark.parametrize(
-    ("transport", "flags"), [("nixl", ()), ("tcp", ()), ("nixl", WORKERS)], ids=["nixl", "tcp", "nixl-workers"]
+    ("transport", "flags"),
+    [("nixl", ()), ("tcp", ()), ("nixl", WORKERS), ("tcp", TWO_RANKS)],
+    ids=["nixl", "tcp", "nixl-workers", "tcp-P2-D2"],
 )
 def test_pd_of_a_hybrid_model_equals_colocated(transport, flags, hybrid_model, expected, tmp_path):
     cluster = Cluster.start(

@@ -17,8 +17,11 @@ from tests.pd.cluster import Cluster, free_port, post, wait_for
 pytestmark = pytest.mark.timeout(600)
 
 
-# The lease logic is the connector's, whatever the transport: make test runs NIXL, test-slow TCP too (budget).
-@pytest.fixture(scope="module", params=["nixl", pytest.param("tcp", marks=pytest.mark.slow)])
+# On real processes in make test-slow (make test's time budget), over both transports: make test checks leases
+# expiring, renewed and released between two transfer agents in one process (tests/kvtransfer/test_agent.py).
+@pytest.fixture(
+    scope="module", params=[pytest.param("nixl", marks=pytest.mark.slow), pytest.param("tcp", marks=pytest.mark.slow)]
+)
 def cluster(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"lease-{request.param}")
     cluster = Cluster.start(

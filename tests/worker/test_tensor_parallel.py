@@ -26,6 +26,8 @@ MODELS = {
     "qwen2-gqa2-bias": SHAPES["qwen2-gqa2-bias"],
     "llama-mha-untied-odd-vocab": ("Llama", {"num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1021}),
     "qwen3moe-e8-top2-mlponly": SHAPES["qwen3moe-e8-top2-mlponly"],
+    # Hybrid: linear-attention key and value heads (and their state slots) split, a shared expert's features too.
+    "qwen3.5-moe-e8-top2-shared": SHAPES["qwen3.5-moe-e8-top2-shared"],
 }
 
 
@@ -57,6 +59,7 @@ def _run(llm: LLM) -> list[tuple[list[int], list[float]]]:
         pytest.param("llama-mha-untied-odd-vocab", 4, marks=pytest.mark.slow),
         pytest.param("llama-gqa4-tied-llama3rope", 4, marks=pytest.mark.slow),
         pytest.param("qwen3moe-e16-top4-step2", 4, marks=pytest.mark.slow),
+        pytest.param("qwen3.5-hybrid", 2, marks=pytest.mark.slow),
     ],
 )
 def test_split_ranks_compute_what_one_computes(name, size, tmp_path):
@@ -121,10 +124,10 @@ def test_experts_that_cannot_split_are_refused(tmp_path):
         EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=4).build_engine_core()
 
 
-def test_hybrid_models_are_refused_under_tensor_parallelism(tmp_path):
-    # Linear-attention state is not split over ranks: refused at start-up, saying so, before any weight is read.
-    build_hf_model(*SHAPES["qwen3.5-hybrid"], tmp_path)
-    with pytest.raises(ValueError, match="linear-attention layers do not run under tensor parallelism yet"):
+def test_linear_attention_heads_that_cannot_split_are_refused(tmp_path):
+    family, overrides = SHAPES["qwen3.5-hybrid"]
+    build_hf_model(family, {**overrides, "linear_num_key_heads": 1, "linear_num_value_heads": 3}, tmp_path)
+    with pytest.raises(ValueError, match="1 linear-attention key heads do not split over 2 ranks"):
         EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=2).build_engine_core()
 
 
