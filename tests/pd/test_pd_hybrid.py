@@ -10,6 +10,7 @@ in each step's message), and with both engines at two tensor-parallel ranks."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -75,23 +76,25 @@ def test_pd_of_a_hybrid_model_equals_colocated(transport, flags, hybrid_model, e
         cluster.stop()
 
 
-def test_an_expired_lease_and_a_refused_decode_leg_free_the_state_slot(hybrid_model, expected, tmp_path):
-    # The prefill holds for 1 s; this decode engine neither renews nor pulls before 4 s, so the lease
+def test_an_expired_lease_and_an_abort_before_the_pull_free_the_state_slot(hybrid_model, expected, tmp_path):
+    # The prefill holds for 3 s; this decode engine neither renews nor pulls before 4 s, so the lease
     # expires: the slot (with the blocks) is freed, and the late pull fails on the rows' new
-    # generations, so decode recomputes. A decode leg refused at the door releases at once instead.
+    # generations, so decode recomputes. A client leaving the decode leg before its pull ends it
+    # instead: the pull is cancelled and the prefill told to free, long before the lease.
     cluster = Cluster.start(
         tmp_path,
         "nixl",
         with_router=False,
-        prefill_flags=("--kv-lease-seconds", "1"),
+        prefill_flags=("--kv-lease-seconds", "3"),
         decode_faults="delay_load=4,no_renew",
         model=hybrid_model,
     )
     prefill, decode = cluster.prefills[0].url, cluster.decodes[0].url
     prompt = _prompts()[5]  # 130 tokens
     body = {"model": "demo", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    leg_body = {**body, "kv_transfer_params": {"do_remote_decode": True}}
     try:
-        status, leg = post(prefill + "/v1/completions", {**body, "kv_transfer_params": {"do_remote_decode": True}})
+        status, leg = post(prefill + "/v1/completions", leg_body)
         assert status == 200 and scrape(prefill)["pdserve_state_slots_held_for_remote"] == 1
         status, answer = post(decode + "/v1/completions", {**body, "kv_transfer_params": leg["kv_transfer_params"]})
         assert status == 200 and answer["choices"][0]["text"] == expected[5]
@@ -100,11 +103,14 @@ def test_an_expired_lease_and_a_refused_decode_leg_free_the_state_slot(hybrid_mo
         assert after_expiry["pdserve_state_slots_held_for_remote"] == after_expiry["pdserve_state_slots_used"] == 0
         assert scrape(decode)["pdserve_kv_transfer_failures_total"] >= 1  # the late pull saw new generations
 
-        status, leg = post(prefill + "/v1/completions", {**body, "kv_transfer_params": {"do_remote_decode": True}})
+        status, leg = post(prefill + "/v1/completions", leg_body)
         assert status == 200
-        refused = {**body, "max_tokens": -1, "kv_transfer_params": leg["kv_transfer_params"]}
-        assert post(decode + "/v1/completions", refused)[0] == 400
-        wait_for(lambda: scrape(prefill)["pdserve_state_slots_used"] == 0, 0.9, "the refused leg's slot released")
-        assert scrape(prefill)["pdserve_kv_lease_expirations_total"] == 1  # released, not expired
+        left = time.monotonic()
+        with pytest.raises(OSError):  # the client gives up while the decode leg waits for its pull
+            post(decode + "/v1/completions", {**body, "kv_transfer_params": leg["kv_transfer_params"]}, timeout=0.5)
+        wait_for(lambda: scrape(prefill)["pdserve_state_slots_used"] == 0, 10, "the abandoned leg's slot released")
+        assert time.monotonic() - left < 3  # released, not expired
+        assert scrape(prefill)["pdserve_kv_lease_expirations_total"] == 1
+        wait_for(lambda: scrape(decode)["pdserve_state_slots_used"] == 0, 10, "the decode's slot freed")
     finally:
         cluster.stop()
