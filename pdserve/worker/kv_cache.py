@@ -126,7 +126,7 @@ def gpu_kv_budget(model: CausalLM, model_config: ModelConfig, config: RunnerConf
     rows_per_slot = rows_per_state_slot(model_config, config.dtype, config.block_size)
     scratch_size = CacheSize(num_blocks, 1 if rows_per_slot else 0, rows_per_slot)
     scratch = allocate_kv_cache(model_config, scratch_size.num_rows, config.block_size, config.dtype, config.device)
-    caches = layer_caches(model_config, scratch, scratch_size)
+    caches = layer_caches(model_config, scratch, state_views(model_config, scratch, scratch_size))
     positions = torch.arange(tokens, device=config.device) % config.max_model_len
     metadata = build_attention_metadata([tokens], [tokens], [list(range(num_blocks))], config.block_size, config.device)
     metadata.state_slots = torch.zeros(1, dtype=torch.int64, device=config.device)
@@ -212,11 +212,12 @@ def state_views(
 
 
 def layer_caches(
-    config: ModelConfig, kv_cache: torch.Tensor, size: CacheSize
+    config: ModelConfig, kv_cache: torch.Tensor, state_cache: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """What each layer of the model reads and writes, in layer order: an attention layer its (K, V)
-    views of the KV cache, a linear-attention layer its (convolution, recurrent) state views."""
+    views of the KV cache, a linear-attention layer its (convolution, recurrent) state views
+    (``state_views``)."""
     kv_views = iter(layer_views(kv_cache))
-    states = iter(state_views(config, kv_cache, size))
+    states = iter(state_cache)
     linear = set(config.linear_layers)
     return [next(states) if layer in linear else next(kv_views) for layer in range(config.num_layers)]

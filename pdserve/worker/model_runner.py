@@ -90,7 +90,7 @@ class ModelRunner:
             self.rank_model_config, self.cache_size.num_rows, self.block_size, config.dtype, config.device
         )
         self.state_cache = state_views(self.rank_model_config, self.kv_cache, self.cache_size)
-        self.layer_caches = layer_caches(self.rank_model_config, self.kv_cache, self.cache_size)
+        self.layer_caches = layer_caches(self.rank_model_config, self.kv_cache, self.state_cache)
         self.kv_connector = make_kv_connector(self.kv_cache) if make_kv_connector is not None else None
 
     @property
