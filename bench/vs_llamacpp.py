@@ -12,9 +12,12 @@ once; its prompt and generation phases from ``llama-batched-bench`` (the same sh
 ``LLM.generate`` on the same prompts, prefix caching off; its prompt phase timed alone (``max_tokens=1``),
 generation = the rest.
 Then batch 1 (one request, 128 + 128) for each. Both use every core (``--threads``, default all).
+``--runs N`` repeats both engines N times (one after the other); the JSON line gives the run with the median
+ratio, and every run's ratios. ``--isa avx2`` holds both engines to AVX2 on an AVX-512 host: llama.cpp built for
+``x86-64-v3``, and torch, oneDNN, MKL and pdserve's C++ kernels limited by their environment variables.
 
 Needs the ``bench`` extra (the converter imports ``sentencepiece``) plus cmake and a C++ compiler.
-Last line: {"bench": "vs_llamacpp", "pdserve_tok_s": X, "llamacpp_tok_s": Y, "ratio": R, "cpu": "..."}
+Last line: {"bench": "vs_llamacpp", "pdserve_tok_s": X, "llamacpp_tok_s": Y, "ratio": R, "cpu": "...", ...}
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from plots import add_plot_argument, bar_chart
 from throughput import MODEL, build_model
 
 from pdserve import LLM, SamplingParams
@@ -217,82 +221,133 @@ def pdserve_figures(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict
     }
 
 
+# What an AVX2 machine gets, measured on an AVX-512 one: torch's kernels, oneDNN, MKL and our C++ ops
+# all held to AVX2 (they read these at start-up, hence the re-exec), llama.cpp built for x86-64-v3.
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "PDSERVE_CPU_MARCH": "x86-64-v3",
+}
+
+
+def one_run(binaries: Path, model: Path, gguf: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """Both engines on the same prompts, llama.cpp first: their tok/s and phases, at batch len(prompts) and 1."""
+    server = LlamaServer(binaries, gguf, args.requests, args.prompt_len + args.new_tokens + 16, args.threads)
+    try:
+        llamacpp_tok_s = server.tokens_per_second(prompts, args.new_tokens)
+        llamacpp_batch1 = server.tokens_per_second(prompts[:1], args.new_tokens)
+    finally:
+        server.close()
+    phases = batched_bench(binaries, gguf, args.prompt_len, args.new_tokens, args.requests, args.threads)
+    print(
+        f"llama.cpp f32 (llama-server -np {args.requests}): {llamacpp_tok_s:7.1f} output tok/s; "
+        f"batched-bench prompt {phases['prompt_tok_s']:.1f} tok/s, generation {phases['generation_tok_s']:.1f} "
+        f"tok/s; batch 1: {llamacpp_batch1:.1f} tok/s",
+        flush=True,
+    )
+    # No prefix caching: every run computes its prompts (llama.cpp's runs have cache_prompt off).
+    with LLM(
+        str(model),
+        max_model_len=512,
+        kv_cache_memory=2 << 30,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+    ) as llm:
+        ours = pdserve_figures(llm, prompts, args.new_tokens)
+        ours_batch1 = pdserve_figures(llm, prompts[:1], args.new_tokens)["tok_s"]
+    print(
+        f"pdserve LLM.generate:                   {ours['tok_s']:7.1f} output tok/s; prompt "
+        f"{ours['prompt_tok_s']:.1f} tok/s, generation {ours['generation_tok_s']:.1f} tok/s; "
+        f"batch 1: {ours_batch1:.1f} tok/s",
+        flush=True,
+    )
+    ratio, ratio_batch1 = ours["tok_s"] / llamacpp_tok_s, ours_batch1 / llamacpp_batch1
+    print(f"ratio at batch {args.requests}: {ratio:.2f}x; batch 1: {ratio_batch1:.2f}x", flush=True)
+    return {
+        "pdserve_tok_s": round(ours["tok_s"], 1),
+        "llamacpp_tok_s": round(llamacpp_tok_s, 1),
+        "ratio": round(ratio, 3),
+        "pdserve_batch1_tok_s": round(ours_batch1, 1),
+        "llamacpp_batch1_tok_s": round(llamacpp_batch1, 1),
+        "batch1_ratio": round(ratio_batch1, 3),
+    }
+
+
+def plot_runs(folder: Path, runs: list[dict], isa: str, batch: int) -> None:
+    groups = {}
+    for index, run in enumerate(runs, 1):
+        groups[f"batch {batch}, run {index}"] = {
+            "llama.cpp f32": run["llamacpp_tok_s"],
+            "pdserve": run["pdserve_tok_s"],
+        }
+    for index, run in enumerate(runs, 1):
+        groups[f"batch 1, run {index}"] = {
+            "llama.cpp f32": run["llamacpp_batch1_tok_s"],
+            "pdserve": run["pdserve_batch1_tok_s"],
+        }
+    bar_chart(
+        folder,
+        "vs_llamacpp" if isa == "native" else f"vs_llamacpp-{isa}",
+        f"Output tok/s on the same weights ({cpu_name()}, {isa})",
+        "output tokens / s",
+        groups,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--march", default=None, help="build llama.cpp for this -march (default: native)")
+    parser.add_argument("--runs", type=int, default=1, help="rounds of both engines, one after the other")
+    parser.add_argument(
+        "--isa",
+        choices=["native", "avx2"],
+        default="native",
+        help="avx2: both engines held to AVX2 (llama.cpp built for x86-64-v3), to measure an AVX2 CPU's "
+        "figures on an AVX-512 one",
+    )
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pdserve" / "llamacpp")
+    add_plot_argument(parser)
     args = parser.parse_args()
+    if args.isa == "avx2" and any(os.environ.get(name) != value for name, value in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
+    march = None if args.isa == "native" else "x86-64-v3"
     source = llamacpp_source(args.cache)
-    binaries = build_llamacpp(source, args.cache / f"build-{args.march or 'native'}", args.march)
+    binaries = build_llamacpp(source, args.cache / f"build-{march or 'native'}", march)
     rng = random.Random(0)
     vocab_size = MODEL["vocab_size"]
     # Token ids the stand-in tokenizer maps to plain pieces (no control or byte tokens).
     prompts = [[rng.randrange(259, vocab_size) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     cpu = cpu_name()
-    print(f"cpu: {cpu}, {args.threads} threads; llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON}", flush=True)
+    print(f"cpu: {cpu} ({args.isa}), {args.threads} threads; llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON}")
     print(
         f"workload: {args.requests} requests x {args.prompt_len} prompt + {args.new_tokens} new tokens, greedy, "
         "EOS ignored",
         flush=True,
     )
+    import torch
+
+    torch.set_num_threads(args.threads)
+    runs = []
     with tempfile.TemporaryDirectory() as scratch:
         model = Path(scratch) / "model"
         build_model(str(model))
         write_stand_in_tokenizer(model, vocab_size)
         gguf = Path(scratch) / "model-f32.gguf"
         convert_to_gguf(source, model, gguf)
-
-        server = LlamaServer(binaries, gguf, args.requests, args.prompt_len + args.new_tokens + 16, args.threads)
-        try:
-            llamacpp_tok_s = server.tokens_per_second(prompts, args.new_tokens)
-            llamacpp_batch1 = server.tokens_per_second(prompts[:1], args.new_tokens)
-        finally:
-            server.close()
-        phases = batched_bench(binaries, gguf, args.prompt_len, args.new_tokens, args.requests, args.threads)
-        print(
-            f"llama.cpp f32 (llama-server -np {args.requests}): {llamacpp_tok_s:7.1f} output tok/s; "
-            f"batched-bench prompt {phases['prompt_tok_s']:.1f} tok/s, generation {phases['generation_tok_s']:.1f} "
-            f"tok/s; batch 1: {llamacpp_batch1:.1f} tok/s",
-            flush=True,
-        )
-
-        import torch
-
-        torch.set_num_threads(args.threads)
-        # No prefix caching: every run computes its prompts (llama.cpp's runs have cache_prompt off).
-        with LLM(
-            str(model),
-            max_model_len=512,
-            kv_cache_memory=2 << 30,
-            max_num_batched_tokens=2048,
-            enable_prefix_caching=False,
-        ) as llm:
-            ours = pdserve_figures(llm, prompts, args.new_tokens)
-            ours_batch1 = pdserve_figures(llm, prompts[:1], args.new_tokens)["tok_s"]
-        print(
-            f"pdserve LLM.generate:                   {ours['tok_s']:7.1f} output tok/s; prompt "
-            f"{ours['prompt_tok_s']:.1f} tok/s, generation {ours['generation_tok_s']:.1f} tok/s; "
-            f"batch 1: {ours_batch1:.1f} tok/s",
-            flush=True,
-        )
-    ratio = ours["tok_s"] / llamacpp_tok_s
-    print(f"ratio at batch {args.requests}: {ratio:.2f}x; batch 1: {ours_batch1 / llamacpp_batch1:.2f}x")
-    print(
-        json.dumps(
-            {
-                "bench": "vs_llamacpp",
-                "pdserve_tok_s": round(ours["tok_s"], 1),
-                "llamacpp_tok_s": round(llamacpp_tok_s, 1),
-                "ratio": round(ratio, 3),
-                "batch1_ratio": round(ours_batch1 / llamacpp_batch1, 3),
-                "cpu": cpu,
-            }
-        )
-    )
+        for index in range(args.runs):
+            print(f"--- run {index + 1} of {args.runs}", flush=True)
+            runs.append(one_run(binaries, model, gguf, prompts, args))
+    if args.plot is not None:
+        plot_runs(args.plot, runs, args.isa, args.requests)
+    middle = sorted(runs, key=lambda run: run["ratio"])[len(runs) // 2]
+    summary = {"bench": "vs_llamacpp", **middle, "cpu": cpu, "isa": args.isa}
+    summary["ratios"] = [run["ratio"] for run in runs]
+    summary["batch1_ratios"] = [run["batch1_ratio"] for run in runs]
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

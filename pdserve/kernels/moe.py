@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import cpu_kernels
+
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights ``[tokens, top_k]`` in the logits' dtype, expert ids ``[tokens, top_k]``)."""
@@ -49,8 +51,11 @@ def experts_reference(
 def grouped_experts(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """As ``experts_reference``, each expert's matmuls once over its tokens."""
+    """As ``experts_reference``, each expert's matmuls once over its tokens. ``w13`` and ``w2`` are
+    stacked as above, or each expert's packed by ``cpu_kernels.pack_weight`` (``[E, panels, in,
+    PANEL]``: the CPU kernel's layout)."""
     top_k = ids.shape[1]
+    inter = w2.shape[-2]
     flat_ids = ids.flatten()
     order = flat_ids.argsort(stable=True)  # (token, choice) pairs, expert by expert
     tokens = order // top_k
@@ -61,8 +66,15 @@ def grouped_experts(
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            torch.mm(swiglu(torch.mm(rows[start:end], w13[expert])), w2[expert], out=out[start:end])
+            gate_up = _expert_matmul(rows[start:end], w13, expert, 2 * inter)
+            out[start:end] = _expert_matmul(swiglu(gate_up), w2, expert, hidden.shape[1])
             start = end
     out.mul_(weights.flatten()[order].unsqueeze(-1))
     # Summed into each token in expert order, as transformers does: the same float rounding.
     return torch.zeros_like(hidden).index_add_(0, tokens, out)
+
+
+def _expert_matmul(rows: torch.Tensor, weight: torch.Tensor, expert: int, out_features: int) -> torch.Tensor:
+    if weight.dim() == 4:  # packed
+        return cpu_kernels.packed_linear(rows, weight[expert], out_features)
+    return torch.mm(rows, weight[expert])

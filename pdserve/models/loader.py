@@ -85,7 +85,9 @@ def _target(model: CausalLM, name: str, config: ModelConfig, tp: TensorParallel)
         simple = {
             "model.embed_tokens.weight": _Target(model.embed_tokens.weight, source_rows=vocab),
             "model.norm.weight": _Target(model.norm.weight, offset=config.norm_weight_offset),
-            "lm_head.weight": None if model.lm_head is None else _Target(model.lm_head.weight, source_rows=vocab),
+            "lm_head.weight": None
+            if model.lm_head is None
+            else _Target(model.lm_head.weight_t, transposed=True, source_rows=vocab),
         }
         return simple.get(name)
     layer = model.layers[int(match.group(1))]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.kernels import moe
+from pdserve.kernels import cpu_kernels, moe
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import Linear
 from pdserve.models.parallel import TensorParallel
@@ -48,6 +48,13 @@ class SparseMoeBlock(nn.Module):
         shared = config.shared_expert_intermediate_size
         self.shared_expert = SharedExpert(config.hidden_size, shared) if shared else None
         self.tp = tp
+
+    @torch.no_grad()
+    def pack_for_cpu(self) -> None:
+        """Repack every expert's weights for the CPU kernel; ``w13`` and ``w2`` then hold the panels
+        (``moe.grouped_experts`` takes either layout)."""
+        self.w13 = nn.Parameter(torch.stack([cpu_kernels.pack_weight(w) for w in self.w13]), requires_grad=False)
+        self.w2 = nn.Parameter(torch.stack([cpu_kernels.pack_weight(w) for w in self.w2]), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = moe.select_experts(torch.mm(hidden, self.gate_weight_t), self.top_k, self.renormalize)

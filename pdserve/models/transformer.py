@@ -62,7 +62,9 @@ class RMSNorm(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """The embedding table split by vocabulary rows: a rank looks up the ids in its range, zeros
-    the rest, and the sum over ranks is the embedding. The same rows give the LM head's logits."""
+    the rest, and the sum over ranks is the embedding. The same rows give the LM head's logits
+    when the model ties them; on a CPU running fp32 the table is then kept only in the packed
+    kernel's panels (``pack_for_cpu``), where the LM head reads it fastest."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -70,17 +72,34 @@ class VocabParallelEmbedding(nn.Module):
         self.ranges = tp.vocab_ranges(vocab_size)
         self.start, self.end = self.ranges[tp.rank]
         self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size))
+        self.register_buffer("packed", None, persistent=False)
+
+    @torch.no_grad()
+    def pack_for_cpu(self) -> None:
+        self.packed = cpu_kernels.pack_weight(self.weight.t())
+        self.weight = None
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_kernels.packed_rows(self.packed, self.end - self.start, ids)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         outside = (input_ids < self.start) | (input_ids >= self.end)
         local = (input_ids - self.start).masked_fill_(outside, 0)
-        return self.tp.all_reduce(F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0))
+        return self.tp.all_reduce(self._lookup(local).masked_fill_(outside.unsqueeze(-1), 0.0))
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``hidden @ weight.T`` over the whole vocabulary, ``weight`` being this rank's rows."""
-        return self.tp.all_gather_columns(F.linear(hidden, weight), [end - start for start, end in self.ranges])
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden @ table.T``: this rank's columns of the logits, for a model whose LM head is tied."""
+        if self.packed is not None:
+            return cpu_kernels.packed_linear(hidden, self.packed, self.end - self.start)
+        return F.linear(hidden, self.weight)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits from every rank's columns."""
+        return self.tp.all_gather_columns(local, [end - start for start, end in self.ranges])
 
 
 class Attention(nn.Module):
@@ -192,7 +211,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, backend, tp, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         rows = self.embed_tokens.end - self.embed_tokens.start
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, rows, bias=False)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], metadata: AttentionMetadata
@@ -206,5 +225,12 @@ class CausalLM(nn.Module):
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.embed_tokens.logits(hidden, weight)
+        local = self.embed_tokens.local_logits(hidden) if self.lm_head is None else self.lm_head(hidden)
+        return self.embed_tokens.gather_logits(local)
+
+    def pack_for_cpu(self) -> None:
+        """Repack the weights of every linear layer and of the embedding table for the CPU
+        kernels (fp32 on a CPU where they are built); the unpacked copies are dropped."""
+        for module in self.modules():
+            if isinstance(module, (Linear, VocabParallelEmbedding, SparseMoeBlock)):
+                module.pack_for_cpu()

@@ -75,8 +75,9 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, config.device)
         if self.device.type == "cpu":
             retain_freed_memory()
-            if config.dtype == torch.float32:
-                cpu_ops()  # build (or load) the fused CPU kernels now, not inside the first request
+            # Build (or load) the fused CPU kernels now, not inside the first request.
+            if config.dtype == torch.float32 and cpu_ops() is not None:
+                self.model.pack_for_cpu()
         size = cache_size_for(self.model, self.rank_model_config, config)
         num_blocks, num_slots = size.num_blocks, size.num_state_slots
         if self.tp.size > 1:  # every rank holds the same block and slot ids: the smallest budget decides
