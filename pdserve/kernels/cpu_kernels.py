@@ -10,6 +10,8 @@ roughly halves decode attention time (docs/benchmarks.md).
 Rotary + KV write: the rotation of q and k and the stores of k and v into their slots, in one
 pass over the new tokens (seven torch ops otherwise).
 
+SiLU * up: an MLP's activation in one pass over its gate and up halves.
+
 Add + RMSNorm: at decode batch sizes a layer's norms are a handful of tiny tensors, and the five
 torch dispatches per norm cost more than the arithmetic; one fused call does the residual add,
 the sum of squares and the scaling (≈10% of a batch-64 decode step on the 110M Llama).
@@ -233,6 +235,28 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor we
   });
   return out;
 }
+// out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i]: the SwiGLU between an MLP's two
+// projections in one pass (torch takes a strided silu, then a multiply).
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == torch::kFloat32 && gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
+                  gate_up.size(1) % 2 == 0,
+              "silu_mul: float32 [tokens, 2 * inter] with features contiguous");
+  const int64_t tokens = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({tokens, inter}, gate_up.options());
+  const float* in_ptr = gate_up.data_ptr<float>();
+  float* o_ptr = out.data_ptr<float>();
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / inter), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* __restrict__ gate = in_ptr + t * stride;
+      const float* __restrict__ up = gate + inter;
+      float* __restrict__ o = o_ptr + t * inter;
+      #pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
 // ---- Linear layers over packed weights -------------------------------------------------------
 // A weight W [out, in] is stored as panels of PANEL output features: packed[p, k, j] =
 // W[p * PANEL + j, k], zero past the last feature. A panel is one contiguous stream, so a thread
@@ -362,7 +386,7 @@ MARCH_ENV = "PDSERVE_CPU_MARCH"
 @functools.cache
 def cpu_ops():
     """The compiled extension (``decode_attention``, ``rms_norm``, ``rope_write_kv``, ``packed_linear``,
-    ``packed_rows``), or None where it cannot be built (the reason is logged once)."""
+    ``packed_rows``, ``silu_mul``), or None where it cannot be built (the reason is logged once)."""
     try:
         from torch.utils.cpp_extension import get_default_build_root, load_inline
 
@@ -380,7 +404,7 @@ def cpu_ops():
             return load_inline(
                 name=name,
                 cpp_sources=_SOURCE,
-                functions=["decode_attention", "rms_norm", "rope_write_kv", "packed_linear", "packed_rows"],
+                functions=["decode_attention", "rms_norm", "rope_write_kv", "packed_linear", "packed_rows", "silu_mul"],
                 extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
@@ -419,6 +443,15 @@ def packed_rows(packed: torch.Tensor, num_rows: int, ids: torch.Tensor) -> torch
     """``W[ids]`` (``[*ids.shape, in]``) from a weight packed by ``pack_weight`` that has ``num_rows`` rows."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     return cpu_ops().packed_rows(packed, num_rows, flat).view(*ids.shape, packed.shape[1])
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``gate_up`` = [gate | up] ``[tokens, 2 * inter]``; None when the kernel
+    does not apply (not fp32 on CPU, or not built): the caller then uses torch ops."""
+    ops = cpu_ops() if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" else None
+    if ops is None or gate_up.dim() != 2 or gate_up.stride(1) != 1:
+        return None
+    return ops.silu_mul(gate_up)
 
 
 def rms_norm(

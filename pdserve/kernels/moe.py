@@ -19,9 +19,9 @@ The Triton kernel for the GPU is in ``triton_moe``; all three agree (tests/kerne
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.kernels import cpu_kernels
+from pdserve.kernels.activation import swiglu
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,12 +31,6 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype), ids
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up, the two halves of the last dimension."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def experts_reference(

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.moe import swiglu
+from pdserve.kernels.activation import swiglu
 
 BLOCK_M = 16  # rows (token choices) per program: decode steps route few tokens to each expert
 BLOCK_N = 64

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import cpu_kernels, moe
+from pdserve.kernels.activation import swiglu
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import Linear
 from pdserve.models.parallel import TensorParallel
@@ -31,7 +32,7 @@ class SharedExpert(nn.Module):
         self.gate_weight_t = nn.Parameter(torch.empty(hidden_size, 1))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(moe.swiglu(self.gate_up_proj(hidden)))
+        out = self.down_proj(swiglu(self.gate_up_proj(hidden)))
         return out.mul_(torch.sigmoid(torch.mm(hidden, self.gate_weight_t)))
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import cpu_kernels
+from pdserve.kernels.activation import swiglu
 from pdserve.kernels.reference import AttentionMetadata
 from pdserve.models.attention import AttentionBackend
 from pdserve.models.config import ModelConfig
@@ -153,13 +154,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

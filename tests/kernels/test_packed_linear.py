@@ -1,5 +1,5 @@
-"""The CPU kernel for linear layers over packed weights (``cpu_kernels.packed_linear``) against
-torch's matmul, and the layers that use it against their unpacked selves."""
+"""The CPU kernels for linear layers over packed weights (``cpu_kernels.packed_linear``) and SwiGLU against
+torch's ops, and the layers that use them against their unpacked selves."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pdserve.kernels import cpu_kernels, moe
+from pdserve.kernels.activation import swiglu
 from pdserve.models.linear import Linear
 from pdserve.models.parallel import TensorParallel
 from pdserve.models.transformer import VocabParallelEmbedding
@@ -87,3 +88,10 @@ def test_packed_experts_equal_stacked_experts():
         atol=1e-3,
         rtol=1e-5,
     )
+
+
+def test_fused_swiglu_equals_torch():
+    gate_up = torch.randn(7, 2 * 48) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(swiglu(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    assert cpu_kernels.silu_mul(gate_up) is not None  # the fused path is the one measured above
