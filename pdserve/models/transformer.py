@@ -228,8 +228,9 @@ class CausalLM(nn.Module):
         return self.embed_tokens.gather_logits(local)
 
     def pack_for_cpu(self) -> None:
-        """Repack the weights of every linear layer and of the embedding table for the CPU
-        kernels (fp32 on a CPU where they are built); the unpacked copies are dropped."""
+        """Repack the weights of every linear layer (and of a tied embedding table: the LM head's)
+        for the CPU kernels (fp32 on a CPU where they are built); the unpacked copies are dropped.
+        An untied table is only looked up, which contiguous rows serve best: it stays as it is."""
         for module in self.modules():
-            if isinstance(module, (Linear, VocabParallelEmbedding, SparseMoeBlock)):
+            if isinstance(module, (Linear, SparseMoeBlock)) or (module is self.embed_tokens and self.lm_head is None):
                 module.pack_for_cpu()
