@@ -28,7 +28,7 @@ class Linear(nn.Module):
     def pack_for_cpu(self) -> None:
         """Repack W for ``cpu_kernels.packed_linear``; the ``[in, out]`` copy is dropped."""
         self.packed = cpu_kernels.pack_weight(self.weight_t)
-        self.weight_t = None
+        del self.weight_t
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T``, without the bias."""

@@ -78,7 +78,7 @@ class VocabParallelEmbedding(nn.Module):
     @torch.no_grad()
     def pack_for_cpu(self) -> None:
         self.packed = cpu_kernels.pack_weight(self.weight.t())
-        self.weight = None
+        del self.weight
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
