@@ -53,9 +53,11 @@ class KVSubscriber:
         current = self._tasks.get(url)
         if current is not None and current[0] == endpoint:
             return
-        if current is not None:
-            self._drop(url)
+        if current is not None:  # the pod's engine moved (restarted): its old picture goes with the old stream
+            current[1].cancel()
+            self.index.forget(url)
         if endpoint is None:
+            self._tasks.pop(url, None)
             return
         if self._context is None:
             self._context = zmq.asyncio.Context()
