@@ -2,7 +2,8 @@
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
-# Without it torch's OpenMP threads spin-wait and generation on small CPUs runs 5-8x slower.
+# Without it torch's OpenMP threads spin-wait without end (pdserve then bounds the spin: GOMP_SPINCOUNT, in
+# pdserve/__init__.py), and processes sharing a small CPU starve each other.
 export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup serve test test-slow test-k8s lint bench

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import pdserve  # noqa: F401  (before torch loads: how its OpenMP threads wait, pdserve.OPENMP_ENV)
 
+# isort: split
 import torch
 import torch.nn.functional as F
 

@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import tempfile
 import time
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from throughput import MODEL, build_model, median_decode_step, tokens_per_second
 

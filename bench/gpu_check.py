@@ -41,8 +41,9 @@ from functools import partial
 DRY_RUN = "--dry-run" in sys.argv
 if DRY_RUN:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton_attention is imported
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import pdserve  # noqa: E402,F401  (before torch loads: how its OpenMP threads wait, pdserve.OPENMP_ENV)
 
+# isort: split
 import torch  # noqa: E402
 
 from pdserve.kernels import reference  # noqa: E402

@@ -24,13 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import random
 import time
 
 from plots import add_plot_argument, bar_chart
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 BLOCK_BYTES = 256 << 10
 SIZES_MIB = (1, 16, 256)

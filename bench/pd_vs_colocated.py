@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -31,8 +30,6 @@ from plots import add_plot_argument, pyplot, save
 
 from pdserve.launcher import free_port
 from pdserve.testing.processes import Process, cpu_engine_flags, router_argv, server_env
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 MODEL = {
     "hidden_size": 768,

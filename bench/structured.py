@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import tempfile
 import time
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from throughput import MODEL, build_model
 

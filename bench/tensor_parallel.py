@@ -22,8 +22,6 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from throughput import MODEL, build_model, median_decode_step
 
 BATCHES = (1, 16, 64)

@@ -37,8 +37,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from plots import add_plot_argument, bar_chart
 from throughput import MODEL, build_model
 

@@ -115,11 +115,15 @@ def test_bad_input_raises_clearly_and_leaves_the_engine_usable(llm):
     assert llm.generate("still fine", GREEDY)[0].outputs[0].finish_reason == "length"
 
 
-def test_import_sets_omp_wait_policy():
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    code = "import os, pdserve; print(os.environ['OMP_WAIT_POLICY'])"
+def test_import_sets_how_openmp_threads_wait_unless_the_user_did():
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = "import os, pdserve; print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "PASSIVE"
+    assert result.stdout.split() == ["PASSIVE", "100000"]
+    mine = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "0"}, capture_output=True, text=True, check=True
+    )
+    assert mine.stdout.split() == ["PASSIVE", "0"]
     late = subprocess.run(
         [sys.executable, "-W", "always", "-c", "import torch, pdserve"],
         env=env,
@@ -127,7 +131,7 @@ def test_import_sets_omp_wait_policy():
         text=True,
         check=True,
     )
-    assert "OMP_WAIT_POLICY" in late.stderr
+    assert "OMP_WAIT_POLICY, GOMP_SPINCOUNT cannot take effect" in late.stderr
 
 
 def test_seeded_choices_at_the_int64_edge_are_built_before_anything_is_queued(llm):

@@ -228,7 +228,8 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
             _field_env("POD_NAMESPACE", "metadata.namespace"),
             # Between pods UCX must use TCP or RDMA; shared-memory transports cannot cross pods.
             {"name": "UCX_TLS", "value": kv["ucxTransports"]},
-            # Without it torch's OpenMP threads spin-wait and starve the API process.
+            # Without it torch's OpenMP threads spin-wait without end and starve the API process (pdserve then
+            # bounds the spin itself: OPENMP_ENV in pdserve/__init__.py).
             {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"},
             *_api_key_env(spec),
         ],

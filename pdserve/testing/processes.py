@@ -19,9 +19,9 @@ from pdserve.launcher import free_port
 
 def server_env(threads: int = 1) -> dict[str, str]:
     """This process's environment for a server that shares a small machine: ``threads`` OpenMP threads that wait
-    passively (so servers do not spin on each other's cores), no injected KV faults and no cluster secret (both
-    asked per process)."""
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=str(threads))
+    passively at once (tests run several servers on two cores: one spinning after its step would take a core
+    from the next), no injected KV faults and no cluster secret (both asked per process)."""
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="0", OMP_NUM_THREADS=str(threads))
     env.pop("PDSERVE_KV_FAULTS", None)
     env.pop(SECRET_ENV, None)
     return env
