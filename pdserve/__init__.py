@@ -14,11 +14,11 @@ import sys
 import warnings
 from typing import Any
 
-# Threads that spin without end take the cores from every other process on a small machine (generation
-# 5-8x slower was measured on one of our 2-core machines); threads that sleep at once pay a wake-up, ~0.1 ms on a VM, at each of a
-# decode step's ~60 parallel kernels (+30% tok/s at batch 64 and at batch 1 from spinning, see
-# docs/benchmarks.md). So: spin about 4 ms (GNU OpenMP, torch's on Linux: ~40-60 ns a spin), then sleep.
-# GOMP_SPINCOUNT=0 makes the threads wait passively at once.
+# Threads that spin without end take the cores from every other process on a small machine
+# (generation 5-8x slower was measured on one of our 2-core machines); threads that sleep at once pay
+# a wake-up, ~0.1 ms on a VM, at each of a decode step's ~60 parallel kernels (+30% tok/s at batch 64
+# and at batch 1 from spinning, see docs/benchmarks.md). So: spin about 4 ms (GNU OpenMP, torch's on
+# Linux: ~40-60 ns a spin), then sleep. GOMP_SPINCOUNT=0 makes the threads wait passively at once.
 OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "100000"}
 
 _unset = [name for name in OPENMP_ENV if name not in os.environ]
