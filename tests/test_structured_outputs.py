@@ -119,7 +119,10 @@ def _blocked_compiles(llm: LLM) -> threading.Event:
     """Occupy every compile thread of the engine's grammar pool until the event is set."""
     manager = llm.engine.structured_outputs
     release = threading.Event()
-    manager.add_request(Request("warm-up", [1], _json({"type": "integer"})))  # makes the pool
+    warm_up = Request("warm-up", [1], _json({"type": "integer"}))
+    manager.add_request(warm_up)  # makes the pool and the compiler
+    warm_up.structured_output.future.result(timeout=60)
+    manager.forget(warm_up.request_id)  # not the engine's: it must not count as waiting
     for _ in range(COMPILE_THREADS):
         manager._pool.submit(release.wait, 30)
     return release
