@@ -54,8 +54,7 @@ class KVSubscriber:
         if current is not None and current[0] == endpoint:
             return
         if current is not None:  # the pod's engine moved (restarted): its old picture goes with the old stream
-            current[1].cancel()
-            self.index.forget(url)
+            self._stop(url, current[1])
         if endpoint is None:
             self._tasks.pop(url, None)
             return
@@ -72,8 +71,10 @@ class KVSubscriber:
             self.index.forget(url)
 
     def _drop(self, url: str) -> None:
-        _, task = self._tasks.pop(url)
-        task.cancel()
+        self._stop(url, self._tasks.pop(url)[1])
+
+    def _stop(self, url: str, reader: asyncio.Task[None]) -> None:
+        reader.cancel()
         self.index.forget(url)
 
     async def close(self) -> None:
