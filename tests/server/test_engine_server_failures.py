@@ -117,11 +117,12 @@ def test_overload_is_refused_with_503_and_retry_after(args):
 def test_a_request_past_its_timeout_is_aborted_with_504(args):
     from pdserve.server.app import ServerLimits
 
-    server = ServerThread(args, limits=ServerLimits(request_timeout=0.3))
+    # 250 tokens take several times 0.05 s on any CPU (0.3 s against 200 was beaten once the threads spun).
+    server = ServerThread(args, limits=ServerLimits(request_timeout=0.05))
     try:
         url = server.running.url
         started = time.monotonic()
-        status, _, body = _completion(url, max_tokens=200, ignore_eos=True)
+        status, _, body = _completion(url, max_tokens=250, ignore_eos=True)
         assert status == 504 and body["error"]["type"] == "timeout" and time.monotonic() - started < 10
         deadline = time.monotonic() + 10
         while server.running.server.client.num_in_flight or server.running.server.client.stats.kv_cache_usage:
