@@ -52,7 +52,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | None = None  # bytes, CPU
     gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None  # fixes the KV block count (tests, benchmarks)
+    # Fixes the KV block count (tests, benchmarks); a hybrid model's max_num_seqs state slots come on top.
+    num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     role: str = COLOCATED.name  # colocated | prefill | decode
     kv_transfer: KVTransferConfig | None = None  # P/D roles: how blocks move (default settings when None)

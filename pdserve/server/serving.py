@@ -2,8 +2,9 @@
 sampling), run as one core request per choice (``choices.ChoiceRunner``), and answered as one JSON
 response or streamed as SSE events.
 
-A P/D decode leg refused at the door (bad value, overload, draining) tells its prefill engine to
-free the blocks it holds for it.
+A P/D decode leg refused at the door (a body that does not decode, a bad value) tells its prefill
+engine to free the blocks it holds for it; one refused for now (503: overload, draining) does not,
+since the router may send it to another decode engine.
 
 P/D params (``do_remote_decode``, ``do_remote_prefill``) make this engine hold KV for others or
 connect to a peer the params name, so with a cluster secret they are taken only from the router:
@@ -20,8 +21,9 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 from aiohttp import web
 
 from pdserve.api.auth import ROUTER_AUTH_HEADER, RequestVerifier
@@ -69,12 +71,27 @@ from pdserve.server.tools import tool_use
 
 MAX_N = 16
 KV_PARAMS_REJECTED_KEY = web.RequestKey("kv_params_rejected", str)
+RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
 
 
 def _leg_headers(request: web.Request) -> dict[str, str] | None:
     """Headers a decode leg's answer carries: why its params were not used, when they were not."""
     reason = request.get(KV_PARAMS_REJECTED_KEY)
     return {KV_PARAMS_REJECTED_HEADER: reason} if reason is not None else None
+
+
+class _PDParamsOnly(msgspec.Struct):
+    """A request body read for its P/D params alone (the rest may be invalid)."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def _kv_transfer_params_of(raw: bytes) -> dict[str, Any] | None:
+    """The body's ``kv_transfer_params``, when it is a JSON object that has them as an object."""
+    try:
+        return msgspec.json.decode(raw, type=_PDParamsOnly).kv_transfer_params
+    except msgspec.MsgspecError:
+        return None
 
 
 def _answer_headers(request: web.Request, children: Children, results: list[ChoiceResult]) -> dict[str, str] | None:
@@ -155,7 +172,7 @@ class OpenAIServing:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
-        body = decode_request(raw, CompletionRequest)
+        body = await self._decode(request, raw, CompletionRequest)
         if not self.kv_transfer:
             body.kv_transfer_params = None
         self.check_pd_params(request, raw, body.kv_transfer_params)
@@ -164,7 +181,7 @@ class OpenAIServing:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
-        body = decode_request(raw, ChatCompletionRequest)
+        body = await self._decode(request, raw, ChatCompletionRequest)
         if not self.kv_transfer:
             body.kv_transfer_params = None
         self.check_pd_params(request, raw, body.kv_transfer_params)
@@ -196,25 +213,42 @@ class OpenAIServing:
                 error_type="permission_denied",
             )
 
+    async def _decode(self, request: web.Request, raw: bytes, request_type: type[RequestT]) -> RequestT:
+        """The request's body. A decode leg's body that does not decode (``max_tokens: "ten"``, say:
+        the prefill leg, sent with ``max_tokens`` 1, took it) still names its prefill engine's
+        hold, which is freed now rather than at the lease's end."""
+        try:
+            return decode_request(raw, request_type)
+        except ProtocolError as error:
+            params = _kv_transfer_params_of(raw) if self.kv_transfer else None
+            if params:
+                self.verify_router(request, raw)
+                await self._release_refused(params, error)
+            raise
+
     @contextlib.asynccontextmanager
     async def _releasing_refused(self, kv_transfer_params: dict[str, Any] | None) -> AsyncIterator[None]:
         """A decode request refused here never reaches the scheduler, whose connector would
         otherwise tell the prefill engine to free the request's blocks: say it here, or they stay
-        held until the lease ends. Except when it is refused for now (503: overloaded, draining):
-        the router retries such a refusal on another decode engine with the same params, which must
-        still find the blocks held (if it gives up, the lease frees them)."""
+        held until the lease ends."""
         try:
             yield
         except (ProtocolError, ValueError) as error:
-            retryable = isinstance(error, ProtocolError) and error.status == 503
-            if (
-                kv_transfer_params
-                and kv_transfer_params.get("do_remote_prefill") is True
-                and not retryable
-                and self.client.alive
-            ):
-                await self.client.release_remote_blocks(kv_transfer_params)
+            await self._release_refused(kv_transfer_params, error)
             raise
+
+    async def _release_refused(self, kv_transfer_params: dict[str, Any] | None, error: Exception) -> None:
+        """Free the prefill hold a refused decode leg names. Except when it is refused for now (503:
+        overloaded, draining): the router retries such a refusal on another decode engine with the
+        same params, which must still find the blocks held (if it gives up, the lease frees them)."""
+        retryable = isinstance(error, ProtocolError) and error.status == 503
+        if (
+            kv_transfer_params
+            and kv_transfer_params.get("do_remote_prefill") is True
+            and not retryable
+            and self.client.alive
+        ):
+            await self.client.release_remote_blocks(kv_transfer_params)
 
     async def _completions(self, request: web.Request, body: CompletionRequest) -> web.StreamResponse:
         self._check_model(body.model)

@@ -14,9 +14,11 @@ from pdserve.testing.hf_models import SHAPES, VOCAB, first_divergence, hf_greedy
 
 MAX_NEW = 12
 TIE_MARGIN = 1e-3
-# Logprobs agree to 1e-4, except where the gated delta rule's chunks (a triangular solve, where
-# transformers substitutes forward row by row) round differently in float32: measured up to 1.3e-4.
-LOGPROB_ATOL = {name: 5e-4 for name in SHAPES if name.startswith("qwen3.5")}
+# Logprobs agree to 1e-4, except on one hybrid shape where float32 itself is not that precise: transformers'
+# own float32 logprobs there are up to 0.94e-4 from the same model evaluated in float64 (its float32 casts
+# lifted), ours up to 1.6e-4, and the two up to 1.3e-4 apart (measured 2026-12-03; the other hybrid shapes:
+# at most 2.6e-5 apart). Computing the gated delta rule in float64 moved ours by less than that noise.
+LOGPROB_ATOL = {"qwen3.5-hybrid": 2e-4}
 
 
 def _prompts() -> list[list[int]]:

@@ -73,6 +73,8 @@ def test_pd_params_from_anyone_but_the_router_are_refused(cluster):
     forged = completion_body(PROMPT, max_tokens=2, kv_transfer_params=params)
     status, answer, _ = _post(decode, "/v1/completions", forged, False)
     assert status == 403, answer
+    status, answer, _ = _post(decode, "/v1/completions", {**forged, "max_tokens": "two"}, False)  # does not decode
+    assert status == 403, answer
     status, answer, _ = _post(prefill, "/v1/kv_transfer/release", {"kv_transfer_params": params}, False)
     assert status == 403, answer
     assert metrics(prefill)["pdserve_kv_blocks_held_for_remote"] > 0

@@ -106,6 +106,19 @@ def test_decode_abort_before_the_pull_frees_prefill_by_notification(cluster):
     )
 
 
+def test_a_decode_leg_whose_body_does_not_decode_frees_prefill_at_once(cluster):
+    # The prefill leg (sent with max_tokens 1, as the router sends it) took the prompt; the decode
+    # leg's own body is refused before it is parsed into a request.
+    params = _prefill_leg(cluster, _prompt("invalid"))
+    wait_for(lambda: _held(cluster) > 0, 10, "prefill does not report its held blocks")
+    expirations = scrape(cluster.prefills[0].url)["pdserve_kv_lease_expirations_total"]
+    body = _body(_prompt("invalid"), max_tokens="ten", kv_transfer_params=params)
+    status, answer = post(cluster.decodes[0].url + "/v1/completions", body)
+    assert status == 400 and answer["error"]["param"] == "max_tokens", answer
+    wait_for(lambda: _held(cluster) == 0, LEASE_S - 1, "prefill kept the blocks: no release reached it")
+    assert scrape(cluster.prefills[0].url)["pdserve_kv_lease_expirations_total"] == expirations, "freed by lease"
+
+
 @pytest.mark.slow  # 20 s of chaos: make test keeps the budget (the other fault tests stay)
 def test_prefill_killed_while_requests_wait_then_restarted(cluster):
     prompts = [_prompt(f"kill {i}") for i in range(3)]
