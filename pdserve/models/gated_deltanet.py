@@ -8,7 +8,8 @@ recurrent state ``[slots, value_heads, key_dim, value_dim]`` (float32). The mode
 slot before its request's first token; after that every step continues from what the slot holds,
 so a prompt may be computed over several steps (chunked prefill). Decodes (one token each) run
 batched through the recurrent form; prompt chunks batched through the chunked form, padded to the
-longest.
+longest. On a CPU in float32 one fused kernel (``cpu_kernels.gated_delta_net``) does both, in the
+recurrent form over the slots in place.
 
 Under tensor parallelism a rank holds its share of the key heads and of the value heads (they
 group alike: value head j reads key head j // group), so its slots hold their states only; the
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from pdserve.kernels import gated_delta
+from pdserve.kernels import cpu_kernels, gated_delta
 from pdserve.kernels.reference import AttentionMetadata
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import Linear, RowParallelLinear
@@ -78,6 +79,8 @@ class GatedDeltaNet(nn.Module):
         slots = metadata.state_slots
         assert slots is not None, "a linear-attention layer needs the batch's state slots"
         conv_weight = self.conv1d_weight[:, 0]
+        if cpu_kernels.gated_delta_net(out, qkv, conv_weight, state, metadata, log_decay, beta, self.num_key_heads):
+            return self._output(out, z)
         tokens = metadata.decode_token_indices
         if tokens.numel():
             # Gathered, computed on, written back: one token of each decoding sequence at once.
@@ -92,8 +95,12 @@ class GatedDeltaNet(nn.Module):
             recurrent_states[decode_slots] = recurrent
         if metadata.prefill_seq_indices:
             self._prompt_chunks(qkv, log_decay, beta, state, metadata, out)
-        gated = self.norm(out, z.view(num_tokens, self.num_value_heads, self.value_dim))
-        return self.out_proj(gated.view(num_tokens, -1))
+        return self._output(out, z)
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The mixed values ``[tokens, value_heads, value_dim]`` normed, gated by ``z`` and projected."""
+        gated = self.norm(out, z.view(out.shape))
+        return self.out_proj(gated.view(out.shape[0], -1))
 
     def _prompt_chunks(
         self,

@@ -32,8 +32,11 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 # Names the KV cache layout below; engines exchanging blocks must agree on it (KV compatibility hash).
 KV_CACHE_LAYOUT = "blocks,layers,kv,heads,block_size,head_dim"
 # And the layout of a state slot in its rows: per linear layer, conv window then recurrent state.
-STATE_SLOT_LAYOUT = "layers,conv[channels,width-1],recurrent[value_heads,key_dim,value_dim]f32,align16"
-_STATE_ALIGN = 16
+STATE_SLOT_LAYOUT = "layers,conv[channels,width-1],recurrent[value_heads,key_dim,value_dim]f32,align64"
+_STATE_ALIGN = 64  # a cache line: a state starts where one does
+# Where a CPU cache starts: numpy's data sit 16 bytes into their allocation, and vector loads of rows
+# that straddle cache lines made the fused Gated DeltaNet kernel 3.5x slower (docs/benchmarks.md).
+_MEMORY_ALIGN = 4096
 
 
 @dataclass
@@ -163,11 +166,14 @@ def allocate_kv_cache(
 def allocate_kv_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed tensor for KV blocks. On CPU the memory comes from numpy, which asks Linux for
     transparent huge pages on large arrays (torch does not): a NIXL pull between processes then
-    pins and walks 512x fewer pages, and ran 15-25% faster for it (bench/kv_transfer.py)."""
+    pins and walks 512x fewer pages, and ran 15-25% faster for it (bench/kv_transfer.py). It starts
+    on a page boundary."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    memory = torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+    spare = np.zeros(num_bytes + _MEMORY_ALIGN, dtype=np.uint8)
+    start = -spare.ctypes.data % _MEMORY_ALIGN
+    memory = torch.from_numpy(spare[start : start + num_bytes]).view(dtype).view(shape)
     # calloc'd pages are mapped lazily: touch them now, or their first writes page-fault inside the
     # engine's steps (measured 6-9% of decode throughput) instead of once at start-up.
     return memory.zero_()

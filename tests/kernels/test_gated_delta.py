@@ -1,7 +1,8 @@
 """Gated DeltaNet's sequence mixing: our chunked and recurrent gated delta rule agree with each other
 and with transformers' torch implementations (Qwen3.5's fallback path), with and without an initial
 state, across chunk boundaries, with fewer key heads than value heads; a prompt split into pieces
-(chunked prefill) carries its state to the same result; the convolution's rolling state likewise."""
+(chunked prefill) carries its state to the same result; the convolution's rolling state likewise; the
+fused CPU kernel does what both do, for a whole batch at once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import gated_delta
+from pdserve.kernels import cpu_kernels, gated_delta
+from pdserve.kernels.reference import build_attention_metadata
 
 hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
@@ -115,3 +117,58 @@ def test_convolution_with_rolling_state_equals_transformers(width):
     states = state[None].clone()
     torch.testing.assert_close(gated_delta.causal_conv1d_step(x[8:9], weight, states), expected[8:9])
     torch.testing.assert_close(states[0], x[9 - (width - 1) : 9].t())
+
+
+@pytest.mark.skipif(cpu_kernels.cpu_ops() is None, reason="no C++ toolchain")
+@pytest.mark.parametrize(("key_heads", "value_heads", "width"), [(2, 4, 4), (1, 3, 2), (2, 2, 4)])
+def test_the_fused_cpu_kernel_equals_transformers_for_decodes_and_prompt_chunks_in_one_batch(
+    key_heads, value_heads, width
+):
+    """Decodes and prompt chunks of several lengths in one call, their states in scattered slots of
+    strided views (as in the KV cache's rows): outputs and states as transformers' convolution and
+    recurrent rule give them, sequence by sequence; the slots not in the batch untouched."""
+    generator = torch.Generator().manual_seed(width + value_heads)
+    key_dim, value_dim = 16, 24
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    spans, slots = [1, 40, 1, 17, 70, 1], [5, 0, 3, 6, 2, 1]  # slot 4 is nobody's
+    tokens = sum(spans)
+    wide = torch.randn(tokens, channels + 7, generator=generator)
+    qkv = wide[:, :channels]  # rows strided, as a split of the fused projection
+    weight = torch.randn(channels, width, generator=generator)
+    g = -torch.rand(value_heads, generator=generator).mul(4).exp() * F.softplus(
+        torch.randn(tokens, value_heads, generator=generator)
+    )
+    beta = torch.randn(tokens, value_heads, generator=generator).sigmoid()
+    conv_bytes, state_size = channels * (width - 1), value_heads * key_dim * value_dim
+    rows = torch.randn(7, conv_bytes + state_size + 5, generator=generator) * 0.1
+    state = (
+        rows[:, :conv_bytes].view(7, channels, width - 1),
+        rows[:, conv_bytes : conv_bytes + state_size].view(7, value_heads, key_dim, value_dim),
+    )
+    before = rows.clone()
+    metadata = build_attention_metadata(spans, spans, [[0] * 5] * len(spans), block_size=16)
+    metadata.state_slots = torch.tensor(slots)
+    out = torch.empty(tokens, value_heads, value_dim)
+    assert cpu_kernels.gated_delta_net(out, qkv, weight, state, metadata, g, beta, key_heads)
+
+    key_size = key_heads * key_dim
+    for index, (slot, span) in enumerate(zip(slots, spans, strict=True)):
+        part = slice(metadata.query_start_loc[index], metadata.query_start_loc[index + 1])
+        conv_state = before[slot, :conv_bytes].view(channels, width - 1).clone()
+        mixed = gated_delta.causal_conv1d(qkv[part], weight, conv_state)
+        q, k, v = mixed.split([key_size, key_size, value_heads * value_dim], dim=-1)
+        initial = before[slot, conv_bytes : conv_bytes + state_size].view(value_heads, key_dim, value_dim)
+        expected_out, expected_state = _theirs(
+            q.view(span, key_heads, key_dim),
+            k.view(span, key_heads, key_dim),
+            v.view(span, value_heads, value_dim),
+            g[part],
+            beta[part],
+            initial.clone(),
+            chunked=False,
+        )
+        torch.testing.assert_close(out[part], expected_out, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(state[0][slot], conv_state)
+        torch.testing.assert_close(state[1][slot], expected_state, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(rows[4], before[4], atol=0, rtol=0)
+    torch.testing.assert_close(rows[:, -5:], before[:, -5:], atol=0, rtol=0)
