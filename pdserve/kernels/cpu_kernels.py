@@ -461,6 +461,10 @@ void gated_delta_net(torch::Tensor out, torch::Tensor qkv, torch::Tensor conv_we
   const int64_t* slot_of = slots.data_ptr<int64_t>();
   const int64_t* start = starts.data_ptr<int64_t>();
   TORCH_CHECK(start[0] == 0 && start[num_seqs] == num_tokens, "gated_delta_net: spans must cover the tokens");
+  for (int64_t seq = 0; seq < num_seqs; ++seq)
+    TORCH_CHECK(start[seq] <= start[seq + 1] && slot_of[seq] >= 0 && slot_of[seq] < conv_states.size(0) &&
+                    conv_states.size(0) == recurrent_states.size(0),
+                "gated_delta_net: sequence ", seq, " has no span or no slot");
   auto mixed = torch::empty({num_tokens, channels}, qkv.options());
   const float* x_ptr = qkv.data_ptr<float>();
   const float* w_ptr = conv_weight.data_ptr<float>();

@@ -172,3 +172,16 @@ def test_the_fused_cpu_kernel_equals_transformers_for_decodes_and_prompt_chunks_
         torch.testing.assert_close(state[1][slot], expected_state, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(rows[4], before[4], atol=0, rtol=0)
     torch.testing.assert_close(rows[:, -5:], before[:, -5:], atol=0, rtol=0)
+
+
+@pytest.mark.skipif(cpu_kernels.cpu_ops() is None, reason="no C++ toolchain")
+def test_the_fused_cpu_kernel_refuses_a_slot_out_of_range():
+    key_heads, value_heads, key_dim, value_dim, width = 1, 1, 8, 8, 4
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    state = (torch.zeros(2, channels, width - 1), torch.zeros(2, value_heads, key_dim, value_dim))
+    metadata = build_attention_metadata([1], [1], [[0]], block_size=16)
+    metadata.state_slots = torch.tensor([2])
+    out = torch.empty(1, value_heads, value_dim)
+    qkv, weight, g, beta = torch.randn(1, channels), torch.randn(channels, width), torch.zeros(1, 1), torch.ones(1, 1)
+    with pytest.raises(RuntimeError, match="no span or no slot"):
+        cpu_kernels.gated_delta_net(out, qkv, weight, state, metadata, g, beta, key_heads)
