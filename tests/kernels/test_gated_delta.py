@@ -120,15 +120,18 @@ def test_convolution_with_rolling_state_equals_transformers(width):
 
 
 @pytest.mark.skipif(cpu_kernels.cpu_ops() is None, reason="no C++ toolchain")
-@pytest.mark.parametrize(("key_heads", "value_heads", "width"), [(2, 4, 4), (1, 3, 2), (2, 2, 4)])
+# Value dims 24, 8 and 80: column blocks of a vector register's width, then single columns, in different mixes.
+@pytest.mark.parametrize(
+    ("key_heads", "value_heads", "width", "value_dim"), [(2, 4, 4, 24), (1, 3, 2, 8), (2, 2, 4, 80)]
+)
 def test_the_fused_cpu_kernel_equals_transformers_for_decodes_and_prompt_chunks_in_one_batch(
-    key_heads, value_heads, width
+    key_heads, value_heads, width, value_dim
 ):
     """Decodes and prompt chunks of several lengths in one call, their states in scattered slots of
     strided views (as in the KV cache's rows): outputs and states as transformers' convolution and
     recurrent rule give them, sequence by sequence; the slots not in the batch untouched."""
     generator = torch.Generator().manual_seed(width + value_heads)
-    key_dim, value_dim = 16, 24
+    key_dim = 16
     channels = 2 * key_heads * key_dim + value_heads * value_dim
     spans, slots = [1, 40, 1, 17, 70, 1], [5, 0, 3, 6, 2, 1]  # slot 4 is nobody's
     tokens = sum(spans)
