@@ -102,7 +102,7 @@ def _pull_between_tp_sizes(transport: str, prefill_tp: int, decode_tp: int) -> f
     import uuid
 
     from pdserve.kvtransfer.layout import head_ranges
-    from pdserve.kvtransfer.params import RemotePrefill
+    from pdserve.kvtransfer.params import RemotePrefill, new_hold_token
     from pdserve.kvtransfer.work import LoadSpec, TransferWork
 
     context = multiprocessing.get_context("spawn")
@@ -125,13 +125,14 @@ def _pull_between_tp_sizes(transport: str, prefill_tp: int, decode_tp: int) -> f
         for repeat in range(REPEATS + 1):  # the first pull warms up (handshakes)
             request_id = f"tp-{repeat}"
             remote_ids = rng.sample(range(TP_NUM_BLOCKS), TP_PULL_BLOCKS)
+            token = new_hold_token()
             for pipe in pipes:
-                pipe.send((request_id, remote_ids))
+                pipe.send((request_id, remote_ids, token))
             for pipe in pipes:
                 pipe.recv()
             generations = [0] * TP_PULL_BLOCKS
             remote = RemotePrefill(
-                prefill_id, request_id, "127.0.0.1", ports[0], remote_ids, generations, 0, "", "", 60.0, ports
+                prefill_id, request_id, "127.0.0.1", ports[0], remote_ids, generations, 0, "", "", 60.0, ports, token
             )
             local_ids = rng.sample(range(TP_NUM_BLOCKS), TP_PULL_BLOCKS)
             spec = LoadSpec(request_id, remote, local_ids, remote_ids, generations)

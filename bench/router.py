@@ -123,12 +123,16 @@ async def serve_stubs(prefill_port: int, decode_port: int) -> None:
 
 
 async def serve_router(port: int, prefill: str, decode: str, signed: bool = False) -> None:
-    from pdserve.api.auth import new_secret
+    import tempfile
+
+    from pdserve.api.keys import ROUTER_FILES, new_bundle, write_bundle
     from pdserve.router import RouterConfig, start_router
 
-    await start_router(
-        RouterConfig([prefill], [decode], kv_secret=new_secret().encode() if signed else None), port=port
-    )
+    keys_dir = None
+    if signed:  # the router's own key files: it signs every leg (Ed25519) for its target engine
+        keys_dir = tempfile.mkdtemp(prefix="pdserve-bench-keys-")
+        write_bundle(keys_dir, new_bundle(), ROUTER_FILES)
+    await start_router(RouterConfig([prefill], [decode], keys_dir=keys_dir), port=port)
     print("ready", flush=True)
     await asyncio.Event().wait()
 

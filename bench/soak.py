@@ -46,7 +46,7 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.api.auth import SECRET_ENV, new_secret
+from pdserve.api.keys import ENGINE_FILES, KEYS_ENV, ROUTER_FILES, new_bundle, write_bundle
 from pdserve.launcher import free_port
 from pdserve.testing.metrics import IDLE_SERIES, ROUTER_LEG_FAILURES, idle, scrape
 from pdserve.testing.processes import Process, cpu_engine_flags, engine_argv, router_argv, server_env
@@ -68,7 +68,11 @@ def start_cluster(log_dir: Path, transport: str) -> tuple[Process, Process, Proc
 
     model = str(ensure_demo_model())
     # One OpenMP thread each and passive waits: two engines share a small machine without spinning on each other.
-    env = dict(server_env(), **{SECRET_ENV: new_secret()})
+    bundle = new_bundle()
+    write_bundle(log_dir / "keys" / "router", bundle, ROUTER_FILES)
+    write_bundle(log_dir / "keys" / "engine", bundle, ENGINE_FILES)
+    env = dict(server_env(), **{KEYS_ENV: str(log_dir / "keys" / "engine")})
+    router_env = dict(server_env(), **{KEYS_ENV: str(log_dir / "keys" / "router")})
     engines = []
     for role in ("prefill", "decode"):
         port = free_port()
@@ -77,7 +81,7 @@ def start_cluster(log_dir: Path, transport: str) -> tuple[Process, Process, Proc
     prefill, decode = engines
     router_port = free_port()
     router = Process(
-        "router", router_argv(router_port, [prefill.url], [decode.url]), env, router_port, log_dir / "router.log"
+        "router", router_argv(router_port, [prefill.url], [decode.url]), router_env, router_port, log_dir / "router.log"
     )
     try:
         for engine in engines:

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import re
 import signal
 import sys
+import tempfile
+from collections.abc import Iterator
 
-from pdserve.api.auth import API_KEY_ENV, SECRET_ENV
+from pdserve.api.auth import API_KEY_ENV
+from pdserve.api.keys import ENGINE_FILES, KEYS_ENV, ROTATION_STEPS, ROUTER_FILES
 from pdserve.api.roles import COLOCATED, DECODE, POOL_ROLES, PREFILL, ROUTER, ROUTER_PORT, Role, engine_role
 from pdserve.engine.reasoning import REASONING_PARSERS
+from pdserve.kvtransfer.config import TRANSPORTS
 from pdserve.server.tool_parsers import TOOL_PARSERS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -129,48 +134,60 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_secret_flags(parser: argparse.ArgumentParser) -> None:
+def _add_key_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--kv-secret-file",
-        default=None,
-        metavar="PATH",
-        help=f"the cluster secret that authenticates the KV side channel, the router's P/D legs and KV events "
-        f"(default: env {SECRET_ENV})",
+        "--kv-keys",
+        default=os.environ.get(KEYS_ENV) or None,
+        metavar="DIR",
+        help=f"the deployment's key folder (`pdserve keys DIR` makes one): it authenticates the KV side channel, "
+        f"the router's P/D legs and KV events; a router reads {' and '.join(ROUTER_FILES)}, an engine "
+        f"{', '.join(ENGINE_FILES)} (default: env {KEYS_ENV})",
     )
     parser.add_argument(
         "--kv-insecure",
         action="store_true",
-        help="run without a secret on a non-loopback address, and take P/D params from any client "
-        "(vLLM's proxy): only where the network itself keeps strangers out",
+        help="run without keys on a non-loopback address: an engine without keys takes P/D params from any client "
+        "(vLLM's proxy) and its side channel from any peer; only where the network itself keeps strangers out. "
+        "An engine with keys checks them whatever this says",
     )
 
 
-def _cluster_secret(args: argparse.Namespace, component: str, hosts: list[str]) -> bytes | None:
-    """The secret from --kv-secret-file or the environment; exits when there is none but there must be."""
-    from pdserve.api.auth import SecretError, exposure_problem, read_secret
+def _deployment_keys(args: argparse.Namespace, component: str, hosts: list[str], files: tuple[str, ...]) -> str | None:
+    """The key folder (checked to hold ``files``), or None; exits when there is none but there must be."""
+    from pdserve.api.auth import exposure_problem
+    from pdserve.api.keys import KeyFileError, check_folder
 
-    try:
-        secret = read_secret(args.kv_secret_file)
-    except SecretError as error:
-        raise SystemExit(f"pdserve {component}: {error}") from None
-    problem = exposure_problem(f"pdserve {component}", hosts, secret, args.kv_insecure)
+    if args.kv_keys:
+        try:
+            check_folder(args.kv_keys, files, f"pdserve {component}")
+        except KeyFileError as error:
+            raise SystemExit(str(error)) from None
+    problem = exposure_problem(f"pdserve {component}", hosts, args.kv_keys is not None, args.kv_insecure)
     if problem is not None:
         raise SystemExit(problem)
-    if secret is None:
+    if args.kv_keys is None:
         logging.getLogger("pdserve").warning(
-            "pdserve %s: no KV secret: the KV side channel, P/D params and KV events are not authenticated (%s)",
+            "pdserve %s: no keys: the KV side channel, P/D params and KV events are not authenticated (%s)",
             component,
             "--kv-insecure" if args.kv_insecure else "loopback addresses only",
         )
-    return secret
+    return str(args.kv_keys) if args.kv_keys else None
 
 
 def _add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-transfer",
-        choices=["nixl", "tcp"],
+        choices=TRANSPORTS,
         default="nixl",
-        help="how KV blocks move between engines (tcp: where UCX cannot run)",
+        help="how KV blocks move between engines: nixl where it exposes nothing beyond the KV cache (peers on "
+        "this host, or UCX limited to RDMA), else the checked TCP transport; tcp: always the TCP transport",
+    )
+    parser.add_argument(
+        "--kv-nixl-unbounded",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="use NIXL even over UCX transports that do not bound a peer's access (tcp, shared memory): EVERY "
+        "PEER THAT HAND-SHAKES CAN THEN READ AND WRITE THIS PROCESS'S MEMORY (docs/faults.md)",
     )
     parser.add_argument(
         "--kv-side-channel-host",
@@ -211,7 +228,7 @@ def _add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="where the engine publishes KV-cache events for routers (0: a free port, advertised in /health; -1: none)",
     )
-    _add_secret_flags(parser)
+    _add_key_flags(parser)
 
 
 # The engine flags `pdserve serve` forwards to its children (dest -> flag).
@@ -236,6 +253,7 @@ _FORWARDED_ENGINE_FLAGS = (
     "reasoning_parser",
     "tool_call_parser",
     "kv_transfer",
+    "kv_nixl_unbounded",
     "kv_lease_seconds",
     "kv_transfer_timeout",
     "kv_load_failure",
@@ -259,7 +277,7 @@ def _forwarded_argv(args: argparse.Namespace, names: tuple[str, ...]) -> list[st
     return argv
 
 
-def _engine_args(args: argparse.Namespace, role: Role, secret: bytes | None):  # -> EngineArgs (imported lazily)
+def _engine_args(args: argparse.Namespace, role: Role, keys_dir: str | None):  # -> EngineArgs (imported lazily)
     from pdserve.engine.engine_args import EngineArgs
 
     kv_transfer = None
@@ -267,7 +285,8 @@ def _engine_args(args: argparse.Namespace, role: Role, secret: bytes | None):  #
         from pdserve.kvtransfer.config import KVTransferConfig
 
         kv_transfer = KVTransferConfig(
-            secret=secret,
+            keys_dir=keys_dir,
+            nixl_unbounded=args.kv_nixl_unbounded,
             transport=args.kv_transfer,
             host=args.kv_side_channel_host or args.host,
             side_channel_port=args.kv_side_channel_port,
@@ -321,16 +340,19 @@ async def _run_engine(args: argparse.Namespace, role: Role) -> None:
     from pdserve.server.serving import ServerLimits
 
     limits = ServerLimits(max_in_flight=args.max_pending_requests, request_timeout=args.request_timeout)
-    secret = None
+    keys_dir = None
     verifier = None
     if role.kv_transfer:  # a colocated engine has no side channel and takes no P/D params
-        secret = _cluster_secret(args, role.name, [args.host, args.kv_side_channel_host or args.host])
-        if secret is not None and not args.kv_insecure:
-            from pdserve.api.auth import RequestVerifier
+        hosts = [args.host, args.kv_side_channel_host or args.host]
+        keys_dir = _deployment_keys(args, role.name, hosts, ENGINE_FILES)
+    engine_args = _engine_args(args, role, keys_dir)
+    if keys_dir is not None:  # with keys, P/D params come from the router only, whatever --kv-insecure says
+        from pdserve.api.auth import RouterVerifier
+        from pdserve.api.keys import load_router_public
 
-            verifier = RequestVerifier(secret)
+        verifier = RouterVerifier(load_router_public(keys_dir), engine_args.kv_transfer.engine_id)
     running = await start_engine_server(
-        _engine_args(args, role, secret),
+        engine_args,
         args.host,
         args.port,
         args.served_model_name,
@@ -367,7 +389,7 @@ async def _run_router(args: argparse.Namespace) -> None:
 
     if args.discovery == "static" and not args.decode:
         raise SystemExit("pdserve router: --decode URL ... is required with --discovery static")
-    secret = _cluster_secret(args, ROUTER, [args.host])
+    keys_dir = _deployment_keys(args, ROUTER, [args.host], ROUTER_FILES)
     running = await start_router(
         RouterConfig(
             prefill_urls=args.prefill,
@@ -383,7 +405,7 @@ async def _run_router(args: argparse.Namespace) -> None:
             pd_min_prefill_tokens=args.pd_min_prefill_tokens,
             prefill_timeout=args.prefill_timeout,
             session_affinity=args.session_affinity,
-            kv_secret=secret,
+            keys_dir=keys_dir,
         ),
         args.host,
         args.port,
@@ -430,16 +452,61 @@ def _serve(args: argparse.Namespace) -> int:
         args.model = str(ensure_demo_model())  # built once here, not raced by every child
     if args.api_key:  # children read it from the environment: a command line is visible to every user
         os.environ[API_KEY_ENV] = args.api_key
-    # The children share one secret: the one given, else a fresh one in their environment.
-    if args.kv_secret_file is None and not os.environ.get(SECRET_ENV, "").strip():
-        from pdserve.api.auth import new_secret
+    insecure = ["--kv-insecure"] if args.kv_insecure else []
+    with _local_keys(args) as (router_keys, engine_keys):
+        router_argv = [*_forwarded_argv(args, ("log_level",)), "--tokenizer", args.tokenizer or args.model, *insecure]
+        engine_argv = [*_forwarded_argv(args, _FORWARDED_ENGINE_FLAGS), *insecure]
+        if router_keys is not None and engine_keys is not None:
+            router_argv += ["--kv-keys", router_keys]
+            engine_argv += ["--kv-keys", engine_keys]
+        return run_disaggregated(args.host, args.port, args.prefill, args.decode, engine_argv, router_argv, sizes)
 
-        os.environ[SECRET_ENV] = new_secret()
-    trust = ["--kv-secret-file", args.kv_secret_file] if args.kv_secret_file else []
-    trust += ["--kv-insecure"] if args.kv_insecure else []
-    router_argv = [*_forwarded_argv(args, ("log_level",)), "--tokenizer", args.tokenizer or args.model, *trust]
-    engine_argv = [*_forwarded_argv(args, _FORWARDED_ENGINE_FLAGS), *trust]
-    return run_disaggregated(args.host, args.port, args.prefill, args.decode, engine_argv, router_argv, sizes)
+
+@contextlib.contextmanager
+def _local_keys(args: argparse.Namespace) -> Iterator[tuple[str | None, str | None]]:
+    """The key folders of `pdserve serve`'s router and engines: the one given (each child reads its own files),
+    none under --kv-insecure (its children then take P/D params from any client, as the flag says), else fresh
+    keys in a private temporary folder, the router's files and the engines' apart, removed at the end."""
+    if args.kv_keys:
+        yield args.kv_keys, args.kv_keys
+        return
+    if args.kv_insecure:
+        yield None, None
+        return
+    from pdserve.api.keys import new_bundle, write_bundle
+
+    with tempfile.TemporaryDirectory(prefix="pdserve-keys-") as folder:
+        bundle = new_bundle()
+        router, engine = os.path.join(folder, "router"), os.path.join(folder, "engine")
+        write_bundle(router, bundle, ROUTER_FILES)
+        write_bundle(engine, bundle, ENGINE_FILES)
+        yield router, engine
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from pdserve.api.keys import ALL_FILES, new_bundle, read_bundle, rotate, write_bundle
+
+    if args.rotate is None:
+        if any(os.path.exists(os.path.join(args.path, name)) for name in ALL_FILES):
+            sys.stderr.write(f"{args.path} holds keys already: rotate them with --rotate {'|'.join(ROTATION_STEPS)}\n")
+            return 2
+        write_bundle(args.path, new_bundle())
+        print(
+            f"wrote {', '.join(ALL_FILES)} to {args.path}: give routers {' and '.join(ROUTER_FILES)}, "
+            f"engines {', '.join(ENGINE_FILES)}"
+        )
+        return 0
+    try:
+        contents = rotate(read_bundle(args.path), args.rotate)
+    except (OSError, ValueError) as error:
+        sys.stderr.write(f"cannot rotate the keys in {args.path}: {error}\n")
+        return 2
+    write_bundle(args.path, contents)
+    print(
+        f"{args.path}: rotation step {args.rotate!r} done; let every process read it (2 s; on Kubernetes, the "
+        f"Secret's propagation to every pod) before the next step"
+    )
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -598,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
         engine.set_defaults(handler=_engine)
     router = commands.add_parser(ROUTER, help="run the router: prefill leg, then decode leg streamed back")
     _add_server_flags(router, ROUTER_PORT)
-    _add_secret_flags(router)
+    _add_key_flags(router)
     router.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill engine URLs (without /v1)")
     router.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode engine URLs (without /v1)")
     router.add_argument(
@@ -676,7 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile = commands.add_parser("profile", help="measure an engine on this machine for `pdserve plan`")
     _add_engine_flags(profile)
     profile.add_argument("--output", "-o", required=True, help="the profile JSON to write")
-    profile.add_argument("--kv-transfer", choices=["nixl", "tcp"], default="nixl", help="transport of the timed pulls")
+    profile.add_argument("--kv-transfer", choices=TRANSPORTS, default="nixl", help="transport of the timed pulls")
     profile.add_argument(
         "--gpus-per-pod", type=int, default=None, help="GPUs of one pod (default: the TP size, 0 on CPU)"
     )
@@ -684,7 +751,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument(
         "--max-batch", type=int, default=None, help="largest decode batch measured (default max-num-seqs)"
     )
-    profile.set_defaults(handler=_profile, host="127.0.0.1", kv_side_channel_host=None, kv_events_port=-1)
+    profile.set_defaults(
+        handler=_profile, host="127.0.0.1", kv_side_channel_host=None, kv_events_port=-1, kv_nixl_unbounded=False
+    )
     plan = commands.add_parser("plan", help="the cheapest prefill and decode pools that meet TTFT and TPOT targets")
     plan.add_argument("--profile", required=True, help="from `pdserve profile` (of the prefill pods, or of all)")
     plan.add_argument("--decode-profile", default=None, help="of the decode pods, when they differ")
@@ -713,6 +782,18 @@ def build_parser() -> argparse.ArgumentParser:
     operator.add_argument("--liveness-port", type=int, default=8080, help="serves /healthz for the liveness probe")
     operator.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     operator.set_defaults(handler=_operator)
+    keys = commands.add_parser(
+        "keys", help="make a deployment's key folder, or take one step of rotating its keys (docs/faults.md)"
+    )
+    keys.add_argument("path", help="the key folder")
+    keys.add_argument(
+        "--rotate",
+        choices=ROTATION_STEPS,
+        default=None,
+        help="add: a new key beside each (accepted, not used); promote: sign with the new keys; retire: drop the "
+        "old ones. Let every process see each step before the next",
+    )
+    keys.set_defaults(handler=_keys)
     demo = commands.add_parser("demo-model", help="write the built-in tiny model and tokenizer to PATH")
     demo.add_argument("path", help="folder to write (created if missing)")
     demo.add_argument(

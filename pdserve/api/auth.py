@@ -1,20 +1,19 @@
-"""The cluster secret and what it authenticates (docs/faults.md, "Trust model").
+"""What the deployment's keys (pdserve/api/keys.py) authenticate, and how (docs/faults.md, "Trust model").
 
-One shared secret per deployment (a PDService's Secret, or the one ``pdserve serve`` makes for its
-children) authenticates three things, each with its own key derived from it, so that a value
-signed for one purpose is never accepted for another:
+- The router's P/D legs and release calls to engines: the ``X-PDServe-Router-Auth`` header
+  (:class:`RouterSigner` / :class:`RouterVerifier`), an Ed25519 signature with the router's key over the
+  method, the path, the body's digest, the time, a nonce and the **target engine's id**. An engine checks it
+  with the router's public key: it cannot sign a leg itself, and a leg signed for one engine is refused by
+  every other (a restarted engine has a new id).
+- Side-channel messages between transfer agents (pdserve/kvtransfer/messages.py) and KV-event batches
+  (pdserve/api/kv_events.py): HMAC-SHA256 (:class:`Signer`) with ``engine.key`` and ``events.key``, each
+  signed value naming its receiver or its publisher.
 
-- ``side-channel``: every message between transfer agents (pdserve/kvtransfer/messages.py);
-- ``router``: the router's P/D legs and release calls to engines (the ``X-PDServe-Router-Auth``
-  header, :func:`sign_request` / :class:`RequestVerifier`): only the router may make an engine hold
-  KV for others or pull KV from a peer;
-- ``kv-events``: the KV-event stream an engine publishes for routers.
+Each signed value carries the wall-clock time it was made and a random nonce; a receiver accepts it within
+:data:`MAX_CLOCK_SKEW_S` of its own clock and only once (:class:`ReplayGuard`).
 
-Each signed value carries the wall-clock time it was made and a random nonce; a receiver accepts
-it within :data:`MAX_CLOCK_SKEW_S` of its own clock and only once (:class:`ReplayGuard`).
-
-Without a secret nothing is authenticated; :func:`exposure_problem` allows that only on loopback
-addresses, or when the operator of the process said ``--kv-insecure``.
+Without keys nothing is authenticated; :func:`exposure_problem` allows that only on loopback addresses, or
+when the operator of the process said ``--kv-insecure``.
 """
 
 from __future__ import annotations
@@ -22,16 +21,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import os
 import secrets
 import time
 from collections import OrderedDict
-from pathlib import Path
 
-SECRET_ENV = "PDSERVE_KV_SECRET"
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from pdserve.api.keys import KeyRing
+
 # The client API key of `pdserve` servers (`--api-key` reads it by default; the operator sets it from a Secret).
 API_KEY_ENV = "PDSERVE_API_KEY"
-MIN_SECRET_BYTES = 16
 # How far a signed value's time may be from the receiver's clock (cluster clocks are NTP-synced).
 MAX_CLOCK_SKEW_S = 30.0
 # Nonces remembered per receiver: beyond this many fresh ones inside the window, new values are
@@ -40,38 +40,14 @@ MAX_REMEMBERED_NONCES = 1 << 18
 NONCE_BYTES = 16
 
 SIDE_CHANNEL = "side-channel"
-ROUTER = "router"
 KV_EVENTS = "kv-events"
+ROUTER_LEG = "router-leg"
 
 ROUTER_AUTH_HEADER = "X-PDServe-Router-Auth"
-
-
-class SecretError(ValueError):
-    """The secret cannot be read or is unusable; the message says which and why."""
-
-
-def read_secret(path: str | None = None) -> bytes | None:
-    """The cluster secret from ``path`` (``--kv-secret-file``) or else the environment
-    (``PDSERVE_KV_SECRET``); None when neither gives one. Surrounding whitespace is not part of it."""
-    if path:
-        try:
-            value = Path(path).read_bytes().strip()
-        except OSError as error:
-            raise SecretError(f"cannot read the KV secret file {path}: {error.strerror or error}") from None
-        source = path
-    else:
-        text = os.environ.get(SECRET_ENV, "").strip()
-        if not text:
-            return None
-        value, source = text.encode(), f"${SECRET_ENV}"
-    if len(value) < MIN_SECRET_BYTES:
-        raise SecretError(f"the KV secret in {source} is {len(value)} bytes; at least {MIN_SECRET_BYTES} are needed")
-    return value
-
-
-def new_secret() -> str:
-    """A fresh secret (64 hex characters)."""
-    return secrets.token_hex(32)
+# What an engine answers to a leg signed for another engine (or a previous run of itself): 403, the error's
+# ``type``, with its own id in ENGINE_ID_HEADER; the router then signs for that id, once.
+WRONG_TARGET = "router_auth_target"
+ENGINE_ID_HEADER = "X-PDServe-Engine-Id"
 
 
 def is_loopback(host: str) -> bool:
@@ -83,35 +59,46 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def exposure_problem(component: str, hosts: list[str], secret: bytes | None, insecure: bool) -> str | None:
+def exposure_problem(component: str, hosts: list[str], keyed: bool, insecure: bool) -> str | None:
     """Why ``component`` must not start listening on ``hosts`` as configured, or None.
 
-    Without a secret only loopback is allowed (one machine's processes trust each other), unless
-    ``insecure`` (``--kv-insecure``) says the network is trusted by other means."""
+    Without keys only loopback is allowed (one machine's processes trust each other), unless ``insecure``
+    (``--kv-insecure``) says the network is trusted by other means."""
     exposed = [host for host in hosts if not is_loopback(host)]
-    if secret is not None or insecure or not exposed:
+    if keyed or insecure or not exposed:
         return None
     return (
-        f"{component}: listening on {', '.join(exposed)} without a KV secret would let anyone on that network "
-        f"read and write the KV cache; give --kv-secret-file (or ${SECRET_ENV}), or --kv-insecure to accept that"
+        f"{component}: listening on {', '.join(exposed)} without keys would let anyone on that network "
+        f"read and write the KV cache; give --kv-keys DIR (make one with `pdserve keys DIR`), or --kv-insecure "
+        f"to accept that"
     )
 
 
+def _framed(*parts: bytes) -> bytes:
+    """Length-prefixed parts: no two different part lists frame alike."""
+    return b"".join(len(part).to_bytes(8, "big") + part for part in parts)
+
+
 class Signer:
-    """HMAC-SHA256 with the key for one purpose (``side-channel``, ``router``, ``kv-events``)."""
+    """HMAC-SHA256 with one key file's keys, for one purpose (``side-channel``, ``kv-events``): the current
+    key signs, every accepted key verifies (a rollover)."""
 
-    def __init__(self, secret: bytes, purpose: str) -> None:
-        self._key = hmac.new(secret, b"pdserve/" + purpose.encode(), hashlib.sha256).digest()
+    def __init__(self, keys: KeyRing[bytes], purpose: str) -> None:
+        self.keys = keys
+        self._purpose = b"pdserve/" + purpose.encode()
 
-    def sign(self, *parts: bytes) -> bytes:
-        mac = hmac.new(self._key, digestmod=hashlib.sha256)
+    def _mac(self, key: bytes, parts: tuple[bytes, ...]) -> bytes:
+        mac = hmac.new(key, self._purpose, hashlib.sha256)
         for part in parts:  # length-prefixed: no two different part lists sign alike
             mac.update(len(part).to_bytes(8, "big"))
             mac.update(part)
         return mac.digest()
 
+    def sign(self, *parts: bytes) -> bytes:
+        return self._mac(self.keys.current, parts)
+
     def verify(self, mac: bytes, *parts: bytes) -> bool:
-        return hmac.compare_digest(mac, self.sign(*parts))
+        return any(hmac.compare_digest(mac, self._mac(key, parts)) for key in self.keys.accepted)
 
 
 class ReplayGuard:
@@ -122,10 +109,14 @@ class ReplayGuard:
         self.capacity = capacity
         self._seen: OrderedDict[bytes, float] = OrderedDict()  # nonce -> when it may be forgotten
 
+    def stale(self, sent_at: float, now: float | None = None) -> bool:
+        """Outside the window (checked before anything costly: a stale value is refused unverified)."""
+        return abs((time.time() if now is None else now) - sent_at) > self.window
+
     def problem(self, sent_at: float, nonce: bytes, now: float | None = None) -> str | None:
         """None if fresh (and now remembered), else why it is refused."""
         now = time.time() if now is None else now
-        if abs(now - sent_at) > self.window:
+        if self.stale(sent_at, now):
             return "stale"  # or a clock far off
         while self._seen and next(iter(self._seen.values())) <= now:
             self._seen.popitem(last=False)
@@ -138,35 +129,66 @@ class ReplayGuard:
         return None
 
 
-def _request_parts(sent_at: str, nonce: str, method: str, path: str, body: bytes) -> tuple[bytes, ...]:
-    return sent_at.encode(), nonce.encode(), method.upper().encode(), path.encode(), body
+def _leg_message(sent_at: str, nonce: str, method: str, path: str, target: str, body: bytes) -> bytes:
+    digest = hashlib.sha256(body).digest()
+    return _framed(
+        ROUTER_LEG.encode(),
+        sent_at.encode(),
+        nonce.encode(),
+        method.upper().encode(),
+        path.encode(),
+        target.encode(),
+        digest,
+    )
 
 
-def sign_request(signer: Signer, method: str, path: str, body: bytes, now: float | None = None) -> str:
-    """The ``X-PDServe-Router-Auth`` value for one HTTP request: ``TIME NONCE MAC`` (hex), the MAC
-    covering the method, the path and the exact body bytes."""
-    sent_at = f"{time.time() if now is None else now:.6f}"
-    nonce = secrets.token_hex(NONCE_BYTES)
-    return f"{sent_at} {nonce} {signer.sign(*_request_parts(sent_at, nonce, method, path, body)).hex()}"
+class RouterSigner:
+    """The router's side of ``X-PDServe-Router-Auth``."""
+
+    def __init__(self, keys: KeyRing[Ed25519PrivateKey]) -> None:
+        self.keys = keys
+
+    def header(self, method: str, path: str, body: bytes, target: str, now: float | None = None) -> str:
+        """``TIME NONCE TARGET SIGNATURE`` for one HTTP request to the engine whose id is ``target``."""
+        sent_at = f"{time.time() if now is None else now:.6f}"
+        nonce = secrets.token_hex(NONCE_BYTES)
+        signature = self.keys.current.sign(_leg_message(sent_at, nonce, method, path, target, body))
+        return f"{sent_at} {nonce} {target} {signature.hex()}"
 
 
-class RequestVerifier:
-    """Checks ``X-PDServe-Router-Auth`` values on one engine (one replay guard per process)."""
+class RouterVerifier:
+    """Checks ``X-PDServe-Router-Auth`` values on the engine whose id is ``engine_id`` (one replay guard a
+    process)."""
 
-    def __init__(self, secret: bytes) -> None:
-        self.signer = Signer(secret, ROUTER)
+    def __init__(self, keys: KeyRing[Ed25519PublicKey], engine_id: str) -> None:
+        self.keys = keys
+        self.engine_id = engine_id
         self.replays = ReplayGuard()
 
     def problem(self, header: str | None, method: str, path: str, body: bytes) -> str | None:
-        """None if ``header`` proves the router made this request, else why not."""
+        """None if ``header`` proves the router made this request for this engine, else why not (the
+        :data:`WRONG_TARGET` reason when it was made for another)."""
         if not header:
             return "missing"
         try:
-            sent_at, nonce, mac_hex = header.split(" ")
-            mac = bytes.fromhex(mac_hex)
+            sent_at, nonce, target, signature_hex = header.split(" ")
+            signature = bytes.fromhex(signature_hex)
             when = float(sent_at)
         except ValueError:
             return "malformed"
-        if not self.signer.verify(mac, *_request_parts(sent_at, nonce, method, path, body)):
+        if target != self.engine_id:
+            return WRONG_TARGET
+        if self.replays.stale(when):
+            return "stale"
+        message = _leg_message(sent_at, nonce, method, path, target, body)
+        if not any(_valid(key, signature, message) for key in self.keys.accepted):
             return "bad signature"
         return self.replays.problem(when, nonce.encode())
+
+
+def _valid(key: Ed25519PublicKey, signature: bytes, message: bytes) -> bool:
+    try:
+        key.verify(signature, message)
+    except InvalidSignature:
+        return False
+    return True

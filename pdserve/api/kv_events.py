@@ -10,10 +10,13 @@ router that starts late, restarts, or misses messages (``seq`` jumps) converges 
 The hashes are the block pool's own (pdserve/engine/block_hash.py), which a router recomputes
 from a prompt's token ids; ``block_size`` tells it how to cut the prompt.
 
-With the cluster secret (pdserve/api/auth.py) each message is three frames, the batch, the time it
-was sent and an HMAC of both (:class:`EventSigner`), and a router with the secret drops any other:
-a process that takes over an engine's address cannot steer the router with made-up cache contents.
-Without it, a message is the batch alone.
+With the deployment's keys (pdserve/api/keys.py, ``events.key``) each message is three frames, the batch,
+the time it was sent and an HMAC of both (:class:`EventSigner`), and a router with the keys drops any other.
+The batch names its engine and its sequence number, so what the MAC covers says whose stream it is and
+where in it: a router takes a batch only from the pod whose ``/health`` gave that engine id, and only with a
+sequence number above the last it took from that engine (pdserve/router/subscriber.py). So a stream relayed
+from another pod's address, or an old batch sent again, is refused, and a process that takes over an engine's
+address cannot steer the router with made-up cache contents. Without keys, a message is the batch alone.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import msgspec
 
 from pdserve.api.auth import KV_EVENTS, MAX_CLOCK_SKEW_S, Signer
 from pdserve.api.frames import frame_decoder
+from pdserve.api.keys import KeyRing
 
 SNAPSHOT_INTERVAL_S = 5.0
 
@@ -54,17 +58,17 @@ decode_batch: Callable[[bytes], KVEventBatch | None] = frame_decoder(KVEventBatc
 
 
 class EventSigner:
-    """Signs and checks KV-event messages with the cluster secret's ``kv-events`` key."""
+    """Signs and checks KV-event messages with ``events.key``."""
 
-    def __init__(self, secret: bytes) -> None:
-        self._signer = Signer(secret, KV_EVENTS)
+    def __init__(self, keys: KeyRing[bytes]) -> None:
+        self._signer = Signer(keys, KV_EVENTS)
 
     def frames(self, batch: bytes) -> list[bytes]:
         sent_at = repr(time.time()).encode()
         return [batch, sent_at, self._signer.sign(batch, sent_at)]
 
     def batch(self, frames: list[bytes]) -> bytes | None:
-        """The batch frame of a message this secret signed within the clock-skew window, else None."""
+        """The batch frame of a message signed with the key within the clock-skew window, else None."""
         if len(frames) != 3:
             return None
         batch, sent_at, mac = frames

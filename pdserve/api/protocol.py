@@ -368,6 +368,7 @@ class ProtocolError(Exception):
         param: str | None = None,
         error_type: str = "invalid_request_error",
         retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -375,10 +376,12 @@ class ProtocolError(Exception):
         self.param = param
         self.error_type = error_type
         self.retry_after = retry_after  # seconds, sent as the Retry-After header (503 overload, draining)
+        self._headers = headers or {}
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        retry = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        return {**self._headers, **retry}
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(ErrorBody(self.message, self.error_type, self.param, self.status))

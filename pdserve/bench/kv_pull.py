@@ -26,7 +26,7 @@ def _kv_cache(num_blocks: int, block_bytes: int) -> Any:
     return kv_cache
 
 
-def _agent(transport: str, num_blocks: int, block_bytes: int) -> tuple[Any, Any]:
+def _agent(transport: str, num_blocks: int, block_bytes: int, keys_dir: str | None) -> tuple[Any, Any]:
     import numpy as np
 
     from pdserve.kvtransfer.agent import TransferAgent
@@ -34,40 +34,48 @@ def _agent(transport: str, num_blocks: int, block_bytes: int) -> tuple[Any, Any]
 
     kv_cache = _kv_cache(num_blocks, block_bytes)
     generations = np.zeros(num_blocks, dtype=np.int64)
-    config = KVTransferConfig(transport=transport, lease_seconds=60)
+    config = KVTransferConfig(transport=transport, lease_seconds=60, keys_dir=keys_dir)
     return TransferAgent(config, kv_cache, generations, "bench"), generations
 
 
-def _holder(transport: str, num_blocks: int, block_bytes: int, pipe: Any) -> None:
+def _holder(transport: str, num_blocks: int, block_bytes: int, keys_dir: str | None, pipe: Any) -> None:
     """The prefill side: holds the blocks it is told to, reports their generations."""
     from pdserve.kvtransfer.work import TransferWork
 
-    agent, generations = _agent(transport, num_blocks, block_bytes)
+    agent, generations = _agent(transport, num_blocks, block_bytes, keys_dir)
     pipe.send((agent.config.engine_id, agent.port))
     while True:
         message = pipe.recv()
         if message is None:
             break
-        request_id, block_ids = message
-        agent.submit(TransferWork(holds=[(request_id, block_ids)]))
+        request_id, block_ids, token = message
+        agent.submit(TransferWork(holds=[(request_id, block_ids, token)]))
         time.sleep(0.01)  # the agent registers the hold before decode asks for the blocks
         pipe.send(generations[block_ids].tolist())
     agent.close()
 
 
 def measure_pulls(
-    transport: str, block_counts: Sequence[int], block_bytes: int, repeats: int = 3, seed: int = 0
+    transport: str,
+    block_counts: Sequence[int],
+    block_bytes: int,
+    repeats: int = 3,
+    seed: int = 0,
+    keys_dir: str | None = None,
 ) -> list[tuple[int, float]]:
-    """(bytes, seconds) of `repeats` pulls of each block count (after one warm-up pull)."""
-    from pdserve.kvtransfer.params import RemotePrefill
+    """(bytes, seconds) of `repeats` pulls of each block count (after one warm-up pull); ``keys_dir``: both
+    agents seal the side channel with its engine.key."""
+    from pdserve.kvtransfer.params import RemotePrefill, new_hold_token
     from pdserve.kvtransfer.work import LoadSpec, TransferWork
 
     num_blocks = 2 * max(block_counts) + 16
     context = multiprocessing.get_context("spawn")
     pipe, child_pipe = context.Pipe()
-    holder = context.Process(target=_holder, args=(transport, num_blocks, block_bytes, child_pipe), daemon=True)
+    holder = context.Process(
+        target=_holder, args=(transport, num_blocks, block_bytes, keys_dir, child_pipe), daemon=True
+    )
     holder.start()
-    agent, _ = _agent(transport, num_blocks, block_bytes)
+    agent, _ = _agent(transport, num_blocks, block_bytes, keys_dir)
     engine_id, port = pipe.recv()
     rng = random.Random(seed)
     found: list[tuple[int, float]] = []
@@ -75,9 +83,12 @@ def measure_pulls(
         for index, count in enumerate([block_counts[0], *(c for c in block_counts for _ in range(repeats))]):
             request_id = f"pull-{index}"
             remote_ids = rng.sample(range(num_blocks), count)
-            pipe.send((request_id, remote_ids))
+            token = new_hold_token()
+            pipe.send((request_id, remote_ids, token))
             generations = pipe.recv()
-            remote = RemotePrefill(engine_id, request_id, "127.0.0.1", port, remote_ids, generations, 0, "", "", 60.0)
+            remote = RemotePrefill(
+                engine_id, request_id, "127.0.0.1", port, remote_ids, generations, 0, "", "", 60.0, hold_token=token
+            )
             local_ids = rng.sample(range(num_blocks), count)
             start = time.perf_counter()
             agent.submit(TransferWork(loads=[LoadSpec(request_id, remote, local_ids, remote_ids, generations)]))

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from pdserve.api.keys import EVENTS_KEY, load_secret
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.outputs import EngineCoreOutput
@@ -81,6 +82,7 @@ class CoreReady(msgspec.Struct, tag="ready"):
     kv_events_port: int | None = None  # where the core publishes KV-cache events (None: it does not)
     enable_prefix_caching: bool = True
     kv_compat_hash: str | None = None  # P/D engines pair only with engines of the same hash
+    engine_id: str = ""  # this run's identity (routers sign P/D legs for it and match its KV events to it)
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):
@@ -134,10 +136,12 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(CoreInput).decode
     publisher = None
+    # The engine's id for one run: its peers' (side channel), its KV events' and its /health's.
+    engine_id = args.kv_transfer.engine_id if args.kv_transfer is not None else uuid.uuid4().hex
     if args.kv_events_port is not None:
-        engine_id = args.kv_transfer.engine_id if args.kv_transfer is not None else uuid.uuid4().hex
-        secret = args.kv_transfer.secret if args.kv_transfer is not None else None
-        publisher = KVEventPublisher(context, core, engine_id, args.kv_events_host, args.kv_events_port, secret)
+        keys_dir = args.kv_transfer.keys_dir if args.kv_transfer is not None else None
+        keys = load_secret(keys_dir, EVENTS_KEY) if keys_dir else None
+        publisher = KVEventPublisher(context, core, engine_id, args.kv_events_host, args.kv_events_port, keys)
     outputs.send(
         encode(
             CoreReady(
@@ -147,6 +151,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                 publisher.port if publisher else None,
                 scheduler_config.enable_prefix_caching,
                 core.kv_compat_hash,
+                engine_id,
             )
         )
     )

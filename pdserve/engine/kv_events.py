@@ -12,6 +12,7 @@ import time
 
 import zmq
 
+from pdserve.api.keys import KeyRing
 from pdserve.api.kv_events import SNAPSHOT_INTERVAL_S, EngineLoad, EventSigner, KVEventBatch, encode_batch
 from pdserve.engine.engine_core import EngineCore
 
@@ -26,10 +27,10 @@ class KVEventPublisher:
         engine_id: str,
         host: str,
         port: int,
-        secret: bytes | None = None,
+        keys: KeyRing[bytes] | None = None,
     ) -> None:
         self.core = core
-        self.signer = EventSigner(secret) if secret is not None else None
+        self.signer = EventSigner(keys) if keys is not None else None
         core.record_cache_events()
         self.engine_id = engine_id
         self.socket = context.socket(zmq.PUB)

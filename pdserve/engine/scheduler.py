@@ -90,6 +90,7 @@ class SchedulerStats:
     # Side-channel frames the transfer agent refused, by reason (cumulative).
     kv_side_channel_rejected: dict[str, int] = field(default_factory=dict)
     kv_loads_abandoned: int = 0  # loads the watchdog ended because the worker side never reported them
+    kv_quarantines_overdue: int = 0  # their quarantines that outlived the alarm (blocks kept out of use: leaked)
     kv_holds_refused: int = 0  # finished prefill legs not held: the held share of the cache was at its cap
     num_blocks_quarantined: int = 0  # blocks of abandoned loads, kept out of use until no write can land
     # Hybrid models: state slots owned by requests (running, loading, held or quarantined), and those
@@ -159,10 +160,12 @@ class Scheduler:
         self.kv_side_channel_rejected: dict[str, int] = {}
         self.kv_loads_abandoned = 0
         self._kv_transfer_seconds: list[float] = []
-        # The watchdog: loads handed to the connector must be reported by these times; blocks of
-        # abandoned loads stay quarantined until reported or until these times.
+        # The watchdog: loads handed to the connector must be reported by these times. Blocks of abandoned
+        # loads stay quarantined until the load is reported (no write into them can land any more), however
+        # long that takes: past these times a quarantine is counted overdue and logged, never ended.
         self._load_deadlines: dict[str, float] = {}
-        self._quarantine_deadlines: dict[str, float] = {}
+        self._quarantine_alarms: dict[str, float] = {}
+        self.kv_quarantines_overdue = 0
         self._watchdog_outputs: list[EngineCoreOutput] = []
 
     # ----- requests in and out -------------------------------------------------------------
@@ -265,7 +268,7 @@ class Scheduler:
             or self.running
             or self.held_for_remote
             or self.aborted_while_loading
-            or self._quarantine_deadlines
+            or self._quarantine_alarms
             or self._watchdog_outputs
             or self.connector.has_pending_work()
         )
@@ -273,7 +276,7 @@ class Scheduler:
     # ----- one step -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput[Request]:
-        if self._load_deadlines or self._quarantine_deadlines:
+        if self._load_deadlines or self._quarantine_alarms:
             self._watchdog(time.monotonic())
         config = self.config
         kv = self.kv_cache_manager
@@ -582,7 +585,7 @@ class Scheduler:
         now = time.monotonic()
         for request_id in connector_output.failed_recving_in_flight:
             # Failed, but a write into its blocks may still land: quarantined until the worker side
-            # says it drained (reported below, now or later), or the quarantine's bound.
+            # says it drained (reported below, now or later).
             self._load_deadlines.pop(request_id, None)
             if self._quarantine_load(request_id, now, outputs):
                 logger.warning("request %s: its KV load failed while still writing; its blocks quarantined", request_id)
@@ -612,19 +615,25 @@ class Scheduler:
         """A load's end came in; True if the watchdog had abandoned it already (its report now only
         ends the quarantine of its old blocks, whatever the request does meanwhile)."""
         self._load_deadlines.pop(request_id, None)
-        if request_id not in self._quarantine_deadlines:
+        if request_id not in self._quarantine_alarms:
             return False
-        del self._quarantine_deadlines[request_id]
+        del self._quarantine_alarms[request_id]
         self.kv_cache_manager.release_quarantine(request_id)
         return True
 
     def _watchdog(self, now: float) -> None:
         """Fail loads the worker side never reported, quarantining their blocks (a write into them
-        may still land); free quarantined blocks whose bound has passed."""
-        for request_id, until in list(self._quarantine_deadlines.items()):
-            if until <= now:
-                del self._quarantine_deadlines[request_id]
-                self.kv_cache_manager.release_quarantine(request_id)
+        may still land); count and log quarantines that outlived their alarm: their blocks stay out of use,
+        since only the load's report says that no write can land in them any more."""
+        for request_id, alarm in list(self._quarantine_alarms.items()):
+            if alarm <= now:
+                self._quarantine_alarms[request_id] = float("inf")  # counted once
+                self.kv_quarantines_overdue += 1
+                logger.error(
+                    "request %s: its abandoned KV load is still not reported; its blocks stay quarantined "
+                    "(leaked until the transfer agent reports it; pdserve_kv_quarantines_overdue_total)",
+                    request_id,
+                )
         for request_id, deadline in list(self._load_deadlines.items()):
             if deadline <= now:
                 del self._load_deadlines[request_id]
@@ -642,8 +651,8 @@ class Scheduler:
 
     def _quarantine_load(self, request_id: str, now: float, outputs: list[EngineCoreOutput]) -> bool:
         """Fail a load whose blocks a write may still reach: the blocks leave the request for the
-        quarantine (until the load is reported, at the latest ``quarantine_seconds`` from now), and the
-        request recomputes or fails. False if the request no longer waits for that load."""
+        quarantine (until the load is reported; overdue past ``quarantine_alarm_seconds``), and the request
+        recomputes or fails. False if the request no longer waits for that load."""
         kv = self.kv_cache_manager
         request = self.aborted_while_loading.pop(request_id, None)
         if request is not None:
@@ -656,7 +665,7 @@ class Scheduler:
                 return False
             kv.quarantine(request)
             self._load_failed(request, outputs)
-        self._quarantine_deadlines[request_id] = now + self.connector.quarantine_seconds
+        self._quarantine_alarms[request_id] = now + self.connector.quarantine_alarm_seconds
         return True
 
     def _load_failed(self, request: Request, outputs: list[EngineCoreOutput]) -> None:
@@ -715,6 +724,7 @@ class Scheduler:
             kv_release_failures=self.kv_release_failures,
             kv_side_channel_rejected=dict(self.kv_side_channel_rejected),
             kv_loads_abandoned=self.kv_loads_abandoned,
+            kv_quarantines_overdue=self.kv_quarantines_overdue,
             kv_holds_refused=self.kv_holds_refused,
             num_blocks_quarantined=kv.num_quarantined_blocks,
             num_state_slots_used=slots_used,

@@ -5,11 +5,18 @@ It owns every piece of transfer state, and only this thread touches it:
 
 - the side channel (a ZMQ ROUTER on ``host:port``) and the blocks this engine holds for remote
   decodes, with their leases: the prefill side, in :class:`holds.HeldBlocks`. Every message in and
-  out is sealed (:class:`messages.Seal`): with the cluster secret, a peer that cannot seal gets no
-  answer at all, and only a prefill engine's handshake says where its memory is;
-- the pulls this engine runs as a decode (below): a lazy handshake per remote engine (compatibility hash
-  checked, a restarted remote replaces the old one), the transfer, the generation check, and
-  lease renewals while requests wait. Every wait has a deadline (``transfer_timeout``).
+  out is sealed (:class:`messages.Seal`) and names its receiver: with keys, a peer that cannot seal
+  gets no answer at all, and only a prefill engine's handshake says where its memory is. Nothing a
+  peer sends can stall this thread: the side channel takes few connections per address
+  (:class:`admission.ConnectionCaps`), small frames, few queued, and is served a bounded slice a step;
+  pulls, deadlines and leases run every step whatever arrives;
+- the pulls this engine runs as a decode (below): a lazy handshake per remote engine (a challenge the
+  reply must echo; compatibility hash checked; a restarted remote, which has a new id, replaces the old
+  one), the transfer, the generation check, and lease renewals while requests wait. Every wait has a
+  deadline (``transfer_timeout``).
+
+Which transport moves the bytes is decided once, at start (:mod:`nixl_policy`): NIXL only where it
+exposes nothing beyond the registration, else the checked TCP transport.
 
 Under tensor parallelism there is one agent per rank, next to that rank's KV cache, with a side
 channel of its own (``layout``). A decode rank's load of a request is one pull per prefill rank it
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -34,11 +42,14 @@ import numpy as np
 import torch
 import zmq
 
+from pdserve.api.keys import ENGINE_KEY, load_secret
 from pdserve.kvtransfer import messages
+from pdserve.kvtransfer.admission import ConnectionCaps
 from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.holds import HeldBlocks
 from pdserve.kvtransfer.layout import head_mapping_problem, head_ranges, num_kv_heads_of, rank_agent_id, read_plan
+from pdserve.kvtransfer.nixl_policy import choose_transport, unexpected_listeners
 from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.kvtransfer.transport import Pull, Transport, make_transport
 from pdserve.kvtransfer.work import LoadSpec, TransferWork
@@ -57,10 +68,22 @@ DEAD_PEER_MEMORY_S = 30.0
 MAX_DEAD_PEERS = 1024
 # Messages queued per peer socket before sends fail instead of blocking the agent thread.
 PEER_SEND_HWM = 1000
-# Request ids per RenewLeases frame: ~40 bytes each, so a frame stays far below MAX_MESSAGE_BYTES.
-RENEWALS_PER_MESSAGE = 4096
+# Holds per RenewLeases frame: a request id and a token each (~100 bytes), far below the side channel's frame bound.
+RENEWALS_PER_MESSAGE = 128
+# Frames queued per side-channel connection before ZMQ stops reading it (a stranger's flood waits in its own
+# TCP buffers, not in this process).
+SIDE_CHANNEL_RCVHWM = 16
+# Replies read from one peer connection per step (the side channel's own bound is in holds).
+REPLIES_PER_STEP = 64
 # Refused side-channel frames are counted each; a warning is logged per reason at most this often.
 REJECTION_LOG_INTERVAL_S = 10.0
+
+
+def max_request_bytes(num_blocks: int) -> int:
+    """The largest frame the side channel takes: a read naming every block of the cache (an id and a generation,
+    at most 9 bytes each in msgpack), or a slice of renewals, with room for the envelope; never above
+    ``MAX_MESSAGE_BYTES``. Anything larger is cut by ZMQ before it is buffered."""
+    return min(messages.MAX_MESSAGE_BYTES, 64 * 1024 + 18 * num_blocks)
 
 
 @dataclass
@@ -69,9 +92,10 @@ class _Peer:
 
     address: tuple[str, int]
     socket: zmq.Socket[bytes]
-    engine_id: str | None = None  # set once the handshake succeeded
-    incarnation: int | None = None  # of that engine: a reply from any other is not from it
+    engine_id: str | None = None  # the agent there, set once the handshake succeeded: a reply from any other is not
     handshake_deadline: float | None = None  # set while a handshake is in flight
+    expected: str = ""  # the agent the handshake in flight is addressed to
+    challenge: bytes = b""  # the handshake in flight's: its reply must echo it
     waiting: list[Pull] = field(default_factory=list)  # pulls waiting for the handshake
     last_used: float = 0.0
     # A pull on this connection failed in the transport: it is dropped once no other pull on it is
@@ -114,18 +138,32 @@ class TransferAgent:
         self.compat_hash = compat_hash
         self.faults = config.faults
         self.generations = generations
-        self.incarnation = time.time_ns()
-        self.seal = messages.Seal(self.agent_id, self.incarnation, config.secret)
-        self.transport: Transport = make_transport(config, kv_cache, generations, self.seal, rank, self.kv_head_ranges)
+        keys = load_secret(config.keys_dir, ENGINE_KEY) if config.keys_dir else None
+        self.seal = messages.Seal(self.agent_id, keys)
+        choice = choose_transport(config.transport, config.host, config.nixl_unbounded)
+        self.transport: Transport = make_transport(choice, kv_cache, generations, self.seal, rank, self.kv_head_ranges)
         self._context = zmq.Context()
         self._server = self._context.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
-        self._server.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
+        self._server.setsockopt(zmq.MAXMSGSIZE, max_request_bytes(self.transport.num_blocks))
+        self._server.setsockopt(zmq.RCVHWM, SIDE_CHANNEL_RCVHWM)
+        self._caps = ConnectionCaps(self._context, self._server)
         if config.side_channel_port:
             self.port = config.side_channel_port + rank
             self._server.bind(f"tcp://{config.host}:{self.port}")
         else:
             self.port = self._server.bind_to_random_port(f"tcp://{config.host}")
+        self._caps.port = self.port
+        exposed = unexpected_listeners(config.host)
+        if exposed:
+            self._caps.close()
+            self._server.close(linger=0)
+            self.transport.close()
+            self._context.term()
+            raise RuntimeError(
+                f"this engine listens on {', '.join(exposed)}, beyond its KV address {config.host} and loopback "
+                f"(UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES', '')!r}): refusing to start"
+            )
         self._wake_address = f"inproc://pdserve-kv-agent-{id(self)}"
         self._wake_recv = self._context.socket(zmq.PULL)
         self._wake_recv.bind(self._wake_address)
@@ -148,14 +186,16 @@ class TransferAgent:
         self._delayed: list[Pull] = []  # fault hook: pulls not started yet
         self._next_renewal = 0.0
         self._rejection_logged: dict[str, float] = {}
+        self._backlog = False  # frames left unread by the last step's bounded slices: poll again at once
         self._poller = zmq.Poller()
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-agent", daemon=True)
         self._thread.start()
         logger.info(
-            "KV transfer agent %s%s: %s transport, side channel %s:%d (%s), lease %.0f s",
+            "KV transfer agent %s%s: %s transport (%s), side channel %s:%d (%s), lease %.0f s",
             config.engine_id[:8],
             f" rank {rank}" if self.num_ranks > 1 else "",
             self.transport.name,
+            choice.reason,
             config.host,
             self.port,
             "authenticated" if self.seal.authenticated else "NOT authenticated",
@@ -192,6 +232,8 @@ class TransferAgent:
     def _run(self) -> None:
         self._poller.register(self._server, zmq.POLLIN)
         self._poller.register(self._wake_recv, zmq.POLLIN)
+        for socket in self._caps.sockets:
+            self._poller.register(socket, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 try:
@@ -203,6 +245,7 @@ class TransferAgent:
         finally:
             for peer in self._peers.values():
                 peer.socket.close(linger=0)
+            self._caps.close()
             self._server.close(linger=0)
             self._wake_recv.close(linger=0)
             with self._wake_lock:  # the engine thread sends on it under this lock
@@ -211,22 +254,27 @@ class TransferAgent:
             self._context.term()
 
     def _step(self) -> None:
-        busy = self.transport.busy or self.holds.busy or self._delayed
-        ready = self._poller.poll((0 if self.transport.busy else ACTIVE_POLL_MS) if busy else IDLE_POLL_MS)
+        busy = self.transport.busy or self.holds.busy or self._delayed or self._backlog
+        ready = self._poller.poll(
+            (0 if self.transport.busy or self._backlog else ACTIVE_POLL_MS) if busy else IDLE_POLL_MS
+        )
         self._take_work()  # first: a read may have come together with the hold it reads
+        self._backlog = False
         for socket, _ in ready:
             if socket is self._server:
-                self.holds.serve()
+                self._backlog |= self.holds.serve()  # a bounded slice: the rest waits for the next step
             elif socket is self._wake_recv:
                 while self._wake_recv.poll(0):
                     self._wake_recv.recv()
+            elif socket in self._caps.sockets:
+                self._caps.handle()
             else:
-                self._on_peer_reply(socket)
+                self._backlog |= self._on_peer_reply(socket)
         now = time.monotonic()
         self.holds.retry_early_reads(now)
         self._start_delayed(now)
-        for request_id, reader_rank, readers in self.transport.poll_releases():
-            self.holds.release(request_id, reader_rank, readers)
+        for request_id, token, reader_rank, readers in self.transport.poll_releases():
+            self.holds.release(request_id, token, reader_rank, readers)
         for pull, error in self.transport.progress(now):
             self._pull_done(pull, error)
         self._check_deadlines(now)
@@ -238,8 +286,8 @@ class TransferAgent:
                 work = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            for request_id, block_ids in work.holds:
-                self.holds.hold(request_id, block_ids, now)
+            for request_id, block_ids, token in work.holds:
+                self.holds.hold(request_id, block_ids, token, now)
             for request_id in work.unholds:  # after the holds: a hold and its cancel may come together
                 self.holds.unhold(request_id)
             for request_id, remote in work.tracks:
@@ -338,11 +386,11 @@ class TransferAgent:
                 self._drop_peer(peer, dead=False)
                 excess -= 1
 
-    def _send(self, peer: _Peer, message: messages.SideChannelMessage) -> str | None:
-        """Send without blocking; the error if the connection cannot take it now (its queue is full:
-        the peer is dead or hung)."""
+    def _send(self, peer: _Peer, message: messages.SideChannelMessage, receiver: str) -> str | None:
+        """Send to agent ``receiver`` without blocking; the error if the connection cannot take it now (its
+        queue is full: the peer is dead or hung)."""
         try:
-            peer.socket.send(self.seal.seal(message), zmq.NOBLOCK)
+            peer.socket.send(self.seal.seal(message, receiver), zmq.NOBLOCK)
         except zmq.ZMQError as error:
             return f"the side channel to {peer.address[0]}:{peer.address[1]} is not taking messages ({error})"
         return None
@@ -392,7 +440,8 @@ class TransferAgent:
             if peer.handshake_deadline is None:
                 # The handshake has a deadline of its own; the transfer's starts when it does.
                 peer.handshake_deadline = time.monotonic() + self.config.transfer_timeout
-                error = self._send(peer, messages.Handshake(self.agent_id))
+                peer.expected, peer.challenge = self._source_id(pull), messages.new_challenge()
+                error = self._send(peer, messages.Handshake(self.agent_id, peer.challenge), peer.expected)
                 if error is not None:
                     self._handshake_failed(peer, error)
         except Exception as error:
@@ -406,9 +455,10 @@ class TransferAgent:
         return rank_agent_id(pull.spec.remote.engine_id, pull.source_rank)
 
     def _transfer(self, pull: Pull, peer: _Peer) -> None:
+        assert peer.engine_id is not None
         pull.connection = peer
         pull.deadline = time.monotonic() + self.config.transfer_timeout
-        self.transport.start_pull(pull, peer.socket)
+        self.transport.start_pull(pull, peer.socket, peer.engine_id)
 
     def _forget_pull(self, pull: Pull) -> bool:
         """Take a pull out of every queue it may sit in (it is about to be reported); True if a
@@ -446,42 +496,46 @@ class TransferAgent:
             for pull in due:
                 self._start_pull(pull)
 
-    def _on_peer_reply(self, socket: zmq.Socket[bytes]) -> None:
+    def _on_peer_reply(self, socket: zmq.Socket[bytes]) -> bool:
+        """Read a bounded number of replies from one peer connection; True if more may be waiting."""
         peer = next((p for p in self._peers.values() if p.socket is socket), None)
-        while peer is not None and self._peers.get(peer.address) is peer:  # a reply may drop the peer
+        for _ in range(REPLIES_PER_STEP):
+            if peer is None or self._peers.get(peer.address) is not peer:  # a reply may drop the peer
+                return False
             try:
                 frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
-            source = f"{peer.address[0]}:{peer.address[1]}"
-            opened = self.seal.open(frames[0].bytes)
-            if isinstance(opened, str):
-                self.rejected(opened, source)
-                continue
-            message = opened.message
-            if peer.engine_id is not None and (opened.sender, opened.incarnation) != (peer.engine_id, peer.incarnation):
-                # Another engine (or a restart of it) answers on this connection, which ZMQ reconnected
-                # underneath: nothing it says is about what this connection asked. Its pulls fail now.
-                self.rejected(messages.REJECT_OLD_INCARNATION, source)
-                peer.suspect = True
-                if isinstance(message, messages.BlocksReply):
-                    restarted = "the prefill engine restarted (another incarnation answered)"
-                    self.transport.on_blocks_reply(messages.BlocksReply(message.request_id, restarted), None, peer)
-                continue
-            if isinstance(message, messages.HandshakeReply) and peer.handshake_deadline is not None:
-                if opened.sender != message.engine_id:
-                    self.rejected(messages.REJECT_MALFORMED, source)
-                    continue
-                self._on_handshake(peer, message, opened.incarnation)
-            elif isinstance(message, messages.BlocksReply):
-                # Matched against the pulls sent on this connection only: another engine's reply
-                # can never land in a pull meant for this one.
-                self.transport.on_blocks_reply(message, frames[1].buffer if len(frames) > 1 else None, peer)
-            else:
-                logger.warning("side channel: dropped an unexpected reply from %s", source)
+                return False
+            self._peer_frames(peer, frames)
+        return True
 
-    def _on_handshake(self, peer: _Peer, reply: messages.HandshakeReply, incarnation: int) -> None:
+    def _peer_frames(self, peer: _Peer, frames: list[zmq.Frame]) -> None:
+        source = f"{peer.address[0]}:{peer.address[1]}"
+        opened = self.seal.open(frames[0].bytes)
+        if isinstance(opened, str):
+            self.rejected(opened, source)
+            return
+        message = opened.message
+        if isinstance(message, messages.HandshakeReply):
+            if peer.handshake_deadline is None or opened.sender != peer.expected or opened.sender != message.engine_id:
+                self.rejected(messages.REJECT_UNEXPECTED, source)
+            elif not messages.answers(message, peer.challenge):
+                self.rejected(messages.REJECT_REPLAYED, source)  # an old reply: not an answer to this handshake
+            else:
+                self._on_handshake(peer, message)
+        elif isinstance(message, messages.BlocksReply):
+            if peer.engine_id is None or opened.sender != peer.engine_id:
+                self.rejected(messages.REJECT_UNEXPECTED, source)
+                return
+            # Matched against the pulls sent on this connection only: another engine's reply
+            # can never land in a pull meant for this one.
+            self.transport.on_blocks_reply(message, frames[1].buffer if len(frames) > 1 else None, peer)
+        else:
+            self.rejected(messages.REJECT_UNEXPECTED, source)
+
+    def _on_handshake(self, peer: _Peer, reply: messages.HandshakeReply) -> None:
         peer.handshake_deadline = None
+        peer.challenge = b""
         waiting, peer.waiting = peer.waiting, []
         error = reply.error
         if error is None and reply.compat_hash != self.compat_hash:
@@ -505,7 +559,6 @@ class TransferAgent:
             self._handshake_failed(peer, error, dead=False)
             return
         peer.engine_id = reply.engine_id
-        peer.incarnation = incarnation
         logger.info("handshake with engine %s at %s:%d (%s)", reply.engine_id[:8], *peer.address, reply.transport)
         for pull in waiting:
             if self._source_id(pull) != reply.engine_id:
@@ -565,7 +618,7 @@ class TransferAgent:
         when their lease ends. Counted when it fails."""
         if self.faults.no_release:
             return
-        release = messages.ReleaseBlocks([remote.request_id], self.rank, self.num_ranks)
+        release = messages.ReleaseBlocks([(remote.request_id, remote.hold_token)], self.rank, self.num_ranks)
         for source in range(remote.tp_size) if rank is None else (rank,):
             address = remote.rank_address(source)
             error = None
@@ -573,7 +626,7 @@ class TransferAgent:
                 error = "its engine was just found dead"
             else:
                 try:
-                    error = self._send(self._peer(address), release)
+                    error = self._send(self._peer(address), release, rank_agent_id(remote.engine_id, source))
                 except zmq.ZMQError as exc:  # no socket could be made
                     error = str(exc)
             if error is not None:
@@ -610,16 +663,17 @@ class TransferAgent:
                 self._dead.popitem(last=False)
 
     def _renew_leases(self) -> None:
-        by_peer: dict[tuple[str, int], list[str]] = {}
+        by_agent: dict[tuple[tuple[str, int], str], list[tuple[str, str]]] = {}
         for remote in self._tracked.values():
             for rank in range(remote.tp_size):  # every prefill rank holds the blocks
-                by_peer.setdefault(remote.rank_address(rank), []).append(remote.request_id)
-        for address, request_ids in by_peer.items():
-            # Renewed even where an engine was just found dead: a restarted one may hold these now.
+                agent = (remote.rank_address(rank), rank_agent_id(remote.engine_id, rank))
+                by_agent.setdefault(agent, []).append((remote.request_id, remote.hold_token))
+        for (address, receiver), holds in by_agent.items():
             peer = self._peer(address)
             # In slices that stay far below the peer's frame limit, however many requests wait.
-            for start in range(0, len(request_ids), RENEWALS_PER_MESSAGE):
-                error = self._send(peer, messages.RenewLeases(request_ids[start : start + RENEWALS_PER_MESSAGE]))
+            for start in range(0, len(holds), RENEWALS_PER_MESSAGE):
+                renewal = messages.RenewLeases(holds[start : start + RENEWALS_PER_MESSAGE])
+                error = self._send(peer, renewal, receiver)
                 if error is not None:
                     logger.info("lease renewal to %s:%d not sent: %s", *address, error)
                     break

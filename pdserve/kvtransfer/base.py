@@ -106,9 +106,9 @@ class KVConnectorScheduler(ABC):
     # Seconds within which the worker side reports every load it was given (landed or failed);
     # past it the scheduler's watchdog fails the load itself. None: loads need no watchdog.
     load_report_timeout: float | None = None
-    # How long the watchdog keeps an abandoned load's blocks out of use if the worker side never
-    # reports that load at all (a write into them might still land until then).
-    quarantine_seconds: float = 0.0
+    # After how long an abandoned load's quarantine that the worker side has not ended (by reporting the load)
+    # is counted overdue and logged. It is never ended on a timer: a write into its blocks might still land.
+    quarantine_alarm_seconds: float = 0.0
     # The share of the KV cache that may be held for remote readers at once; a hold beyond it is
     # refused (the request's answer carries no params, so the decode computes the prompt itself).
     max_held_fraction: float = 1.0

@@ -61,10 +61,16 @@ class KVTransferConfig:
     transfer_timeout: float = 10.0  # bounds a handshake and each transfer
     load_failure: str = "recompute"  # recompute | fail
     max_held_fraction: float = 0.5  # of the KV cache, held for remote readers at once (beyond: no hold)
+    # This engine's identity for one run: new at every start, so a restarted engine is another engine to its
+    # peers (a message sealed for the old one is refused by the new).
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    # The cluster secret (pdserve/api/auth.py): with one, the side channel accepts only messages
-    # sealed with it, and hands its memory's whereabouts only to peers that prove they have it.
-    secret: bytes | None = field(default=None, repr=False)
+    # The deployment's key folder (pdserve/api/keys.py): with one, the side channel accepts only messages
+    # sealed with its engine.key, and hands its memory's whereabouts only to peers that prove they have it.
+    # Each process that needs a key reads it from there (and again when the file changes: a rollover).
+    keys_dir: str | None = None
+    # Use NIXL even over UCX transports that do not bound a peer's access to the registration
+    # (pdserve/kvtransfer/nixl_policy.py): every peer may then read and write this process.
+    nixl_unbounded: bool = False
     # Hands this engine's blocks (and, with NIXL, its agent metadata and addresses) to peers that
     # ask: the prefill role. A decode-role engine only pulls, so it tells no peer where its memory is.
     serves_blocks: bool = True

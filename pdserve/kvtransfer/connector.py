@@ -39,7 +39,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         # The agent bounds a pull by a handshake and a transfer timeout (after any injected delay);
         # a load still unreported well after that was lost, and the watchdog ends it.
         self.load_report_timeout = 2 * config.transfer_timeout + config.faults.delay_load + LOAD_REPORT_SLACK_S
-        self.quarantine_seconds = 3 * config.transfer_timeout
+        self.quarantine_alarm_seconds = 3 * config.transfer_timeout
         self.max_held_fraction = config.max_held_fraction
         self.outbox = WorkOrders()
         self.prefill = PrefillSide(

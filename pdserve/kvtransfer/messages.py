@@ -2,16 +2,26 @@
 DEALER per remote engine it talks to. Nothing here is pickled; every frame is decoded into these
 types and anything else is dropped.
 
-Every message travels sealed in an :class:`Envelope` (:class:`Seal`): it names the sender's
-incarnation (engine id and start time, so a restarted engine is told apart from its old self) and,
-when the deployment has a secret (pdserve/api/auth.py), carries an HMAC over all of it with a time
-and a nonce, so a stranger can neither speak nor replay. The block bytes a ``BlocksReply`` announces
-follow in a frame of their own: the sealed reply carries their CRC-32.
+Every message travels sealed in an :class:`Envelope` (:class:`Seal`) that names its sender and its
+**receiver** (a transfer agent's id: the engine's id, new at every start, and the rank), and, when the
+deployment has keys (pdserve/api/keys.py, ``engine.key``), carries an HMAC over all of it with a time and a
+nonce. A receiver drops what is not addressed to it, so a sealed message captured on one link is useless
+against any other engine, or a restart of the same one; the time and nonce make it useless against its own
+receiver too. Checks run cheapest first (length, address, time) so junk costs no HMAC.
+
+A handshake is a challenge: the asking engine sends a fresh nonce and accepts only the reply that echoes it,
+so an old reply (with the memory whereabouts of an engine long gone) is never taken for a new one.
+
+Holds are named by request id *and* the hold's token, which only the params of that hold carry: an engine
+with the key reads, renews and releases only holds it was told about.
 
     decode -> prefill: Handshake        -> HandshakeReply (engine id, compatibility hash, transport data)
     decode -> prefill: RenewLeases      (no reply: lease renewal while requests wait in decode's queue)
     decode -> prefill: ReleaseBlocks    (no reply: done with these requests' blocks, free them)
     decode -> prefill: ReadBlocks       -> BlocksReply (TCP transport: the bytes themselves)
+
+The block bytes a ``BlocksReply`` announces follow in a frame of their own: the sealed reply carries their
+BLAKE3 digest, so with keys the bytes are as authentic as the reply.
 
 An engine at tensor-parallel size n has one side channel per rank (``layout``): a decode rank
 hand-shakes with, reads from and releases each prefill rank on its own channel.
@@ -19,9 +29,9 @@ hand-shakes with, reads from and releases each prefill rank on its own channel.
 
 from __future__ import annotations
 
+import hmac
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +40,16 @@ import msgspec
 
 from pdserve.api.auth import NONCE_BYTES, SIDE_CHANNEL, ReplayGuard, Signer
 from pdserve.api.frames import frame_decoder
+from pdserve.api.keys import KeyRing
 
 # Upper bound on one side-channel frame from a peer, except block data (which has its own bound).
 MAX_MESSAGE_BYTES = 1 << 20
+CHALLENGE_BYTES = 16
 
 
 class Handshake(msgspec.Struct, tag="handshake"):
     engine_id: str  # the asking engine's agent, for logs
+    challenge: bytes = b""  # echoed by the reply: a reply that does not is not an answer to this handshake
 
 
 class HandshakeReply(msgspec.Struct, tag="handshake_reply"):
@@ -52,14 +65,15 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply"):
     # sizes pair when every head the decode needs is somewhere on the prefill (``layout``).
     kv_head_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
     rank: int = 0
+    answer: bytes = b""  # the handshake's challenge
 
 
 class RenewLeases(msgspec.Struct, tag="renew"):
-    request_ids: list[str]
+    holds: list[tuple[str, str]]  # (request id, hold token)
 
 
 class ReleaseBlocks(msgspec.Struct, tag="release"):
-    request_ids: list[str]
+    holds: list[tuple[str, str]]  # (request id, hold token)
     # Which of how many decode ranks is done with them: a hold ends once every rank of the decode
     # engine released it (one rank may still be reading while another is done).
     reader_rank: int = 0
@@ -68,6 +82,7 @@ class ReleaseBlocks(msgspec.Struct, tag="release"):
 
 class ReadBlocks(msgspec.Struct, tag="read"):
     request_id: str
+    token: str  # the hold's token
     block_ids: list[int]
     generations: list[int]
     release: bool  # the read is this decode rank's last: count its release once sent
@@ -79,7 +94,7 @@ class ReadBlocks(msgspec.Struct, tag="read"):
 class BlocksReply(msgspec.Struct, tag="blocks"):
     request_id: str
     error: str | None = None  # None: the next frame holds the blocks' bytes
-    checksum: int = 0  # CRC-32 of those bytes: a corrupted transfer is detected, never computed from
+    digest: bytes = b""  # BLAKE3 of those bytes: a corrupted (or, with keys, altered) transfer is never used
 
 
 SideChannelMessage = Handshake | HandshakeReply | RenewLeases | ReleaseBlocks | ReadBlocks | BlocksReply
@@ -90,23 +105,23 @@ decode: Callable[[bytes], SideChannelMessage | None] = frame_decoder(SideChannel
 
 
 class Envelope(msgspec.Struct, array_like=True):
-    sender: str  # the sending engine's id
-    incarnation: int  # its start time (ns since the epoch): a restart makes a larger one
+    sender: str  # the sending agent's id
+    receiver: str  # the agent it is for: any other drops it
     sent_at: float  # wall clock, seconds
     nonce: bytes
     body: bytes  # one encoded SideChannelMessage
-    mac: bytes  # HMAC of everything above (empty without a secret)
+    mac: bytes  # HMAC of everything above (empty without keys)
 
 
 _envelope_encode = msgspec.msgpack.Encoder().encode
-_open_envelope: Callable[[bytes], Envelope | None] = frame_decoder(Envelope, MAX_MESSAGE_BYTES + 1024)
-# Senders whose newest incarnation is remembered (least recently heard from forgotten first).
-MAX_REMEMBERED_SENDERS = 4096
 # Why a frame was refused (the reasons pdserve_kv_side_channel_rejected_total counts).
 REJECT_MALFORMED = "malformed"
+REJECT_OVERSIZED = "oversized"
+REJECT_MISADDRESSED = "misaddressed"
+REJECT_STALE = "stale"
 REJECT_UNAUTHENTICATED = "unauthenticated"
 REJECT_REPLAYED = "replayed"
-REJECT_OLD_INCARNATION = "old_incarnation"
+REJECT_UNEXPECTED = "unexpected"  # authentic, but not from the engine this connection talks to, or not asked for
 
 
 @dataclass(frozen=True)
@@ -114,59 +129,65 @@ class Opened:
     """A frame that passed every check: who sent it, and what."""
 
     sender: str
-    incarnation: int
     message: SideChannelMessage
 
 
+def new_challenge() -> bytes:
+    return secrets.token_bytes(CHALLENGE_BYTES)
+
+
+def answers(reply: HandshakeReply, challenge: bytes) -> bool:
+    return bool(challenge) and hmac.compare_digest(reply.answer, challenge)
+
+
 class Seal:
-    """One engine's envelopes: seals what it sends, opens (and checks) what it receives.
+    """One agent's envelopes: seals what it sends (to one receiver), opens and checks what it receives.
 
-    Checks, in order: the frame decodes; with a secret, its MAC is right and its time and nonce are
-    fresh; it is not from an older incarnation of an engine already heard from (a stopped engine's
-    late messages, after its restart answered). Used by the agent thread only."""
+    Checks, cheapest first: the frame is at most ``max_frame_bytes``; it decodes; it is addressed to this
+    agent; with keys, its time is inside the window, its MAC is right and its nonce is new. Used by the agent
+    thread only."""
 
-    def __init__(self, engine_id: str, incarnation: int, secret: bytes | None) -> None:
-        self.engine_id = engine_id
-        self.incarnation = incarnation
-        self._signer = Signer(secret, SIDE_CHANNEL) if secret is not None else None
+    def __init__(self, agent_id: str, keys: KeyRing[bytes] | None, max_frame_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self.agent_id = agent_id
+        self.max_frame_bytes = max_frame_bytes
+        self._signer = Signer(keys, SIDE_CHANNEL) if keys is not None else None
         self._replays = ReplayGuard()
-        self._incarnations: OrderedDict[str, int] = OrderedDict()
+        self._open_envelope: Callable[[bytes], Envelope | None] = frame_decoder(Envelope, max_frame_bytes)
 
     @property
     def authenticated(self) -> bool:
         return self._signer is not None
 
-    def seal(self, message: SideChannelMessage) -> bytes:
+    def seal(self, message: SideChannelMessage, receiver: str) -> bytes:
         body = encode(message)
         if self._signer is None:
-            return _envelope_encode(Envelope(self.engine_id, self.incarnation, time.time(), b"", body, b""))
+            return _envelope_encode(Envelope(self.agent_id, receiver, time.time(), b"", body, b""))
         sent_at, nonce = time.time(), secrets.token_bytes(NONCE_BYTES)
-        mac = self._signer.sign(*_signed_parts(self.engine_id, self.incarnation, sent_at, nonce, body))
-        return _envelope_encode(Envelope(self.engine_id, self.incarnation, sent_at, nonce, body, mac))
+        mac = self._signer.sign(*_signed_parts(self.agent_id, receiver, sent_at, nonce, body))
+        return _envelope_encode(Envelope(self.agent_id, receiver, sent_at, nonce, body, mac))
 
     def open(self, frame: bytes) -> Opened | str:
         """The checked message, or the reason it is refused (one of the ``REJECT_`` names)."""
-        envelope = _open_envelope(frame)
+        if len(frame) > self.max_frame_bytes:
+            return REJECT_OVERSIZED
+        envelope = self._open_envelope(frame)
         if envelope is None:
             return REJECT_MALFORMED
+        if envelope.receiver != self.agent_id:
+            return REJECT_MISADDRESSED
         if self._signer is not None:
-            signed = (envelope.sender, envelope.incarnation, envelope.sent_at, envelope.nonce, envelope.body)
-            if not self._signer.verify(envelope.mac, *_signed_parts(*signed)):
+            if self._replays.stale(envelope.sent_at):
+                return REJECT_STALE
+            signed = _signed_parts(envelope.sender, envelope.receiver, envelope.sent_at, envelope.nonce, envelope.body)
+            if not self._signer.verify(envelope.mac, *signed):
                 return REJECT_UNAUTHENTICATED
             if self._replays.problem(envelope.sent_at, envelope.nonce) is not None:
                 return REJECT_REPLAYED
-        newest = self._incarnations.get(envelope.sender)
-        if newest is not None and envelope.incarnation < newest:
-            return REJECT_OLD_INCARNATION
         message = decode(envelope.body)
         if message is None:
             return REJECT_MALFORMED
-        self._incarnations[envelope.sender] = envelope.incarnation
-        self._incarnations.move_to_end(envelope.sender)
-        if len(self._incarnations) > MAX_REMEMBERED_SENDERS:
-            self._incarnations.popitem(last=False)
-        return Opened(envelope.sender, envelope.incarnation, message)
+        return Opened(envelope.sender, message)
 
 
-def _signed_parts(sender: str, incarnation: int, sent_at: float, nonce: bytes, body: bytes) -> tuple[bytes, ...]:
-    return sender.encode(), incarnation.to_bytes(8, "big", signed=True), repr(sent_at).encode(), nonce, body
+def _signed_parts(sender: str, receiver: str, sent_at: float, nonce: bytes, body: bytes) -> tuple[bytes, ...]:
+    return sender.encode(), receiver.encode(), repr(sent_at).encode(), nonce, body

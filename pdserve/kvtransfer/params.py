@@ -10,17 +10,28 @@ proxy passes the whole object through unchanged:
 - ``kv_compat_hash``: model, dtype, block size and cache layout of the prefill engine;
 - ``remote_lease_seconds``: how long the blocks stay held without a renewal;
 - ``remote_ports``: every tensor-parallel rank's side channel, in rank order (``remote_port`` is
-  rank 0's): their number is the prefill engine's TP size.
+  rank 0's): their number is the prefill engine's TP size;
+- ``remote_hold_token``: the hold's capability, random: the prefill engine reads, renews and releases the
+  hold only for a peer that names it (request ids are no secret; clients choose some).
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from array import array
 from dataclasses import dataclass
 from typing import Any
 
 MAX_TP_SIZE = 64
+# Bounds on the identifiers a decode engine puts in its side-channel messages (they are client input until the
+# router's signature says otherwise): a message naming many holds stays far below the side channel's frame bound.
+MAX_ID_CHARS = 256
+HOLD_TOKEN_BYTES = 16
+
+
+def new_hold_token() -> str:
+    return secrets.token_hex(HOLD_TOKEN_BYTES)
 
 
 def kv_compat_hash(**fields: object) -> str:
@@ -49,6 +60,7 @@ class RemotePrefill:
     lease_seconds: float
     # Each prefill rank's side-channel port, in rank order (one: TP 1); ``port`` is rank 0's.
     ports: tuple[int, ...] = ()
+    hold_token: str = ""  # the hold's capability (``remote_hold_token``)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -68,6 +80,13 @@ def _field(params: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> 
         kinds = kind if isinstance(kind, tuple) else (kind,)
         raise ValueError(f"kv_transfer_params.{name} must be a {' or '.join(k.__name__ for k in kinds)}")
     return value
+
+
+def _id(params: dict[str, Any], name: str) -> str:
+    value = _field(params, name, str)
+    if not 0 < len(value) <= MAX_ID_CHARS:
+        raise ValueError(f"kv_transfer_params.{name} must be 1 to {MAX_ID_CHARS} characters")
+    return str(value)
 
 
 def _int_list(params: dict[str, Any], name: str) -> list[int]:
@@ -103,9 +122,9 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
     if not lease_seconds > 0:
         raise ValueError("kv_transfer_params.remote_lease_seconds must be positive")
     return RemotePrefill(
-        engine_id=_field(params, "remote_engine_id", str),
-        request_id=_field(params, "remote_request_id", str),
-        host=_field(params, "remote_host", str),
+        engine_id=_id(params, "remote_engine_id"),
+        request_id=_id(params, "remote_request_id"),
+        host=_id(params, "remote_host"),
         port=port,
         block_ids=block_ids,
         generations=generations,
@@ -114,6 +133,7 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
         compat_hash=_field(params, "kv_compat_hash", str),
         lease_seconds=float(lease_seconds),
         ports=tuple(ports),
+        hold_token=_id(params, "remote_hold_token"),
     )
 
 
@@ -133,9 +153,10 @@ def remote_prefill_params(
     prompt: list[int],
     compat_hash: str,
     lease_seconds: float,
+    hold_token: str,
 ) -> dict[str, Any]:
     """What a prefill engine returns for a request whose blocks it now holds (``ports``: each rank's
-    side channel, in rank order)."""
+    side channel, in rank order; ``hold_token``: the hold's capability)."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -150,4 +171,5 @@ def remote_prefill_params(
         "remote_prompt_hash": prompt_hash(prompt),
         "kv_compat_hash": compat_hash,
         "remote_lease_seconds": lease_seconds,
+        "remote_hold_token": hold_token,
     }

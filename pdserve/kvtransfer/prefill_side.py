@@ -11,8 +11,9 @@
    engine computes again (for its logits) and a linear layer must not see twice.
 3. It finishes by length: ``PrefillSide.request_finished`` keeps its prompt blocks (the scheduler
    holds them instead of freeing) and returns ``remote_prefill_params`` — where the blocks are, their
-   generations, the prompt's length and hash, the KV compatibility hash and the lease — which the
-   API process puts in the response for the router to forward to a decode engine.
+   generations, the prompt's length and hash, the KV compatibility hash, the lease and the hold's random
+   token (only a peer that names it reads, renews or releases the hold) — which the API process puts in the
+   response for the router to forward to a decode engine.
 4. The transfer agent holds the blocks with a lease (``--kv-lease-seconds``): the decode engine
    renews it while its request queues, pulls the blocks (NIXL READ, or TCP reads served by this
    agent), then releases them. A release, a finished pull or an expired lease reports the hold
@@ -31,7 +32,7 @@ import numpy as np
 
 from pdserve.kvtransfer.base import ConnectorRequest
 from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.params import remote_prefill_params, wants_remote_decode
+from pdserve.kvtransfer.params import new_hold_token, remote_prefill_params, wants_remote_decode
 from pdserve.kvtransfer.work import WorkOrders
 
 # Sampling fields a prefill leg drops: none may end it before its one token by length.
@@ -87,7 +88,8 @@ class PrefillSide:
         held = block_ids[: -(-num_tokens // self.block_size)]
         if self.state_rows:
             held += block_ids[-self.state_rows :]
-        self.outbox.pending.holds.append((request.request_id, list(held)))
+        token = new_hold_token()
+        self.outbox.pending.holds.append((request.request_id, list(held), token))
         return True, remote_prefill_params(
             engine_id=self.config.engine_id,
             request_id=request.request_id,
@@ -99,6 +101,7 @@ class PrefillSide:
             prompt=request.prompt_token_ids,
             compat_hash=self.compat_hash,
             lease_seconds=self.config.lease_seconds,
+            hold_token=token,
         )
 
     def hold_cancelled(self, request_id: str) -> None:

@@ -6,9 +6,11 @@
   sends the NIXL notification that tells prefill to free. Data read before a
   generation that still matches cannot come from a freed or reused block, because a block's
   generation changes when it loses its last owner, before it can be reused.
-- :class:`TcpTransport`: for hosts where UCX cannot run. The bytes travel on the side channel;
-  prefill checks hold and generations when it copies them out, in the thread that owns the holds,
-  and sends a CRC-32 that decode checks (with the length) before the bytes touch its cache.
+- :class:`TcpTransport`: the bytes travel on the side channel; prefill checks the hold (and its token)
+  and the generations when it copies them out, in the thread that owns the holds, and sends their BLAKE3
+  digest in the sealed reply, which decode checks (with the length) before the bytes touch its cache. A
+  peer reads only what a hold it names holds: this is the transport for peers that are not trusted with
+  the whole process (docs/faults.md), where NIXL's transports would let them read and write anything.
 
 Both run only in the transfer agent's thread.
 """
@@ -16,18 +18,19 @@ Both run only in the transfer agent's thread.
 from __future__ import annotations
 
 import logging
+import os
 import time
-import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
 import numpy as np
 import torch
 import zmq
 
 from pdserve.kvtransfer import messages
-from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.nixl_policy import TransportChoice
 from pdserve.kvtransfer.work import LoadSpec
 
 logger = logging.getLogger(__name__)
@@ -148,8 +151,8 @@ class Transport(ABC):
         return None
 
     @abstractmethod
-    def start_pull(self, pull: Pull, socket: zmq.Socket[bytes]) -> None:
-        """Start the transfer (``socket`` is the peer's side channel)."""
+    def start_pull(self, pull: Pull, socket: zmq.Socket[bytes], receiver: str) -> None:
+        """Start the transfer (``socket`` is the peer's side channel, ``receiver`` its agent's id)."""
 
     @abstractmethod
     def progress(self, now: float) -> list[tuple[Pull, str | None]]:
@@ -177,8 +180,8 @@ class Transport(ABC):
     def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None, connection: object) -> None:
         logger.warning("side channel: unexpected block data for %s", reply.request_id)
 
-    def poll_releases(self) -> list[tuple[str, int, int]]:
-        """(request id, decode rank, decode ranks) for each release a peer sent through the transport."""
+    def poll_releases(self) -> list[tuple[str, str, int, int]]:
+        """(request id, hold token, decode rank, decode ranks) for each release a peer sent through the transport."""
         return []
 
     def _head_view(self, block_ids: list[int], heads: tuple[int, int]) -> tuple[int, int]:
@@ -224,10 +227,11 @@ class TcpTransport(Transport):
         self.seal = seal
         self._done: list[tuple[Pull, str | None]] = []
 
-    def start_pull(self, pull: Pull, socket: zmq.Socket[bytes]) -> None:
+    def start_pull(self, pull: Pull, socket: zmq.Socket[bytes], receiver: str) -> None:
         spec = pull.spec
         read = messages.ReadBlocks(
             spec.remote.request_id,
+            spec.remote.hold_token,
             spec.remote_block_ids,
             spec.generations,
             release=True,
@@ -235,7 +239,9 @@ class TcpTransport(Transport):
             reader_rank=self.rank,
             readers=self.ranks,
         )
-        socket.send(self.seal.seal(read), zmq.NOBLOCK)  # raises if the connection takes no more: the pull fails
+        socket.send(
+            self.seal.seal(read, receiver), zmq.NOBLOCK
+        )  # raises if the connection takes no more: the pull fails
         self._pulls.append(pull)
 
     def on_blocks_reply(self, reply: messages.BlocksReply, data: memoryview | None, connection: object) -> None:
@@ -253,8 +259,8 @@ class TcpTransport(Transport):
             self._done.append((pull, reply.error))
         elif data is None or len(data) != pull.num_bytes:
             self._done.append((pull, f"expected {pull.num_bytes} bytes, got {0 if data is None else len(data)}"))
-        elif zlib.crc32(data) != reply.checksum:
-            self._done.append((pull, "the block bytes arrived corrupted (CRC-32 mismatch)"))
+        elif blake3.blake3(data).digest() != reply.digest:
+            self._done.append((pull, "the block bytes arrived corrupted (digest mismatch)"))
         else:
             try:
                 self.write_local(pull.spec.local_block_ids, data, pull.heads)
@@ -348,19 +354,29 @@ class NixlTransport(Transport):
         # A restarted engine comes back with new memory: keeping the old agent mapped is how vLLM
         # decode pods crashed (vllm#49238); drop it before anything else talks to that address.
         peer = self._peers.pop(address, None)
-        if peer is not None:
-            # Reads still draining from that peer end with its connection: their handles go first
-            # (removing the agent under them frees them in newer NIXL), then nothing can land.
-            for pull in [pull for pull in self._draining if pull.state[2] is peer]:
-                self._draining.remove(pull)
-                self._release_handle(pull.state[1])
-                self._drained.append(pull)
-            try:
-                self.agent.remove_remote_agent(peer.agent_name)
-            except Exception as error:  # already gone on NIXL's side
-                logger.debug("removing NIXL agent %s: %s", peer.agent_name, error)
+        if peer is None:
+            return
+        # Reads still draining from that peer end with its connection: their handles go first
+        # (removing the agent under them frees them in newer NIXL), then its endpoints are torn down.
+        draining = [pull for pull in self._draining if pull.state[2] is peer]
+        for pull in draining:
+            self._draining.remove(pull)
+            self._release_handle(pull.state[1])
+        try:
+            self.agent.remove_remote_agent(peer.agent_name)  # idempotent: an agent already gone is no error
+        except Exception as error:
+            # Not confirmed torn down: a read may still land, so those blocks are never reported drained
+            # (they stay quarantined: leaked and counted, never reused under a late write).
+            logger.error(
+                "removing NIXL agent %s failed (%s): %d draining read(s) stay quarantined",
+                peer.agent_name,
+                error,
+                len(draining),
+            )
+            return
+        self._drained.extend(draining)
 
-    def start_pull(self, pull: Pull, socket: zmq.Socket[bytes]) -> None:
+    def start_pull(self, pull: Pull, socket: zmq.Socket[bytes], receiver: str) -> None:
         peer = self._peers[pull.spec.remote.rank_address(pull.source_rank)]
         # One region per block when both ranks hold exactly the heads read; else one per layer and K/V.
         whole = self.layout.holds_exactly(pull.heads) and peer.layout.holds_exactly(pull.heads)
@@ -439,7 +455,8 @@ class NixlTransport(Transport):
         own, not attached to the generation read: an attached one delays the read's completion
         until prefill's agent next makes progress.)"""
         try:
-            tag = _RELEASE_TAG + f"{self.rank}/{self.ranks}:{pull.spec.remote.request_id}".encode()
+            remote = pull.spec.remote
+            tag = _RELEASE_TAG + f"{self.rank}/{self.ranks}:{remote.hold_token}:{remote.request_id}".encode()
             self.agent.send_notif(peer.agent_name, tag)
             pull.released = True
         except Exception as error:  # the side channel's release message is sent instead
@@ -480,8 +497,8 @@ class NixlTransport(Transport):
                 drained.append(pull)
         return drained
 
-    def poll_releases(self) -> list[tuple[str, int, int]]:
-        released: list[tuple[str, int, int]] = []
+    def poll_releases(self) -> list[tuple[str, str, int, int]]:
+        released: list[tuple[str, str, int, int]] = []
         try:
             notifications_by_agent = self.agent.get_new_notifs()
         except Exception as error:  # a peer's disconnect surfaces here too
@@ -511,28 +528,31 @@ def _descriptors(
     return [(base + b * size + offset, length, device) for b in block_ids for offset, length in regions]
 
 
-def _parse_release(message: bytes) -> tuple[str, int, int] | None:
-    """A release notification's (request id, decode rank, decode ranks); None for anything else."""
+def _parse_release(message: bytes) -> tuple[str, str, int, int] | None:
+    """A release notification's (request id, hold token, decode rank, decode ranks); None for anything else."""
     if not message.startswith(_RELEASE_TAG):
         return None
-    ranks, _, request_id = message[len(_RELEASE_TAG) :].decode(errors="replace").partition(":")
+    ranks, _, rest = message[len(_RELEASE_TAG) :].decode(errors="replace").partition(":")
+    token, _, request_id = rest.partition(":")
     rank, _, size = ranks.partition("/")
-    if not (rank.isdigit() and size.isdigit() and request_id):
+    if not (rank.isdigit() and size.isdigit() and token and request_id):
         return None
-    return request_id, int(rank), int(size)
+    return request_id, token, int(rank), int(size)
 
 
 def make_transport(
-    config: KVTransferConfig,
+    choice: TransportChoice,
     kv_cache: torch.Tensor,
     generations: np.ndarray,
     seal: messages.Seal,
     rank: int = 0,
     kv_head_ranges: list[tuple[int, int]] | None = None,
 ) -> Transport:
-    """The configured transport over one rank's cache (``kv_head_ranges``: the engine's, per rank)."""
+    """The chosen transport (``nixl_policy.choose_transport``) over one rank's cache (``kv_head_ranges``: the
+    engine's, per rank)."""
     ranks = len(kv_head_ranges) if kv_head_ranges else 1
     heads = tuple(kv_head_ranges[rank]) if kv_head_ranges else None
-    if config.transport == "tcp":
+    if choice.name == "tcp":
         return TcpTransport(kv_cache, seal, rank, ranks, heads)  # type: ignore[arg-type]
-    return NixlTransport(seal.engine_id, kv_cache, generations, rank, ranks, heads)  # type: ignore[arg-type]
+    os.environ.update(choice.ucx_env)  # before UCX starts: its listeners stay on the engine's KV address
+    return NixlTransport(seal.agent_id, kv_cache, generations, rank, ranks, heads)  # type: ignore[arg-type]

@@ -27,7 +27,7 @@ class LoadSpec:
 class TransferWork:
     """One step's work order for the transfer agent."""
 
-    holds: list[tuple[str, list[int]]] = field(default_factory=list)  # prefill: (request id, block ids)
+    holds: list[tuple[str, list[int], str]] = field(default_factory=list)  # prefill: (request id, block ids, token)
     tracks: list[tuple[str, RemotePrefill]] = field(default_factory=list)  # decode: renew these leases
     loads: list[LoadSpec] = field(default_factory=list)
     releases: list[tuple[str, RemotePrefill]] = field(default_factory=list)  # decode: tell prefill to free

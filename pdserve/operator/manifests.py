@@ -3,7 +3,7 @@
 Per PDService N: PDPools N-prefill and N-decode, Deployments and Services N-router, N-prefill,
 N-decode, the router's ServiceAccount, Role and RoleBinding N-router, the NetworkPolicy N-engines
 on the engine pods, a PodDisruptionBudget per engine pool (N-prefill, N-decode), and (unless
-spec.kvTransfer.secretName names the user's own) the Secret N-kv-secret that the pods share.
+spec.kvTransfer.secretName names the user's own) the Secret N-kv-keys whose items the pods mount by role.
 Owner references are not set here: the handlers adopt the objects into the live PDService.
 """
 
@@ -14,15 +14,14 @@ from pdserve.operator.names import (
     API_VERSION,
     ENGINE_ROLES,
     ENGINES,
-    KV_SECRET,
-    KV_SECRET_KEY,
+    KV_KEYS,
     KV_SIDE_CHANNEL_PORT,
     LABEL_ROLE,
     LABEL_SERVICE,
     PORTS,
     ROUTER,
     engines_policy_name,
-    kv_secret_name,
+    kv_keys_name,
     labels,
     object_name,
     selector,
@@ -49,27 +48,28 @@ def pool(service: str, namespace: str, role: str, replicas: int) -> dict[str, An
 POOL_CREATE_ONLY = (("spec", "replicas"),)
 
 
-def kv_secret(service: str, namespace: str, spec: dict[str, Any], value: str) -> dict[str, Any] | None:
-    """The Secret holding `value` as the PDService's KV secret (see `KV_SECRET_CREATE_ONLY`), or None
-    when spec.kvTransfer.secretName names a Secret of the user's, which the operator never writes."""
+def kv_keys(service: str, namespace: str, spec: dict[str, Any], bundle: dict[str, str]) -> dict[str, Any] | None:
+    """The Secret holding `bundle` (`pdserve.api.keys.new_bundle`: key file name -> contents) as the PDService's
+    keys (see `KV_KEYS_CREATE_ONLY`), or None when spec.kvTransfer.secretName names a Secret of the user's,
+    which the operator never writes."""
     if spec["kvTransfer"].get("secretName"):
         return None
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {
-            "name": kv_secret_name(service),
+            "name": kv_keys_name(service),
             "namespace": namespace,
-            "labels": service_labels(service, KV_SECRET),
+            "labels": service_labels(service, KV_KEYS),
         },
         "type": "Opaque",
-        "data": {KV_SECRET_KEY: base64.b64encode(value.encode()).decode()},
+        "data": {name: base64.b64encode(text.encode()).decode() for name, text in sorted(bundle.items())},
     }
 
 
-# The value is the user's to rotate once the Secret exists, so the operator writes it at creation
-# only; `type` cannot change after creation (a patch of it would fail on every pass).
-KV_SECRET_CREATE_ONLY = (("data",), ("type",))
+# The keys are the user's to rotate once the Secret exists (docs/operator.md), so the operator writes them at
+# creation only; `type` cannot change after creation (a patch of it would fail on every pass).
+KV_KEYS_CREATE_ONLY = (("data",), ("type",))
 
 
 def deployment(service: str, namespace: str, role: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:

@@ -24,12 +24,11 @@ PORTS = {ROUTER: roles.ROUTER_PORT, **{role.name: role.default_port for role in 
 KV_SIDE_CHANNEL_PORT = roles.POD_KV_SIDE_CHANNEL_PORT
 MODEL_DIR = "/models/model"
 
-# The PDService's shared secret (authenticates the KV side channel, router legs and KV events):
-# the Secret's name suffix and component, its one key, and where the pods read it.
-KV_SECRET = "kv-secret"
-KV_SECRET_KEY = "kv-secret"
-KV_SECRET_DIR = "/etc/pdserve/kv-secret"
-KV_SECRET_FILE = f"{KV_SECRET_DIR}/{KV_SECRET_KEY}"
+# The PDService's keys (pdserve/api/keys.py: the router's signing key and its public half, the engines'
+# side-channel key, the KV-event key): the Secret's name suffix and component, and where the pods mount the
+# items their role holds (routers: keys.ROUTER_FILES; engines: keys.ENGINE_FILES).
+KV_KEYS = "kv-keys"
+KV_KEYS_DIR = "/etc/pdserve/kv-keys"
 # The NetworkPolicy on the engine pods: its name suffix and component.
 ENGINES = "engines"
 
@@ -49,9 +48,9 @@ def object_name(service: str, role: str) -> str:
     return f"{service}-{role}"
 
 
-def kv_secret_name(service: str) -> str:
-    """The Secret the operator creates when spec.kvTransfer.secretName names none: `<service>-kv-secret`."""
-    return f"{service}-{KV_SECRET}"
+def kv_keys_name(service: str) -> str:
+    """The Secret the operator creates when spec.kvTransfer.secretName names none: `<service>-kv-keys`."""
+    return f"{service}-{KV_KEYS}"
 
 
 def engines_policy_name(service: str) -> str:

@@ -1,7 +1,7 @@
 """Pod templates of the router and the engine pools of one PDService (pure functions of the spec).
 
 Owns what runs in the pods: the `pdserve router|prefill|decode` command lines (flags: docs/contracts.md),
-environment, ports, probes, resources, the model, KV-secret and /dev/shm volumes, the engine pods'
+environment, ports, probes, resources, the model, KV-keys and /dev/shm volumes, the engine pods'
 tensor-parallel annotation and the security context.
 """
 
@@ -9,17 +9,16 @@ import math
 from typing import Any
 
 from pdserve.api.auth import API_KEY_ENV
+from pdserve.api.keys import ENGINE_FILES, ROUTER_FILES
 from pdserve.operator.names import (
-    KV_SECRET,
-    KV_SECRET_DIR,
-    KV_SECRET_FILE,
-    KV_SECRET_KEY,
+    KV_KEYS,
+    KV_KEYS_DIR,
     KV_SIDE_CHANNEL_PORT,
     MODEL_DIR,
     PORTS,
     ROUTER,
     TENSOR_PARALLEL_ANNOTATION,
-    kv_secret_name,
+    kv_keys_name,
     labels,
     object_name,
 )
@@ -88,8 +87,8 @@ def engine_command(service: str, role: str, spec: dict[str, Any]) -> list[str]:
         number(kv["transferTimeoutSeconds"]),
         "--kv-load-failure",
         kv["loadFailure"],
-        "--kv-secret-file",
-        KV_SECRET_FILE,
+        "--kv-keys",
+        KV_KEYS_DIR,
         *(["--tensor-parallel-size", str(ranks)] if ranks > 1 else []),
         *spec[role].get("engineArgs", []),
     ]
@@ -109,8 +108,8 @@ def router_command(service: str, namespace: str, spec: dict[str, Any]) -> list[s
         namespace,
         "--selector",
         f"app.kubernetes.io/instance={service}",
-        "--kv-secret-file",
-        KV_SECRET_FILE,
+        "--kv-keys",
+        KV_KEYS_DIR,
         *(["--tokenizer", _model_dir(spec["model"])] if _router_reads_model(spec["model"]) else []),
         *spec[ROUTER].get("args", []),
     ]
@@ -158,15 +157,17 @@ def shm_size(pool: dict[str, Any]) -> str | None:
     return f"{size * SHM_GIB_PER_RANK}Gi" if size > 1 else None
 
 
-def _kv_secret_volume(service: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """The PDService's shared secret: the user's Secret named in spec.kvTransfer.secretName, else the
-    operator's. Mode 0400, which the kubelet makes root:fsGroup 0440: readable by the pod's user only."""
+def _kv_keys_volume(service: str, spec: dict[str, Any], files: tuple[str, ...]) -> dict[str, Any]:
+    """The items ``files`` of the PDService's keys: the user's Secret named in spec.kvTransfer.secretName, else
+    the operator's. A router gets the router's files, an engine the engines' (no engine pod holds the key that
+    signs as the router). Mode 0400, which the kubelet makes root:fsGroup 0440: readable by the pod's user only.
+    The kubelet updates the files in place when the Secret changes (no subPath): a key rollover needs no restart."""
     secret = {
-        "secretName": spec["kvTransfer"].get("secretName") or kv_secret_name(service),
+        "secretName": spec["kvTransfer"].get("secretName") or kv_keys_name(service),
         "defaultMode": 0o400,
-        "items": [{"key": KV_SECRET_KEY, "path": KV_SECRET_KEY}],
+        "items": [{"key": name, "path": name} for name in files],
     }
-    return {"name": KV_SECRET, "secret": secret}
+    return {"name": KV_KEYS, "secret": secret}
 
 
 def _api_key_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -179,8 +180,8 @@ def _api_key_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}}]
 
 
-def _kv_secret_mount() -> dict[str, Any]:
-    return {"name": KV_SECRET, "mountPath": KV_SECRET_DIR, "readOnly": True}
+def _kv_keys_mount() -> dict[str, Any]:
+    return {"name": KV_KEYS, "mountPath": KV_KEYS_DIR, "readOnly": True}
 
 
 def _model_download(spec: dict[str, Any], security: dict[str, Any]) -> dict[str, Any]:
@@ -202,7 +203,7 @@ def _pod_security() -> dict[str, Any]:
         "runAsNonRoot": True,
         "runAsUser": USER_ID,
         "runAsGroup": USER_ID,
-        # Secret volumes belong to root: without fsGroup uid 1000 could not read the 0400 KV secret.
+        # Secret volumes belong to root: without fsGroup uid 1000 could not read the 0400 keys.
         # (The model volume is mounted read-only, so the kubelet never re-owns the model files.)
         "fsGroup": USER_ID,
         "seccompProfile": {"type": "RuntimeDefault"},
@@ -226,7 +227,9 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
             _field_env("PDSERVE_KV_HOST", "status.podIP"),
             _field_env("POD_NAME", "metadata.name"),
             _field_env("POD_NAMESPACE", "metadata.namespace"),
-            # Between pods UCX must use TCP or RDMA; shared-memory transports cannot cross pods.
+            # The UCX transports NIXL may use between pods. NIXL serves only where they keep a peer inside the
+            # registration (RDMA, with a device present); otherwise the checked TCP transport does
+            # (pdserve/kvtransfer/nixl_policy.py).
             {"name": "UCX_TLS", "value": kv["ucxTransports"]},
             # Without it torch's OpenMP threads spin-wait without end and starve the API process (pdserve then
             # bounds the spin itself: OPENMP_ENV in pdserve/__init__.py).
@@ -241,7 +244,7 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
         "volumeMounts": [
             {"name": "model", "mountPath": MODEL_DIR, "readOnly": True},
             {"name": "scratch", "mountPath": SCRATCH_DIR},
-            _kv_secret_mount(),
+            _kv_keys_mount(),
         ],
         "securityContext": _container_security(),
         **_probes(ENGINE_STARTUP_FAILURES),
@@ -249,7 +252,7 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
     volumes = [
         _model_volume(spec["model"]),
         {"name": "scratch", "emptyDir": {}},
-        _kv_secret_volume(service, spec),
+        _kv_keys_volume(service, spec, ENGINE_FILES),
     ]
     shm = shm_size(spec[role])
     if shm is not None:
@@ -294,11 +297,11 @@ def router_pod(service: str, namespace: str, spec: dict[str, Any]) -> dict[str, 
         ],
         "ports": [{"name": "http", "containerPort": PORTS[ROUTER], "protocol": "TCP"}],
         "resources": dict(spec[ROUTER].get("resources") or {}),
-        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH_DIR}, _kv_secret_mount()],
+        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH_DIR}, _kv_keys_mount()],
         "securityContext": _container_security(),
         **_probes(ROUTER_STARTUP_FAILURES),
     }
-    volumes = [{"name": "scratch", "emptyDir": {}}, _kv_secret_volume(service, spec)]
+    volumes = [{"name": "scratch", "emptyDir": {}}, _kv_keys_volume(service, spec, ROUTER_FILES)]
     if _router_reads_model(spec["model"]):
         container["volumeMounts"].append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
         volumes.append(_model_volume(spec["model"]))

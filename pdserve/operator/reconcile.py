@@ -1,7 +1,7 @@
 """What the operator does for one PDService, whatever woke it up (the handlers only decide when).
 
 `ensure_objects` creates or patches everything a valid PDService owns (the PDPool sizes and the
-KV secret's value are written at creation only). `sync` is level-based and safe to call any
+KV keys are written at creation only). `sync` is level-based and safe to call any
 number of times: it makes each engine Deployment's size follow its PDPool (the one authoritative
 count; before a scale-down it ranks the pool's pods, `scale_down`) and writes the PDPool and
 PDService statuses from the Deployments. `restore` is both, for the PDService as stored: what
@@ -9,13 +9,13 @@ repairs an owned object someone deleted or edited.
 """
 
 import collections
-import secrets
 import threading
 from collections.abc import Mapping
 from typing import Any, cast
 
 import kopf
 
+from pdserve.api.keys import new_bundle
 from pdserve.operator import manifests, scale_down, status
 from pdserve.operator.kube import Kube, is_subset
 from pdserve.operator.names import ENGINE_ROLES, ROLES, ROUTER, object_name, selector_string
@@ -55,12 +55,12 @@ def _ensure_objects(kube: Kube, body: kopf.Body, name: str, namespace: str) -> N
         # A new Deployment starts at its pool's size; an existing one keeps its size here, because
         # resizing is `sync`'s alone (it ranks the pods before a scale-down).
         replicas[role] = running["spec"]["replicas"] if running is not None else pool_size
-    # A fresh value every pass: it is written only if the Secret does not exist yet. Before the
+    # Fresh keys every pass: they are written only if the Secret does not exist yet. Before the
     # Deployments, so that no pod waits for its secret volume.
-    secret = manifests.kv_secret(name, namespace, spec, secrets.token_hex(32))
+    secret = manifests.kv_keys(name, namespace, spec, new_bundle())
     if secret is not None:
         kopf.adopt(secret, owner=body)
-        kube.apply(secret, create_only=manifests.KV_SECRET_CREATE_ONLY)
+        kube.apply(secret, create_only=manifests.KV_KEYS_CREATE_ONLY)
     objects = manifests.owned_objects(name, namespace, spec, replicas, disruption_budgets=not _not_served(kube))
     kopf.adopt(objects, owner=body)
     for obj in objects:

@@ -32,9 +32,14 @@ RESERVED_ENGINE_FLAGS = (
     "--kv-lease-seconds",
     "--kv-transfer-timeout",
     "--kv-load-failure",
-    "--kv-secret-file",
+    "--kv-keys",
     "--kv-insecure",
+    "--kv-nixl-unbounded",
 )
+# UCX over RDMA only (rc, with the GPU copy transports it needs for VRAM): NIXL then moves KV between pods where
+# an RDMA device is present, and the checked TCP transport elsewhere. UCX over tcp or shared memory would let
+# every peer read and write an engine's whole memory (docs/faults.md).
+DEFAULT_UCX_TRANSPORTS = "rc,cuda_copy,gdr_copy,self"
 # The engine's tensor-parallel flags: the pool's tensorParallelSize is the one place for the size,
 # because the pods' GPUs and /dev/shm volume follow it (more than one rank implies the `mp` executor).
 TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--distributed-executor-backend")
@@ -47,7 +52,7 @@ RESERVED_ROUTER_FLAGS = (
     "--selector",
     "--prefill",
     "--decode",
-    "--kv-secret-file",
+    "--kv-keys",
     "--kv-insecure",
 )
 
@@ -88,7 +93,7 @@ def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
     kv.setdefault("leaseSeconds", 30)
     kv.setdefault("transferTimeoutSeconds", 10)
     kv.setdefault("loadFailure", "recompute")
-    kv.setdefault("ucxTransports", "tcp,self")
+    kv.setdefault("ucxTransports", DEFAULT_UCX_TRANSPORTS)
     if isinstance(full.get("apiKeySecret"), dict):
         full["apiKeySecret"].setdefault("key", "api-key")
     full.setdefault(ROUTER, {}).setdefault("replicas", 1)

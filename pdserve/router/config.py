@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -15,9 +15,9 @@ class RouterConfig:
     namespace: str | None = None  # kubernetes: where the pods are (default: the router's own namespace)
     selector: str = ""  # kubernetes: label selector of this service's pods
     api_key: str | None = None
-    # The cluster secret (pdserve/api/auth.py): signs the P/D legs and release calls to engines, and
-    # checks the engines' KV events. None: nothing is signed (loopback, or --kv-insecure).
-    kv_secret: bytes | None = field(default=None, repr=False)
+    # The deployment's key folder (pdserve/api/keys.py): router.key signs the P/D legs and release calls to
+    # engines, events.key checks the engines' KV events. None: nothing is signed (loopback, or --kv-insecure).
+    keys_dir: str | None = None
     request_timeout: float = 600.0  # whole request, both legs and the streamed answer
     connect_timeout: float = 10.0
     health_interval: float = 2.0

@@ -139,7 +139,8 @@ class RouterMetrics:
         )
         self.malformed_events = Counter(
             "pdserve_router_kv_events_malformed",
-            "KV-event frames dropped as malformed, oversized or not signed with the cluster secret",
+            "KV-event frames dropped: malformed, oversized, not signed with events.key, naming another engine than "
+            "the pod's /health, or older than the last taken",
             registry=self.registry,
         )
         if index is not None:

@@ -28,6 +28,9 @@ class Pod:
     # The engine's KV compatibility hash (from /health): a prefill and a decode pair only when
     # theirs are equal, so during a rollout old pairs with old and new with new.
     compat_hash: str | None = None
+    # The engine's id for its current run (from /health, or from an engine that refused a leg signed for
+    # another): what the router signs P/D legs for, and the engine its KV events must name.
+    engine_id: str | None = None
     # Prompt tokens a second its prefill legs have run at (a moving average; None until measured).
     prefill_speed: float | None = None
     # Set when the pod leaves rotation (a new one when it is back): legs waiting on it for a first byte
@@ -111,6 +114,7 @@ class PodSet:
 class _Health(msgspec.Struct):
     kv_events_port: int | None = None  # where the engine publishes KV-cache events (None: it does not)
     kv_compat_hash: str | None = None
+    engine_id: str | None = None
 
 
 class HealthChecker:
@@ -166,5 +170,6 @@ class HealthChecker:
             except msgspec.MsgspecError:
                 health = _Health()  # not an engine's JSON (an older engine, a proxy): no events, no hash
             pod.compat_hash = health.kv_compat_hash
+            pod.engine_id = health.engine_id
             if self.on_health is not None:
                 self.on_health(pod, health.kv_events_port)

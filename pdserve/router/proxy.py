@@ -30,7 +30,8 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from pdserve.api.auth import ROUTER, ROUTER_AUTH_HEADER, Signer, sign_request
+from pdserve.api.auth import ENGINE_ID_HEADER, ROUTER_AUTH_HEADER, RouterSigner
+from pdserve.api.keys import load_router_signing
 from pdserve.api.protocol import (
     KV_PARAMS_REJECTED_HEADER,
     ChatCompletionRequest,
@@ -169,8 +170,8 @@ class Proxy:
         self.prompts = prompts  # None: prompts are not tokenized (no tokenizer, or nothing would use them)
         self._session: aiohttp.ClientSession | None = None  # set on startup: it needs the running loop
         self._background: set[asyncio.Task[None]] = set()  # releases sent after their request ended
-        # Engines take P/D params and releases only from the router: it signs every leg it sends.
-        self._signer = Signer(config.kv_secret, ROUTER) if config.kv_secret is not None else None
+        # Engines take P/D params and releases only from the router: it signs every leg it sends, for its engine.
+        self._signer = RouterSigner(load_router_signing(config.keys_dir)) if config.keys_dir else None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -183,11 +184,23 @@ class Proxy:
     def session(self, session: aiohttp.ClientSession) -> None:
         self._session = session
 
-    def _post(self, url: str, path: str, body: bytes, headers: dict[str, str], **options: Any) -> Any:
-        """POST one leg (or release) to an engine, signed with the router's credential when there is a secret."""
-        if self._signer is not None:
-            headers = {**headers, ROUTER_AUTH_HEADER: sign_request(self._signer, "POST", path, body)}
-        return self.session.post(url + path, data=body, headers=headers, **options)
+    async def _post(
+        self, pod: Pod, path: str, body: bytes, headers: dict[str, str], **options: Any
+    ) -> aiohttp.ClientResponse:
+        """POST one leg (or release) to an engine, signed for that engine (its id from /health) when the router
+        has keys. An engine that refuses it as signed for another (it restarted: a new id) says its id; the leg
+        is signed for that one and sent again, once."""
+        for attempt in range(2):
+            signed = headers
+            if self._signer is not None:
+                signed = {**headers, ROUTER_AUTH_HEADER: self._signer.header("POST", path, body, pod.engine_id or "")}
+            answer = await self.session.post(pod.url + path, data=body, headers=signed, **options)
+            engine_id = answer.headers.get(ENGINE_ID_HEADER)
+            if answer.status != 403 or not engine_id or engine_id == pod.engine_id or attempt or self._signer is None:
+                return answer
+            pod.engine_id = engine_id
+            answer.release()
+        raise AssertionError("unreachable")
 
     def eject(self, podset: PodSet, pod: Pod, reason: str) -> None:
         if podset.mark(pod, False, reason):
@@ -312,8 +325,8 @@ class Proxy:
     async def _release(self, pod: Pod, params: dict[str, Any], headers: dict[str, str]) -> None:
         """Tell a prefill pod to free a leg's held blocks, best effort (the lease frees them otherwise)."""
         try:
-            async with self._post(
-                pod.url,
+            async with await self._post(
+                pod,
                 RELEASE_PATH,
                 msgspec.json.encode({"kv_transfer_params": params}),
                 headers,
@@ -371,7 +384,7 @@ class Proxy:
         pod.in_flight += 1
         try:
             async with asyncio.timeout(timeout):
-                async with self._post(pod.url, exchange.request.path, encoded, exchange.headers) as answer:
+                async with await self._post(pod, exchange.request.path, encoded, exchange.headers) as answer:
                     payload = await answer.read()
                     status = answer.status
                     content_type = answer.headers.get("Content-Type", "application/json")
@@ -438,7 +451,7 @@ class Proxy:
             exchange.decode_sent = time.perf_counter()
             try:
                 answer = await _unless_left_rotation(
-                    self._post(pod.url, exchange.request.path, body, exchange.headers), left_rotation
+                    self._post(pod, exchange.request.path, body, exchange.headers), left_rotation
                 )
             except _LeftRotation:
                 self.metrics.errors["decode_hung"].inc()

@@ -14,6 +14,7 @@ import msgspec
 from aiohttp import web
 
 from pdserve.api.http import api_key_middleware, error_middleware, start_app
+from pdserve.api.keys import EVENTS_KEY, load_secret
 from pdserve.api.openapi import MAX_BODY_BYTES, ApiLimits, openapi_document, read_limits
 from pdserve.api.protocol import ProtocolError
 from pdserve.router.config import RouterConfig
@@ -60,7 +61,11 @@ class Router:
         self.proxy = Proxy(config, self.prefill, self.decode, self.metrics, self.chooser, prompts)
         # The engines' KV-cache events matter only to prefix routing.
         self.subscriber = (
-            KVSubscriber(self.index, self.metrics.malformed_events.inc, config.kv_secret)
+            KVSubscriber(
+                self.index,
+                self.metrics.malformed_events.inc,
+                load_secret(config.keys_dir, EVENTS_KEY) if config.keys_dir else None,
+            )
             if self.chooser.prefix_aware
             else None
         )
@@ -115,7 +120,7 @@ class Router:
     def _on_health(self, pod: Pod, kv_events_port: int | None) -> None:
         # A probe that was under way when discovery dropped its pod must not subscribe to it again.
         if self.subscriber is not None and (pod in self.decode.pods or pod in self.prefill.pods):
-            self.subscriber.follow(pod.url, kv_events_port)
+            self.subscriber.follow(pod.url, kv_events_port, pod.engine_id)
 
     def _apply_snapshot(self, snapshot: dict[str, list[str]]) -> None:
         self.prefill.set_urls(snapshot["prefill"])

@@ -1,11 +1,14 @@
 """KVSubscriber: one asyncio task per pod that publishes KV-cache events, reading its ZMQ PUB socket into the
 router's KVIndex (pdserve/router/kv_index.py).
 
-Where a pod publishes comes from its /health answer (``kv_events_port``, read by pods.HealthChecker); the
-host is the pod's own. A pod that leaves (discovery) is unsubscribed and forgotten; one whose port changes (a
-restarted engine) is subscribed afresh. ZMQ reconnects by itself to a publisher that went away and came back
-on the same port. Bounded: at most ``RCVHWM`` batches wait in the socket, and a frame over
-``MAX_BATCH_BYTES`` makes ZMQ drop that connection (it reconnects) instead of buffering it.
+Where a pod publishes comes from its /health answer (``kv_events_port``, read by pods.HealthChecker), with its
+engine's id; the host is the pod's own. A batch is taken only if it names that engine and a sequence number
+above the last one taken from it (with keys, both are under the batch's MAC): a stream relayed from another
+pod, or an old batch sent again, changes nothing. A pod that leaves (discovery) is unsubscribed and forgotten;
+one whose port or engine changes (a restarted engine) is subscribed afresh. ZMQ reconnects by itself to a
+publisher that went away and came back on the same port. Bounded: at most ``RCVHWM`` batches wait in the
+socket, and a frame over ``MAX_BATCH_BYTES`` makes ZMQ drop that connection (it reconnects) instead of
+buffering it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
+from pdserve.api.keys import KeyRing
 from pdserve.api.kv_events import MAX_BATCH_BYTES, EventSigner, decode_batch
 from pdserve.router.kv_index import KVIndex
 
@@ -35,23 +39,25 @@ def events_endpoint(pod_url: str, port: int) -> str:
 
 class KVSubscriber:
     def __init__(
-        self, index: KVIndex, on_malformed: Callable[[], None] | None = None, secret: bytes | None = None
+        self, index: KVIndex, on_malformed: Callable[[], None] | None = None, keys: KeyRing[bytes] | None = None
     ) -> None:
-        """``on_malformed``: called for each message dropped (malformed, or not signed with ``secret``)."""
+        """``on_malformed``: called for each message dropped (malformed, not signed with ``keys``, another
+        engine's, or old)."""
         self.index = index
         self.on_malformed = on_malformed
-        self.signer = EventSigner(secret) if secret is not None else None
+        self.signer = EventSigner(keys) if keys is not None else None
         self._context: zmq.asyncio.Context | None = None
-        self._tasks: dict[str, tuple[str, asyncio.Task[None]]] = {}  # pod URL -> (endpoint, reader)
+        # pod URL -> ((endpoint, engine id), reader)
+        self._tasks: dict[str, tuple[tuple[str, str | None], asyncio.Task[None]]] = {}
 
     def endpoints(self) -> dict[str, str]:
-        return {url: endpoint for url, (endpoint, _) in self._tasks.items()}
+        return {url: source[0] for url, (source, _) in self._tasks.items()}
 
-    def follow(self, url: str, port: int | None) -> None:
-        """Subscribe to the pod at ``url`` publishing on ``port`` (None: it does not publish)."""
+    def follow(self, url: str, port: int | None, engine_id: str | None = None) -> None:
+        """Subscribe to the engine ``engine_id`` at ``url`` publishing on ``port`` (None: it does not publish)."""
         endpoint = None if port is None else events_endpoint(url, port)
         current = self._tasks.get(url)
-        if current is not None and current[0] == endpoint:
+        if current is not None and current[0] == (endpoint, engine_id):
             return
         if current is not None:  # the pod's engine moved (restarted): its old picture goes with the old stream
             self._stop(url, current[1])
@@ -61,7 +67,7 @@ class KVSubscriber:
         if self._context is None:
             self._context = zmq.asyncio.Context()
         logger.info("following KV events of %s at %s", url, endpoint)
-        self._tasks[url] = (endpoint, asyncio.create_task(self._read(url, endpoint)))
+        self._tasks[url] = ((endpoint, engine_id), asyncio.create_task(self._read(url, endpoint, engine_id)))
 
     def retain(self, urls: Collection[str]) -> None:
         """Unsubscribe from, and forget, every pod not in ``urls`` (they left)."""
@@ -87,7 +93,7 @@ class KVSubscriber:
             self._context.term()
             self._context = None
 
-    async def _read(self, url: str, endpoint: str) -> None:
+    async def _read(self, url: str, endpoint: str, engine_id: str | None) -> None:
         assert self._context is not None
         socket = self._context.socket(zmq.SUB)
         try:
@@ -100,6 +106,7 @@ class KVSubscriber:
             socket.setsockopt(zmq.SUBSCRIBE, b"")
             socket.connect(endpoint)
             index = self.index
+            last_seq = -1
             while True:
                 frames = await socket.recv_multipart()
                 if self.signer is not None:
@@ -107,10 +114,11 @@ class KVSubscriber:
                 else:
                     frame = frames[0] if len(frames) == 1 else None
                 batch = decode_batch(frame) if frame is not None else None
-                if batch is None:
+                if batch is None or batch.engine_id != engine_id or batch.seq <= last_seq:
                     if self.on_malformed is not None:
                         self.on_malformed()
                     continue
+                last_seq = batch.seq
                 index.apply(url, batch)
         except zmq.ZMQError as error:  # a bad endpoint: say so, keep routing without this pod's picture
             logger.warning("KV events of %s at %s: %s", url, endpoint, error)

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from pdserve.api.auth import RequestVerifier
+from pdserve.api.auth import RouterVerifier
 from pdserve.api.http import api_key_middleware, error_middleware, json_response, reserve_port, start_app
 from pdserve.api.openapi import MAX_BODY_BYTES, ApiLimits, openapi_document
 from pdserve.api.protocol import (
@@ -64,7 +64,7 @@ class EngineServer:
         limits: ServerLimits | None = None,
         kv_transfer: bool = False,
         serves_blocks: bool = False,
-        router_verifier: RequestVerifier | None = None,
+        router_verifier: RouterVerifier | None = None,
         chat_parsers: ChatParsers | None = None,
     ) -> None:
         self.client = client
@@ -119,7 +119,7 @@ class EngineServer:
         """Free the blocks a prefill leg of this engine holds (the router says no decode will pull
         them). Its request finished already; aborting it ends the hold at once instead of by lease.
         An unknown or already released id is a no-op: releasing twice is harmless. Like P/D params,
-        taken only from the router when there is a cluster secret."""
+        taken only from the router when the engine has keys."""
         raw = await request.read()
         body = decode_request(raw, KVReleaseRequest)
         self.serving.verify_router(request, raw)
@@ -136,11 +136,17 @@ class EngineServer:
             return web.json_response({"status": "engine core is not running"}, status=503)
         if self.draining:
             return web.json_response({"status": "shutting down"}, status=503)
-        # Routers learn here where this engine publishes its KV-cache events (pdserve/api/kv_events.py)
-        # and which engines it may pair with (the same KV compatibility hash).
+        # Routers learn here where this engine publishes its KV-cache events (pdserve/api/kv_events.py),
+        # which engines it may pair with (the same KV compatibility hash) and its id for this run (what the
+        # router signs P/D legs for, and the engine its KV events must name).
         ready = self.client.ready
         return web.json_response(
-            {"status": "ok", "kv_events_port": ready.kv_events_port, "kv_compat_hash": ready.kv_compat_hash}
+            {
+                "status": "ok",
+                "kv_events_port": ready.kv_events_port,
+                "kv_compat_hash": ready.kv_compat_hash,
+                "engine_id": ready.engine_id,
+            }
         )
 
     async def render_metrics(self, request: web.Request) -> web.Response:
@@ -208,7 +214,7 @@ async def start_engine_server(
     served_model_name: str | None = None,
     api_key: str | None = None,
     limits: ServerLimits | None = None,
-    router_verifier: RequestVerifier | None = None,
+    router_verifier: RouterVerifier | None = None,
     tool_call_parser: str | None = None,
 ) -> RunningServer:
     """Start the core process and the HTTP server; ``port`` 0 picks a free port. ``router_verifier``:

@@ -97,12 +97,18 @@ class _SchedulerCollector:
                 "KV loads the scheduler's watchdog failed because the transfer agent never reported them",
                 stats.kv_loads_abandoned,
             ),
+            "pdserve_kv_quarantines_overdue": (
+                "Quarantines of abandoned KV loads still unreported past 3 x --kv-transfer-timeout: their blocks stay "
+                "out of use (leaked) until the transfer agent reports the load, since a late write may still land",
+                stats.kv_quarantines_overdue,
+            ),
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(name, documentation, value=value)
         rejected = CounterMetricFamily(
             "pdserve_kv_side_channel_rejected",
-            "Side-channel frames refused (unauthenticated, replayed, from an old incarnation, malformed), by reason",
+            "Side-channel frames refused (oversized, malformed, misaddressed, stale, unauthenticated, replayed, "
+            "unexpected), by reason",
             labels=["reason"],
         )
         for reason, count in sorted(stats.kv_side_channel_rejected.items()):

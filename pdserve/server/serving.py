@@ -7,9 +7,9 @@ engine to free the blocks it holds for it; one refused for now (503: overload, d
 since the router may send it to another decode engine.
 
 P/D params (``do_remote_decode``, ``do_remote_prefill``) make this engine hold KV for others or
-connect to a peer the params name, so with a cluster secret they are taken only from the router:
-its signed ``X-PDServe-Router-Auth`` header (pdserve/api/auth.py), checked before anything else
-(a forged decode leg must not even make this engine release the blocks it names).
+connect to a peer the params name, so with keys they are taken only from the router: its signed
+``X-PDServe-Router-Auth`` header (pdserve/api/auth.py), made for this engine's id and checked before
+anything else (a forged decode leg must not even make this engine release the blocks it names).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from pdserve.api.auth import ROUTER_AUTH_HEADER, RequestVerifier
+from pdserve.api.auth import ENGINE_ID_HEADER, ROUTER_AUTH_HEADER, WRONG_TARGET, RouterVerifier
 from pdserve.api.chat import ConversationError, conversation
 from pdserve.api.http import json_response
 from pdserve.api.protocol import (
@@ -149,7 +149,7 @@ class OpenAIServing:
         limits: ServerLimits,
         kv_transfer: bool = False,
         serves_blocks: bool = False,
-        router_verifier: RequestVerifier | None = None,
+        router_verifier: RouterVerifier | None = None,
         chat_parsers: ChatParsers | None = None,
     ) -> None:
         self.client = client
@@ -164,7 +164,7 @@ class OpenAIServing:
         # without a KV connector): no prefill leg, no blocks to pull, nothing to check.
         self.kv_transfer = kv_transfer
         self.serves_blocks = serves_blocks  # takes prefill legs (holds blocks for peers): the prefill role
-        # Checks that P/D params come from the router; None: taken from any client (no secret, or --kv-insecure).
+        # Checks that P/D params come from the router; None: taken from any client (an engine without keys).
         self.router_verifier = router_verifier
         self.chat_parsers = chat_parsers or ChatParsers()
 
@@ -205,6 +205,14 @@ class OpenAIServing:
             return
         header = request.headers.get(ROUTER_AUTH_HEADER)
         problem = self.router_verifier.problem(header, request.method, request.path, raw)
+        if problem == WRONG_TARGET:  # signed for another engine (or a previous run of this one)
+            raise ProtocolError(
+                f"this request was signed for another engine; this is engine {self.router_verifier.engine_id}",
+                403,
+                param="kv_transfer_params",
+                error_type=WRONG_TARGET,
+                headers={ENGINE_ID_HEADER: self.router_verifier.engine_id},
+            )
         if problem is not None:
             raise ProtocolError(
                 f"kv_transfer_params are taken only from the router (its {ROUTER_AUTH_HEADER} header: {problem})",

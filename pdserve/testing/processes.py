@@ -13,17 +13,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.api.auth import SECRET_ENV
+from pdserve.api.keys import KEYS_ENV
 from pdserve.launcher import free_port
 
 
 def server_env(threads: int = 1) -> dict[str, str]:
     """This process's environment for a server that shares a small machine: ``threads`` OpenMP threads that wait
     passively at once (tests run several servers on two cores: one spinning after its step would take a core
-    from the next), no injected KV faults and no cluster secret (both asked per process)."""
+    from the next), no injected KV faults and no key folder (both asked per process)."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="0", OMP_NUM_THREADS=str(threads))
     env.pop("PDSERVE_KV_FAULTS", None)
-    env.pop(SECRET_ENV, None)
+    env.pop(KEYS_ENV, None)
     return env
 
 

@@ -1,56 +1,104 @@
-"""The cluster secret's primitives: reading it, who may run without it, HMAC keys per purpose, the replay guard,
-and the router's signed requests."""
+"""The deployment's keys and what they authenticate (pdserve/api/keys.py, pdserve/api/auth.py): key folders and
+their rollover, the exposure rule, HMAC parts, the replay guard, the router's Ed25519 signature bound to its target
+engine, and KV-event signatures."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
-from pdserve.api import auth
-from pdserve.api.auth import ROUTER, SIDE_CHANNEL, ReplayGuard, RequestVerifier, Signer, sign_request
+from pdserve.api import auth, keys
+from pdserve.api.auth import KV_EVENTS, SIDE_CHANNEL, ReplayGuard, RouterSigner, RouterVerifier, Signer
 from pdserve.api.kv_events import EventSigner
 
-SECRET = b"0123456789abcdef-cluster"
+
+@pytest.fixture
+def bundle(tmp_path):
+    keys.write_bundle(tmp_path, keys.new_bundle())
+    return tmp_path
 
 
-def test_secret_comes_from_the_file_first_then_the_environment(tmp_path, monkeypatch):
-    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
-    assert auth.read_secret(None) is None
-    monkeypatch.setenv(auth.SECRET_ENV, " from-the-environment-0001 \n")
-    assert auth.read_secret(None) == b"from-the-environment-0001"
-    path = tmp_path / "kv-secret"
-    path.write_text(auth.new_secret() + "\n")
-    assert auth.read_secret(str(path)) == path.read_bytes().strip() and len(auth.read_secret(str(path))) == 64
+def _ring(value: bytes) -> keys.KeyRing[bytes]:
+    return keys.KeyRing([value])
 
 
-@pytest.mark.parametrize("content", ["", "short", "  \n"])
-def test_a_short_secret_is_refused_with_its_source(tmp_path, content):
-    path = tmp_path / "kv-secret"
-    path.write_text(content)
-    with pytest.raises(auth.SecretError, match=str(path)):
-        auth.read_secret(str(path))
+def test_a_key_folder_holds_each_kind_of_key_and_secret_ones_are_private(bundle):
+    assert sorted(os.listdir(bundle)) == sorted(keys.ALL_FILES)
+    for name in keys.SECRET_FILES:
+        assert os.stat(bundle / name).st_mode & 0o077 == 0, f"{name} is readable by others"
+    keys.check_folder(bundle, keys.ENGINE_FILES, "engine")
+    keys.check_folder(bundle, keys.ROUTER_FILES, "router")
+    # The router's public key is the public half of its signing key.
+    private = keys.load_router_signing(bundle).current
+    public = keys.load_router_public(bundle).current
+    public.verify(private.sign(b"m"), b"m")
 
 
-def test_a_missing_secret_file_is_a_clear_error(tmp_path):
-    with pytest.raises(auth.SecretError, match="cannot read the KV secret file"):
-        auth.read_secret(str(tmp_path / "absent"))
+def test_a_folder_missing_a_roles_key_or_holding_a_bad_one_is_refused_with_its_name(tmp_path):
+    bundle = keys.new_bundle()
+    keys.write_bundle(tmp_path, bundle, keys.ROUTER_FILES)  # a router's folder
+    keys.check_folder(tmp_path, keys.ROUTER_FILES, "router")
+    with pytest.raises(keys.KeyFileError, match=r"router\.pub, engine\.key"):
+        keys.check_folder(tmp_path, keys.ENGINE_FILES, "pdserve decode")
+    (tmp_path / "events.key").write_text("not hex\n")
+    with pytest.raises(keys.KeyFileError, match=r"events\.key:1: not a hex key"):
+        keys.check_folder(tmp_path, keys.ROUTER_FILES, "router")
+    (tmp_path / "events.key").write_text("abcd\n")
+    with pytest.raises(keys.KeyFileError, match="32 bytes"):
+        keys.check_folder(tmp_path, keys.ROUTER_FILES, "router")
+    with pytest.raises(keys.KeyFileError, match="does not exist"):
+        keys.check_folder(tmp_path / "absent", keys.ROUTER_FILES, "router")
 
 
-def test_only_loopback_runs_without_a_secret_unless_told_insecure():
-    assert auth.exposure_problem("x", ["127.0.0.1", "::1", "localhost", "127.0.0.2"], None, False) is None
-    problem = auth.exposure_problem("pdserve prefill", ["127.0.0.1", "0.0.0.0"], None, False)
-    assert problem is not None and "0.0.0.0" in problem and "--kv-secret-file" in problem
-    assert auth.exposure_problem("x", ["10.0.0.5", "pod.example"], None, True) is None
-    assert auth.exposure_problem("x", ["10.0.0.5"], SECRET, False) is None
-    assert auth.exposure_problem("x", ["engine.local"], None, False) is not None  # a name may resolve anywhere
+def test_a_rollover_keeps_the_old_and_the_new_key_valid_until_its_last_step(bundle, monkeypatch):
+    monkeypatch.setattr(keys, "RELOAD_INTERVAL_S", 0.0)  # read the files at every use
+    ring = keys.load_secret(bundle, keys.ENGINE_KEY)
+    old = ring.current
+    keys.write_bundle(bundle, keys.rotate(keys.read_bundle(bundle), "add"))
+    assert ring.current == old and len(ring.accepted) == 2  # the new key is accepted, not used yet
+    new = ring.accepted[1]
+    keys.write_bundle(bundle, keys.rotate(keys.read_bundle(bundle), "promote"))
+    assert ring.current == new and ring.accepted == (new, old)
+    keys.write_bundle(bundle, keys.rotate(keys.read_bundle(bundle), "retire"))
+    assert ring.accepted == (new,)
+    # The router's pair stays line for line.
+    private, public = keys.load_router_signing(bundle).accepted, keys.load_router_public(bundle).accepted
+    assert len(private) == len(public) == 1
+    public[0].verify(private[0].sign(b"m"), b"m")
+    with pytest.raises(ValueError, match="rotation step"):
+        keys.rotate(keys.read_bundle(bundle), "rewind")
 
 
-def test_keys_differ_per_purpose_and_parts_are_unambiguous():
-    side, router = Signer(SECRET, SIDE_CHANNEL), Signer(SECRET, ROUTER)
-    assert side.sign(b"a") != router.sign(b"a")
+def test_a_broken_key_file_keeps_the_keys_that_worked(bundle, monkeypatch):
+    monkeypatch.setattr(keys, "RELOAD_INTERVAL_S", 0.0)
+    ring = keys.load_secret(bundle, keys.EVENTS_KEY)
+    before = ring.accepted
+    (bundle / keys.EVENTS_KEY).write_text("half a key\n")
+    assert ring.accepted == before
+
+
+def test_only_loopback_runs_without_keys_unless_told_insecure():
+    assert auth.exposure_problem("x", ["127.0.0.1", "::1", "localhost", "127.0.0.2"], False, False) is None
+    problem = auth.exposure_problem("pdserve prefill", ["127.0.0.1", "0.0.0.0"], False, False)
+    assert problem is not None and "0.0.0.0" in problem and "--kv-keys" in problem
+    assert auth.exposure_problem("x", ["10.0.0.5", "pod.example"], False, True) is None
+    assert auth.exposure_problem("x", ["10.0.0.5"], True, False) is None
+    assert auth.exposure_problem("x", ["engine.local"], False, False) is not None  # a name may resolve anywhere
+
+
+def test_macs_differ_per_purpose_and_parts_are_unambiguous():
+    key = _ring(b"k" * 32)
+    side, events = Signer(key, SIDE_CHANNEL), Signer(key, KV_EVENTS)
+    assert side.sign(b"a") != events.sign(b"a")
     assert side.sign(b"ab", b"c") != side.sign(b"a", b"bc")
     assert side.verify(side.sign(b"x", b"y"), b"x", b"y")
     assert not side.verify(side.sign(b"x", b"y"), b"x", b"z")
-    assert not Signer(b"another-secret-00000", SIDE_CHANNEL).verify(side.sign(b"x"), b"x")
+    assert not Signer(_ring(b"o" * 32), SIDE_CHANNEL).verify(side.sign(b"x"), b"x")
+    # During a rollover a MAC made with any accepted key verifies; the current key makes new ones.
+    both = Signer(keys.KeyRing([b"n" * 32, b"k" * 32]), SIDE_CHANNEL)
+    assert both.verify(side.sign(b"x"), b"x") and both.sign(b"x") != side.sign(b"x")
 
 
 def test_replay_guard_takes_each_nonce_once_and_only_when_fresh():
@@ -67,31 +115,64 @@ def test_replay_guard_takes_each_nonce_once_and_only_when_fresh():
     assert guard.problem(1100.0, b"n4", now=1100.0) == "replayed"
 
 
-def test_router_signature_covers_method_path_and_body_and_is_taken_once():
-    signer, verifier = Signer(SECRET, ROUTER), RequestVerifier(SECRET)
+def test_a_router_signature_covers_method_path_body_and_its_engine_and_is_taken_once(bundle):
+    signer = RouterSigner(keys.load_router_signing(bundle))
+    verifier = RouterVerifier(keys.load_router_public(bundle), "engine-a")
     body = b'{"prompt":"hi","kv_transfer_params":{"do_remote_decode":true}}'
-    header = sign_request(signer, "POST", "/v1/completions", body)
+    header = signer.header("POST", "/v1/completions", body, "engine-a")
     assert verifier.problem(header, "POST", "/v1/chat/completions", body) == "bad signature"
     assert verifier.problem(header, "POST", "/v1/completions", body.replace(b"hi", b"ho")) == "bad signature"
+    # Signed for engine-a, presented to engine-b (or to a restart of engine-a, which has a new id): refused there.
+    # (Before dbd1dc4's successor, a captured leg replayed against any other engine was taken.)
+    assert (
+        RouterVerifier(keys.load_router_public(bundle), "engine-b").problem(header, "POST", "/v1/completions", body)
+        == auth.WRONG_TARGET
+    )
+    sent_at, nonce, _, signature = header.split(" ")
+    retargeted = f"{sent_at} {nonce} engine-b {signature}"  # the target edited: the signature no longer holds
+    assert (
+        RouterVerifier(keys.load_router_public(bundle), "engine-b").problem(retargeted, "POST", "/v1/completions", body)
+        == "bad signature"
+    )
     assert verifier.problem(header, "POST", "/v1/completions", body) is None
     assert verifier.problem(header, "POST", "/v1/completions", body) == "replayed"
     assert verifier.problem(None, "POST", "/v1/completions", body) == "missing"
     assert verifier.problem("garbage", "POST", "/v1/completions", body) == "malformed"
-    assert verifier.problem("1 2 zz", "POST", "/v1/completions", body) == "malformed"
-    other = sign_request(Signer(b"another-secret-00000", ROUTER), "POST", "/v1/completions", body)
-    assert verifier.problem(other, "POST", "/v1/completions", body) == "bad signature"
-    stale = sign_request(signer, "POST", "/v1/completions", body, now=1.0)
+    assert verifier.problem("1 2 engine-a zz", "POST", "/v1/completions", body) == "malformed"
+    stale = signer.header("POST", "/v1/completions", body, "engine-a", now=1.0)
     assert verifier.problem(stale, "POST", "/v1/completions", body) == "stale"
 
 
+def test_an_engine_holds_nothing_that_signs_as_the_router(tmp_path):
+    # Before, one secret in every pod derived the router's key too: any engine could sign router legs.
+    bundle = keys.new_bundle()
+    engine_folder, other = tmp_path / "engine", tmp_path / "other"
+    keys.write_bundle(engine_folder, bundle, keys.ENGINE_FILES)
+    keys.write_bundle(other, keys.new_bundle())
+    assert not (engine_folder / keys.ROUTER_KEY).exists()
+    verifier = RouterVerifier(keys.load_router_public(engine_folder), "engine-a")
+    body = b'{"kv_transfer_params":{"do_remote_decode":true}}'
+    # Everything an engine has, tried as a signing key: the side-channel and event keys as Ed25519 seeds, and
+    # another deployment's router key.
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    candidates = [
+        Ed25519PrivateKey.from_private_bytes(keys.load_secret(engine_folder, name).current)
+        for name in (keys.ENGINE_KEY, keys.EVENTS_KEY)
+    ] + [keys.load_router_signing(other).current]
+    for candidate in candidates:
+        header = RouterSigner(keys.KeyRing([candidate])).header("POST", "/v1/completions", body, "engine-a")
+        assert verifier.problem(header, "POST", "/v1/completions", body) == "bad signature"
+
+
 def test_kv_events_are_taken_only_signed_fresh_and_whole():
-    signer = EventSigner(SECRET)
+    signer = EventSigner(_ring(b"e" * 32))
     frames = signer.frames(b"batch")
     assert signer.batch(frames) == b"batch"
     assert signer.batch([b"batch"]) is None  # unsigned
     assert signer.batch([b"other", *frames[1:]]) is None
-    assert EventSigner(b"another-secret-00000").batch(frames) is None
+    assert EventSigner(_ring(b"o" * 32)).batch(frames) is None
     assert signer.batch([b"batch", b"not a time", frames[2]]) is None
-    old = EventSigner(SECRET)
-    old_frames = [b"batch", b"1.0", old._signer.sign(b"batch", b"1.0")]
+    old_frames = [b"batch", b"1.0", signer._signer.sign(b"batch", b"1.0")]
     assert signer.batch(old_frames) is None  # signed, but long ago
+    assert abs(float(frames[1]) - time.time()) < 5

@@ -1,4 +1,4 @@
-"""Chaos on the P/D path with a cluster secret: real router, one prefill and two decode processes (NIXL), the
+"""Chaos on the P/D path with keys: real router, one prefill and two decode processes (NIXL), the
 prefill holding blocks for 8 s, decode bounding each handshake and transfer by 3 s.
 
 - A prefill SIGKILLed while decode engines hand-shake with it (stopped first, so the handshake is sure to be
@@ -21,7 +21,6 @@ import urllib.request
 
 import pytest
 
-from pdserve.api.auth import ROUTER, ROUTER_AUTH_HEADER, Signer, new_secret, sign_request
 from pdserve.testing.metrics import idle, metric, scrape
 from tests.chaos.load import processes_of, request, two_waves_around_a_stop
 from tests.fuzz.openapi_fuzz import completion_body, prefill_leg_body
@@ -30,7 +29,6 @@ from tests.pd.cluster import Cluster, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 LEASE_S = 8
-SECRET = new_secret()
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +38,17 @@ def cluster(tmp_path_factory):
         num_decode=2,
         prefill_flags=("--kv-lease-seconds", str(LEASE_S)),
         decode_flags=("--kv-transfer-timeout", "3"),
-        secret=SECRET,
+        keys=True,
     )
     yield cluster
     cluster.stop()
 
 
-def _signed(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
+def _signed(cluster: Cluster, url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
     """POST as the router does (with its signature): the test plays the router's part on one leg."""
     data = json.dumps(body).encode()
-    header = sign_request(Signer(SECRET.encode(), ROUTER), "POST", "/v1/completions", data)
-    request = urllib.request.Request(
-        url + "/v1/completions", data=data, headers={"Content-Type": "application/json", ROUTER_AUTH_HEADER: header}
-    )
+    headers = {"Content-Type": "application/json", **cluster.router_header(url, "/v1/completions", data)}
+    request = urllib.request.Request(url + "/v1/completions", data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read())
@@ -71,7 +67,7 @@ def test_a_prefill_killed_during_the_handshake_then_restarted(cluster):
     prompts = [f"handshake {i}: " + " ".join(f"h{i}x{j}" for j in range(30)) for i in range(3)]
     legs = []
     for prompt in prompts:
-        status, leg = _signed(prefill.url, prefill_leg_body(prompt))
+        status, leg = _signed(cluster, prefill.url, prefill_leg_body(prompt))
         assert status == 200 and leg["kv_transfer_params"], leg
         legs.append(leg["kv_transfer_params"])
     stopped = processes_of(prefill.process.pid)
@@ -81,7 +77,7 @@ def test_a_prefill_killed_during_the_handshake_then_restarted(cluster):
 
     def decode_leg(index: int) -> None:
         body = completion_body(prompts[index], max_tokens=4, kv_transfer_params=legs[index])
-        answers[index] = _signed(decode.url, body)
+        answers[index] = _signed(cluster, decode.url, body)
 
     threads = [threading.Thread(target=decode_leg, args=(i,)) for i in range(len(prompts))]
     for thread in threads:

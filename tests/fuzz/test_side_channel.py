@@ -27,7 +27,10 @@ TAGS = ("handshake", "handshake_reply", "renew", "release", "read", "blocks", ""
 FIELDS = (
     "engine_id",
     "request_id",
-    "request_ids",
+    "holds",
+    "token",
+    "challenge",
+    "answer",
     "block_ids",
     "generations",
     "release",
@@ -89,7 +92,8 @@ def _value(rng: random.Random, depth: int = 0) -> Any:
 
 
 def _junk_frames(rng: random.Random, held: dict[str, Any]) -> list[list[bytes]]:
-    """Multipart messages to send from one DEALER (none oversized: those make ZMQ drop the connection)."""
+    """Multipart messages to send from one DEALER (none over the side channel's frame bound: those make ZMQ drop the
+    connection)."""
     encode = msgspec.msgpack.encode
     held_id, held_blocks, held_generations = (
         held["remote_request_id"],
@@ -110,17 +114,20 @@ def _junk_frames(rng: random.Random, held: dict[str, Any]) -> list[list[bytes]]:
         elif kind == 3:  # lengths announced far beyond the frame: str32, bin32, array32, map32 with nothing after
             frames.append([rng.choice([b"\xdb", b"\xc6", b"\xdd", b"\xdf"]) + b"\xff\xff\xff\xff" + rng.randbytes(8)])
         elif kind == 4:  # deep nesting
-            frames.append([rng.choice([b"\x91", b"\x81\xa1a"]) * rng.randint(1000, 50000)])
+            frames.append([rng.choice([b"\x91", b"\x81\xa1a"]) * rng.randint(1000, 20000)])
         elif kind == 5:  # several parts (the agent serves exactly one), or empty parts
             frames.append([rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(2, 5))])
-        elif kind == 6:  # well-typed renewals and releases of requests nobody holds (never the held one)
-            ids = [uuid.uuid4().hex for _ in range(rng.randint(0, 2000))]
-            message = rng.choice([messages.RenewLeases, messages.ReleaseBlocks])(ids)
+        elif kind == 6:  # well-typed renewals and releases of holds nobody has, or of the held one with a wrong token
+            holds = [(uuid.uuid4().hex, uuid.uuid4().hex) for _ in range(rng.randint(0, 400))]
+            holds += [(held_id, uuid.uuid4().hex)] if rng.random() < 0.5 else []
+            message = rng.choice([messages.RenewLeases, messages.ReleaseBlocks])(holds)
             frames.append([messages.encode(message)])
-        elif kind == 7:  # reads of the held request with foreign blocks or wrong generations: each must be refused
+        elif kind == 7:  # reads of the held request with foreign blocks, wrong generations or a wrong token: refused
             blocks = rng.choice([[-1], [1 << 40], [*held_blocks, max(held_blocks) + 1], held_blocks])
             generations = [g + 1 for g in held_generations] if blocks == held_blocks else [0] * len(blocks)
-            frames.append([messages.encode(messages.ReadBlocks(held_id, blocks, generations, rng.random() < 0.5))])
+            token = held["remote_hold_token"] if blocks != held_blocks else uuid.uuid4().hex
+            read = messages.ReadBlocks(held_id, token, blocks, generations, rng.random() < 0.5)
+            frames.append([messages.encode(read)])
         else:  # messages only a prefill sends, and handshakes with odd ids
             frames.append(
                 [
@@ -129,24 +136,29 @@ def _junk_frames(rng: random.Random, held: dict[str, Any]) -> list[list[bytes]]:
                             [
                                 messages.HandshakeReply(str(_value(rng)), "x", "tcp", -1, -1, {"a": _value(rng)}),
                                 messages.BlocksReply(held_id, None),
-                                messages.Handshake("\x00" * rng.randint(0, 1000)),
+                                messages.Handshake("\x00" * rng.randint(0, 1000), rng.randbytes(16)),
                             ]
                         )
                     )
                 ]
             )
-    # Most inside an envelope the engine opens, so the message decoder meets them; the rest meet the envelope's.
-    seal = messages.Seal("fuzzer", time.time_ns(), None)
-    return [[_enveloped(seal, parts[0]) if rng.random() < 0.7 else parts[0], *parts[1:]] for parts in frames]
+    # Most inside an envelope addressed to the engine, which it opens, so the message decoder meets them; the rest
+    # meet the envelope's (and a few go to another receiver).
+    receiver = held["remote_engine_id"]
+    return [
+        [_enveloped(parts[0], receiver if rng.random() < 0.95 else "someone") if rng.random() < 0.7 else parts[0]]
+        + parts[1:]
+        for parts in frames
+    ]
 
 
-def _enveloped(seal: messages.Seal, body: bytes) -> bytes:
-    """``body`` in an unsigned envelope, as a peer without a secret sends."""
-    envelope = messages.Envelope(seal.engine_id, seal.incarnation, time.time(), b"", body, b"")
+def _enveloped(body: bytes, receiver: str) -> bytes:
+    """``body`` in an unsigned envelope to ``receiver``, as a peer without keys sends."""
+    envelope = messages.Envelope(PEER_SEAL.agent_id, receiver, time.time(), b"", body, b"")
     return msgspec.msgpack.encode(envelope)
 
 
-PEER_SEAL = messages.Seal("fuzz-peer", time.time_ns(), None)
+PEER_SEAL = messages.Seal("fuzz-peer", None)
 
 
 def _open(frame: bytes) -> Any:
@@ -155,10 +167,10 @@ def _open(frame: bytes) -> Any:
     return opened.message
 
 
-def _request(socket: zmq.Socket, message: Any, until: Any, timeout_ms: int = 10000) -> list[bytes]:
-    """Send ``message`` and return the first reply for which ``until(decoded, parts)`` holds (earlier replies, to
-    junk sent before on the same socket, are skipped)."""
-    socket.send(PEER_SEAL.seal(message))
+def _request(socket: zmq.Socket, message: Any, until: Any, receiver: str, timeout_ms: int = 10000) -> list[bytes]:
+    """Send ``message`` to agent ``receiver`` and return the first reply for which ``until(decoded, parts)`` holds
+    (earlier replies, to junk sent before on the same socket, are skipped)."""
+    socket.send(PEER_SEAL.seal(message, receiver))
     while True:
         assert socket.poll(timeout_ms), f"no answer to {message!r}"
         parts = socket.recv_multipart()
@@ -175,8 +187,9 @@ def _await_hold(socket: zmq.Socket, held: dict[str, Any]) -> None:
     for _ in range(100):
         parts = _request(
             socket,
-            messages.ReadBlocks(request_id, blocks, wrong, False),
+            messages.ReadBlocks(request_id, held["remote_hold_token"], blocks, wrong, False),
             lambda answer, _: isinstance(answer, messages.BlocksReply) and answer.request_id == request_id,
+            held["remote_engine_id"],
         )
         if "not held" not in (_open(parts[0]).error or ""):
             return
@@ -201,8 +214,9 @@ def test_side_channel_survives_junk(prefill):
         barrier = f"barrier-{uuid.uuid4().hex}"
         _request(
             junk,
-            messages.ReadBlocks(barrier, [0], [0], False),
+            messages.ReadBlocks(barrier, "token", [0], [0], False),
             lambda reply, _: isinstance(reply, messages.BlocksReply) and reply.request_id == barrier,
+            held["remote_engine_id"],
         )
         # Frames beyond the agent's bound: ZMQ drops the peer's connection (MAXMSGSIZE), the agent never sees them.
         for size in (messages.MAX_MESSAGE_BYTES + 1, 8 * messages.MAX_MESSAGE_BYTES):
@@ -215,16 +229,23 @@ def test_side_channel_survives_junk(prefill):
         peer = context.socket(zmq.DEALER)
         peer.setsockopt(zmq.LINGER, 0)
         peer.connect(_side_channel(prefill))
-        reply = _open(_request(peer, messages.Handshake(engine_id="x"), lambda *_: True)[0])
+        reply = _open(
+            _request(peer, messages.Handshake("x", challenge=b"c"), lambda *_: True, held["remote_engine_id"])[0]
+        )
         assert isinstance(reply, messages.HandshakeReply), reply
         assert reply.error is None and reply.transport == "tcp" and reply.engine_id and reply.block_bytes > 0, reply
         # The junk neither released nor corrupted the hold: a proper read gets every block's bytes.
         parts = _request(
             peer,
             messages.ReadBlocks(
-                held["remote_request_id"], held["remote_block_ids"], held["remote_block_generations"], True
+                held["remote_request_id"],
+                held["remote_hold_token"],
+                held["remote_block_ids"],
+                held["remote_block_generations"],
+                True,
             ),
             lambda answer, _: isinstance(answer, messages.BlocksReply),
+            held["remote_engine_id"],
         )
         answer = _open(parts[0])
         assert answer.error is None, answer
@@ -251,27 +272,35 @@ def test_side_channel_read_is_bounded_by_the_held_blocks(prefill):
         peer = context.socket(zmq.DEALER)
         peer.setsockopt(zmq.LINGER, 0)
         peer.connect(_side_channel(prefill))
-        block_bytes = _open(_request(peer, messages.Handshake("x"), lambda *_: True)[0]).block_bytes
+        receiver = held["remote_engine_id"]
+        block_bytes = _open(_request(peer, messages.Handshake("x", b"c"), lambda *_: True, receiver)[0]).block_bytes
         _await_hold(peer, held)
         repeat = 4  # small on purpose: the reply holds repeat x the held bytes
         parts = _request(
             peer,
             messages.ReadBlocks(
                 held["remote_request_id"],
+                held["remote_hold_token"],
                 held["remote_block_ids"] * repeat,
                 held["remote_block_generations"] * repeat,
                 False,
             ),
             lambda answer, _: isinstance(answer, messages.BlocksReply),
+            receiver,
         )
         # A proper read still gets the blocks, and frees them (awaited: a release sent as the socket closes
         # could be lost, leaving the hold for the lease and a prefill that drains for as long on shutdown).
         proper = _request(
             peer,
             messages.ReadBlocks(
-                held["remote_request_id"], held["remote_block_ids"], held["remote_block_generations"], True
+                held["remote_request_id"],
+                held["remote_hold_token"],
+                held["remote_block_ids"],
+                held["remote_block_generations"],
+                True,
             ),
             lambda answer, _: isinstance(answer, messages.BlocksReply),
+            held["remote_engine_id"],
         )
     finally:
         context.destroy(linger=0)

@@ -83,17 +83,20 @@ class PodProcesses:
         self.lock = threading.Lock()  # the kubelet stops pods from its own threads
         kubelet.on_terminating = self.stop
 
-    def secret_file(self) -> Path:
-        """The PDService's KV secret, as the pods' secret volume holds it."""
-        secret = self.cluster.core.read_namespaced_secret(f"{self.service}-kv-secret", NAMESPACE)
-        path = self.folder / "kv-secret"
-        path.write_bytes(base64.b64decode(secret.data["kv-secret"]))
-        return path
+    def keys_folder(self, pod: Any) -> Path:
+        """The PDService's keys as the pod's keys volume holds them: the items its role mounts, from the Secret."""
+        (volume,) = [v for v in pod.spec.volumes if v.name == "kv-keys"]
+        secret = self.cluster.core.read_namespaced_secret(volume.secret.secret_name, NAMESPACE)
+        folder = self.folder / f"kv-keys-{pod.metadata.name}"
+        folder.mkdir(exist_ok=True)
+        for item in volume.secret.items:
+            (folder / item.path).write_bytes(base64.b64decode(secret.data[item.key]))
+        return folder
 
     def start(self, pod: Any) -> Process:
         ip = wait_for(lambda: self.kubelet.ip_of(pod), what=f"an IP for {pod.metadata.name}")
         (container,) = pod.spec.containers
-        paths = {"--host": ip, "--kv-secret-file": str(self.secret_file())}
+        paths = {"--host": ip, "--kv-keys": str(self.keys_folder(pod))}
         env = dict(server_env())
         env.update({e.name: e.value for e in container.env or [] if e.value is not None})
         for variable in container.env or []:  # from Secrets, as the kubelet resolves them

@@ -23,6 +23,11 @@ COMPAT = "compat-a"
 WAIT_S = 5.0  # generous: the machine is small and shared; a passing test takes far less
 
 
+def token_of(request_id: str) -> str:
+    """The hold token the tests' prefill engines give the hold of ``request_id`` (a real one is random)."""
+    return f"token-{request_id}"
+
+
 def _kv_cache(filled: bool):
     import torch  # after pdserve, which sets the OpenMP wait policy torch reads once
 
@@ -103,6 +108,7 @@ class Engine:
             prompt_hash="",
             compat_hash=COMPAT,
             lease_seconds=lease_seconds,
+            hold_token=token_of(request_id),
         )
 
     def block(self, block_id: int):

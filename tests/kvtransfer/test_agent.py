@@ -16,7 +16,7 @@ import numpy as np
 from pdserve.kvtransfer.config import KVFaults
 from pdserve.kvtransfer.layout import head_mapping_problem
 from pdserve.kvtransfer.work import LoadSpec, TransferWork
-from tests.kvtransfer.agents import BLOCK_BYTES, NUM_BLOCKS, assert_untouched, engines, load
+from tests.kvtransfer.agents import BLOCK_BYTES, NUM_BLOCKS, assert_untouched, engines, load, token_of
 
 # ----- the pull ---------------------------------------------------------------------------------
 
@@ -26,7 +26,7 @@ def test_a_pull_copies_exactly_the_held_blocks_and_ends_the_hold():
 
     with engines({"filled": True}, {"filled": False}) as (prefill, decode):
         prefill.generations[:] = np.arange(NUM_BLOCKS) + 40
-        prefill.agent.submit(TransferWork(holds=[("p", [1, 2, 5])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1, 2, 5], token_of("p"))]))
         remote = prefill.remote("p", [1, 2, 5])
         assert remote.generations == [41, 42, 45]
 
@@ -57,7 +57,7 @@ def test_pulls_of_two_requests_from_one_engine_land_each_in_its_own_blocks():
     import torch
 
     with engines({"filled": True}, {"filled": False}) as (prefill, decode):
-        prefill.agent.submit(TransferWork(holds=[("p", [1, 2]), ("q", [7])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1, 2], token_of("p")), ("q", [7], token_of("q"))]))
         p, q = prefill.remote("p", [1, 2]), prefill.remote("q", [7])
         decode.agent.submit(TransferWork(loads=[load("dp", p, [3, 4]), load("dq", q, [5])]))
 
@@ -79,7 +79,7 @@ def test_a_read_that_comes_before_its_hold_is_served_once_the_hold_arrives():
         decode.agent.submit(TransferWork(loads=[load("d", remote, [0, 1])]))
         assert not decode.quiet_for(0.2).finished_recving  # the read waits on prefill for the hold
 
-        prefill.agent.submit(TransferWork(holds=[("p", [2, 3])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [2, 3], token_of("p"))]))
 
         decode.wait_for(lambda seen: seen.finished_recving or seen.failed_recving, "the pull")
         assert decode.seen.finished_recving == {"d"}
@@ -94,7 +94,7 @@ def test_a_read_that_comes_before_its_hold_is_served_once_the_hold_arrives():
 def test_a_lease_nobody_renews_expires_and_a_later_pull_fails_without_data():
     with engines({"filled": True, "lease_seconds": 0.5}, {"filled": False}) as (prefill, decode):
         start = time.monotonic()
-        prefill.agent.submit(TransferWork(holds=[("p", [1, 2])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1, 2], token_of("p"))]))
 
         prefill.wait_for(lambda seen: seen.finished_sending, "the lease to expire")
         assert time.monotonic() - start >= 0.45  # not before its lease
@@ -114,7 +114,7 @@ def test_renewals_keep_a_hold_alive_past_its_lease():
 
     lease = 0.8
     with engines({"filled": True, "lease_seconds": lease}, {"filled": False}) as (prefill, decode):
-        prefill.agent.submit(TransferWork(holds=[("p", [4])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [4], token_of("p"))]))
         remote = prefill.remote("p", [4], lease_seconds=lease)
         decode.agent.submit(TransferWork(tracks=[("d", remote)]))  # queued: renewed every lease / 3
 
@@ -134,7 +134,7 @@ def test_renewals_keep_a_hold_alive_past_its_lease():
 
 def test_a_release_for_an_unknown_or_already_released_request_is_harmless():
     with engines({"filled": True}, {"filled": False}) as (prefill, decode):
-        prefill.agent.submit(TransferWork(holds=[("p", [1]), ("q", [2])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1], token_of("p")), ("q", [2], token_of("q"))]))
         p, q = prefill.remote("p", [1]), prefill.remote("q", [2])
         # One side channel, in order: the release of "ghost" reaches prefill before the read of "p".
         decode.agent.submit(TransferWork(releases=[("x", prefill.remote("ghost", [1]))]))
@@ -154,13 +154,13 @@ def test_a_release_for_an_unknown_or_already_released_request_is_harmless():
 
 def test_a_release_that_comes_before_its_hold_ends_the_hold_on_arrival():
     with engines({"filled": True}, {"filled": False}) as (prefill, decode):
-        prefill.agent.submit(TransferWork(holds=[("q", [2])]))
+        prefill.agent.submit(TransferWork(holds=[("q", [2], token_of("q"))]))
         decode.agent.submit(TransferWork(releases=[("x", prefill.remote("p", [1]))]))
         decode.agent.submit(TransferWork(loads=[load("dq", prefill.remote("q", [2]), [6])]))
         decode.wait_for(lambda seen: seen.finished_recving, "the pull of q (after the release of p)")
         prefill.wait_for(lambda seen: seen.finished_sending, "the release of q")
 
-        prefill.agent.submit(TransferWork(holds=[("p", [1])]))  # decode gave up on p before it was held
+        prefill.agent.submit(TransferWork(holds=[("p", [1], token_of("p"))]))  # decode gave up on p before it was held
 
         prefill.wait_for(lambda seen: "p" in seen.finished_sending, "p's hold to end", timeout=1.0)
         assert prefill.seen.num_expired_leases == 0
@@ -169,7 +169,7 @@ def test_a_release_that_comes_before_its_hold_ends_the_hold_on_arrival():
 def test_a_cancel_before_the_pull_starts_drops_the_pull_and_frees_on_prefill():
     delay = 1.0
     with engines({"filled": True}, {"filled": False, "faults": KVFaults(delay_load=delay)}) as (prefill, decode):
-        prefill.agent.submit(TransferWork(holds=[("p", [1, 2])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1, 2], token_of("p"))]))
         remote = prefill.remote("p", [1, 2])
         start = time.monotonic()
         decode.agent.submit(TransferWork(tracks=[("d", remote)], loads=[load("d", remote, [3, 4])]))
@@ -190,7 +190,7 @@ def test_a_cancel_before_the_pull_starts_drops_the_pull_and_frees_on_prefill():
 def test_an_unhold_drops_a_hold_without_reporting_it_and_later_reads_fail():
     with engines({"filled": True}, {"filled": False}) as (prefill, decode):
         # The scheduler freed the blocks itself (hold_cancelled): the hold goes silently.
-        prefill.agent.submit(TransferWork(holds=[("p", [1])], unholds=["p"]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1], token_of("p"))], unholds=["p"]))
         decode.agent.submit(TransferWork(loads=[load("d", prefill.remote("p", [1]), [2])]))
         decode.wait_for(lambda seen: seen.finished_recving or seen.failed_recving, "the pull")
         assert decode.seen.failed_recving == {"d"}
@@ -203,7 +203,7 @@ def test_an_unhold_drops_a_hold_without_reporting_it_and_later_reads_fail():
 
 def test_blocks_whose_generations_changed_after_the_hold_fail_the_pull():
     with engines({"filled": True}, {"filled": False}) as (prefill, decode):
-        prefill.agent.submit(TransferWork(holds=[("p", [1, 2])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1, 2], token_of("p"))]))
         remote = prefill.remote("p", [1, 2])
         prefill.generations[2] += 1  # block 2 was freed and reused after the params were handed out
 
@@ -217,7 +217,7 @@ def test_blocks_whose_generations_changed_after_the_hold_fail_the_pull():
 
 def test_a_peer_with_another_compat_hash_fails_the_pull_at_the_handshake():
     with engines({"filled": True, "compat": "compat-b"}, {"filled": False}) as (prefill, decode):
-        prefill.agent.submit(TransferWork(holds=[("p", [1, 2])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1, 2], token_of("p"))]))
         remote = prefill.remote("p", [1, 2])
         decode.agent.submit(TransferWork(loads=[load("d", remote, [3, 4])]))
 
@@ -234,7 +234,7 @@ def test_a_peer_with_another_compat_hash_fails_the_pull_at_the_handshake():
 
 def test_close_is_idempotent_stops_the_thread_and_frees_the_port():
     with engines({"filled": True}, {"filled": False}) as (prefill, decode):
-        prefill.agent.submit(TransferWork(holds=[("p", [1])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1], token_of("p"))]))
         decode.agent.submit(TransferWork(loads=[load("d", prefill.remote("p", [1]), [2])]))
         decode.wait_for(lambda seen: seen.finished_recving, "the pull")  # decode now has a peer socket
         port = prefill.agent.port
@@ -255,7 +255,7 @@ def test_close_is_idempotent_stops_the_thread_and_frees_the_port():
 
 def test_a_refused_read_still_frees_the_hold():
     with engines({"filled": True}, {"filled": False}) as (prefill, decode):
-        prefill.agent.submit(TransferWork(holds=[("p", [1, 2])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1, 2], token_of("p"))]))
         remote = prefill.remote("p", [1, 2])
         decode.agent.submit(TransferWork(loads=[LoadSpec("d", remote, [3, 4], [1, 2], [0, 9])]))  # wrong generation
         decode.wait_for(lambda seen: seen.failed_recving, "the refused pull")
@@ -269,14 +269,14 @@ def test_replies_from_two_prefill_engines_with_the_same_request_id_land_in_their
     with engines({"filled": True}, {"filled": True}, {"filled": False}) as (a, b, decode):
         b.kv_cache.neg_()  # B's bytes differ from A's
         # Hand-shake with both first, so the next two pulls start at once, in order.
-        a.agent.submit(TransferWork(holds=[("warm-a", [0])]))
-        b.agent.submit(TransferWork(holds=[("warm-b", [0])]))
+        a.agent.submit(TransferWork(holds=[("warm-a", [0], token_of("warm-a"))]))
+        b.agent.submit(TransferWork(holds=[("warm-b", [0], token_of("warm-b"))]))
         warm = [load("wa", a.remote("warm-a", [0]), [7]), load("wb", b.remote("warm-b", [0]), [6])]
         decode.agent.submit(TransferWork(loads=warm))
         decode.wait_for(lambda seen: seen.finished_recving == {"wa", "wb"}, "the warm-up pulls")
 
         # Only B holds "same" now; A's read waits for a hold that never comes, then fails.
-        b.agent.submit(TransferWork(holds=[("same", [3])]))
+        b.agent.submit(TransferWork(holds=[("same", [3], token_of("same"))]))
         loads = [load("from-a", a.remote("same", [3]), [1]), load("from-b", b.remote("same", [3]), [2])]
         decode.agent.submit(TransferWork(loads=loads))
 
@@ -304,7 +304,7 @@ def test_a_prefill_holding_too_few_heads_is_refused_at_the_handshake():
         prefill,
         decode,
     ):
-        prefill.agent.submit(TransferWork(holds=[("p", [1])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1], token_of("p"))]))
         decode.agent.submit(TransferWork(loads=[load("d", prefill.remote("p", [1]), [2])]))
         decode.wait_for(lambda seen: seen.failed_recving == {"d"}, "the refused pull")
         assert_untouched(decode)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import zlib
 
+import blake3
 import numpy as np
 import zmq
 
@@ -17,11 +17,13 @@ from pdserve.kvtransfer import holds, messages
 from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.kvtransfer.work import TransferWork
 from pdserve.launcher import free_port
-from tests.kvtransfer.agents import BLOCK_BYTES, COMPAT, NUM_BLOCKS, engines, load
+from tests.kvtransfer.agents import BLOCK_BYTES, COMPAT, NUM_BLOCKS, engines, load, token_of
 
 
 def _remote(port: int, request_id: str, block_ids: list[int], engine_id: str = "stand-in") -> RemotePrefill:
-    return RemotePrefill(engine_id, request_id, "127.0.0.1", port, block_ids, [0] * len(block_ids), 4, "", COMPAT, 30.0)
+    return RemotePrefill(
+        engine_id, request_id, "127.0.0.1", port, block_ids, [0] * len(block_ids), 4, "", COMPAT, 30.0, (), "t"
+    )
 
 
 class StandInPrefill:
@@ -35,7 +37,7 @@ class StandInPrefill:
         self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.reads: dict[str, tuple[bytes, messages.ReadBlocks]] = {}
         self.released: list[str] = []
-        self.seal = messages.Seal("stand-in", time.time_ns(), None)
+        self.seal = messages.Seal("stand-in", None)
 
     def pump(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -45,20 +47,23 @@ class StandInPrefill:
             identity, frame = self.socket.recv_multipart()
             opened = self.seal.open(frame)
             assert not isinstance(opened, str), opened
-            message = opened.message
+            message, sender = opened.message, opened.sender
+            self.peer = sender
             if isinstance(message, messages.Handshake):
-                reply = messages.HandshakeReply("stand-in", COMPAT, "tcp", BLOCK_BYTES, NUM_BLOCKS, {})
-                self.socket.send_multipart([identity, self.seal.seal(reply)])
+                reply = messages.HandshakeReply(
+                    "stand-in", COMPAT, "tcp", BLOCK_BYTES, NUM_BLOCKS, {}, answer=message.challenge
+                )
+                self.socket.send_multipart([identity, self.seal.seal(reply, sender)])
             elif isinstance(message, messages.ReadBlocks):
                 self.reads[message.request_id] = (identity, message)
             elif isinstance(message, messages.ReleaseBlocks):
-                self.released += message.request_ids
+                self.released += [request_id for request_id, _ in message.holds]
 
     def answer(self, request_id: str) -> None:
         identity, read = self.reads.pop(request_id)
         data = bytes([7]) * (BLOCK_BYTES * len(read.block_ids))
-        reply = messages.BlocksReply(request_id, checksum=zlib.crc32(data))
-        self.socket.send_multipart([identity, self.seal.seal(reply), data])
+        reply = messages.BlocksReply(request_id, digest=blake3.blake3(data).digest())
+        self.socket.send_multipart([identity, self.seal.seal(reply, self.peer), data])
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -98,7 +103,7 @@ def test_submit_never_raises_when_the_wake_pipe_is_full():
         agent._take_work = held_up  # type: ignore[method-assign]
         try:
             for number in range(3000):
-                agent.submit(TransferWork(holds=[(f"r{number}", [number % NUM_BLOCKS])]))
+                agent.submit(TransferWork(holds=[(f"r{number}", [number % NUM_BLOCKS], token_of(f"r{number}"))]))
         finally:
             gate.set()
         # Nothing was lost: every hold is there, and ends by its lease as any other would.
@@ -115,7 +120,7 @@ def test_releases_to_a_dead_prefill_neither_block_nor_raise_and_the_agent_keeps_
         decode.agent.submit(TransferWork(releases=[(f"d{n}", dead) for n in range(agent_module.PEER_SEND_HWM + 500)]))
         decode.wait_for(lambda seen: seen.num_failed_releases > 0, "releases to be refused, not to block")
         # The agent still serves: a pull from a live prefill works.
-        prefill.agent.submit(TransferWork(holds=[("p", [3])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [3], token_of("p"))]))
         decode.agent.submit(TransferWork(loads=[load("d", prefill.remote("p", [3]), [4])]))
         decode.wait_for(lambda seen: seen.finished_recving, "a pull after the storm")
 
@@ -157,7 +162,7 @@ def test_an_exception_writing_pulled_bytes_fails_that_pull_only():
             write_local(block_ids, data, heads)
 
         transport.write_local = write_once_fails  # type: ignore[method-assign]
-        prefill.agent.submit(TransferWork(holds=[("p1", [1]), ("p2", [2])]))
+        prefill.agent.submit(TransferWork(holds=[("p1", [1], token_of("p1")), ("p2", [2], token_of("p2"))]))
         decode.agent.submit(TransferWork(loads=[load("d1", prefill.remote("p1", [1]), [3])]))
         decode.wait_for(lambda seen: seen.failed_recving, "the failed write to be reported")
         decode.agent.submit(TransferWork(loads=[load("d2", prefill.remote("p2", [2]), [4])]))
@@ -175,7 +180,7 @@ def test_renewals_of_many_requests_go_in_frames_the_prefill_accepts():
         ids = [f"request-{n:08d}-{'x' * 24}" for n in range(30_000)]
         remote = prefill.remote(ids[-1], [1], lease_seconds=3.0)
         tracks = [(rid, dataclasses.replace(remote, request_id=rid)) for rid in ids]
-        prefill.agent.submit(TransferWork(holds=[(ids[-1], [1])]))
+        prefill.agent.submit(TransferWork(holds=[(ids[-1], [1], token_of(ids[-1]))]))
         decode.agent.submit(TransferWork(tracks=tracks))
         seen = prefill.quiet_for(4.5)
         assert not seen.num_expired_leases and not seen.finished_sending
@@ -192,7 +197,7 @@ def test_blocks_whose_generation_changes_while_tcp_copies_them_are_never_sent():
             return data
 
         transport.read_local = read_while_freed  # type: ignore[method-assign]
-        prefill.agent.submit(TransferWork(holds=[("p", [1])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1], token_of("p"))]))
         decode.agent.submit(TransferWork(loads=[load("d", prefill.remote("p", [1]), [2])]))
         decode.wait_for(lambda seen: seen.failed_recving, "the pull to fail")
         assert not decode.kv_cache[2].any()
@@ -201,7 +206,7 @@ def test_blocks_whose_generation_changes_while_tcp_copies_them_are_never_sent():
 def test_renewals_keep_a_hold_only_up_to_its_bound():
     lease = 0.3
     with engines({"filled": True, "lease_seconds": lease}, {"filled": False}) as (prefill, decode):
-        prefill.agent.submit(TransferWork(holds=[("p", [1])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1], token_of("p"))]))
         decode.agent.submit(TransferWork(tracks=[("d", prefill.remote("p", [1], lease_seconds=lease))]))
         assert not prefill.quiet_for(4 * lease).num_expired_leases  # renewed well past one lease
         took = prefill.wait_for(lambda seen: seen.num_expired_leases, "the hold's bound", timeout=10 * lease + 3)

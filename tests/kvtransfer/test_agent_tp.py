@@ -21,7 +21,7 @@ from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.kvtransfer.layout import head_ranges, read_plan
 from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.kvtransfer.work import LoadSpec, TransferWork
-from tests.kvtransfer.agents import COMPAT, Engine
+from tests.kvtransfer.agents import COMPAT, Engine, token_of
 
 NUM_BLOCKS, LAYERS, BLOCK_SIZE, HEAD_DIM = 6, 2, 4, 8
 
@@ -78,6 +78,7 @@ def _remote(prefill: list[Engine], request_id: str, block_ids: list[int]) -> Rem
         prompt_hash="",
         compat_hash=COMPAT,
         lease_seconds=30.0,
+        hold_token=token_of(request_id),
         ports=ports,
     )
 
@@ -104,7 +105,7 @@ def test_each_decode_rank_gets_exactly_its_heads_and_prefill_frees_once_every_ra
         decode = stack.enter_context(engine(num_heads, decode_tp, transport, filled=False))
         prefill[0].generations[:] = np.arange(NUM_BLOCKS) + 7
         for rank in prefill:
-            rank.agent.submit(TransferWork(holds=[("p", held)]))
+            rank.agent.submit(TransferWork(holds=[("p", held, token_of("p"))]))
         remote = _remote(prefill, "p", held)
         spec = LoadSpec("d", remote, local, held, remote.generations)
 

@@ -36,9 +36,9 @@ def _agent(compat_hash: str) -> TransferAgent:
 def test_a_peer_with_another_kv_layout_is_refused_at_the_handshake():
     prefill, decode = _agent("layout-a"), _agent("layout-b")
     try:
-        prefill.submit(TransferWork(holds=[("r", [1, 2])]))
+        prefill.submit(TransferWork(holds=[("r", [1, 2], "token-r")]))
         remote = RemotePrefill(
-            prefill.config.engine_id, "r", "127.0.0.1", prefill.port, [1, 2], [0, 0], 32, "", "", 30.0
+            prefill.config.engine_id, "r", "127.0.0.1", prefill.port, [1, 2], [0, 0], 32, "", "", 30.0, (), "token-r"
         )
         decode.submit(TransferWork(loads=[LoadSpec("d", remote, [3, 4], [1, 2], [0, 0])]))
         deadline = time.monotonic() + 10
@@ -73,6 +73,7 @@ def _decode_leg(prompt: list[int]) -> dict:
         "remote_prompt_hash": prompt_hash(prompt),
         "kv_compat_hash": "ours",
         "remote_lease_seconds": 30,
+        "remote_hold_token": "t",
     }
 
 

@@ -64,6 +64,7 @@ def _remote_params(prompt: list[int], block_size: int = BLOCK_SIZE, **overrides:
         "remote_prompt_hash": prompt_hash(prompt),
         "kv_compat_hash": COMPAT,
         "remote_lease_seconds": 30,
+        "remote_hold_token": "hold-token",
     }
     return params | overrides
 
@@ -105,6 +106,8 @@ def test_a_prefill_leg_ending_by_length_holds_exactly_its_prompt_blocks(prompt_l
     hold, params = connector.request_finished(request, block_ids, "length")
 
     assert hold is True
+    token = params["remote_hold_token"]
+    assert isinstance(token, str) and len(token) == 32  # 128 random bits: a capability, not an id
     assert params == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -119,16 +122,17 @@ def test_a_prefill_leg_ending_by_length_holds_exactly_its_prompt_blocks(prompt_l
         "remote_prompt_hash": prompt_hash(prompt),
         "kv_compat_hash": COMPAT,
         "remote_lease_seconds": 12.5,
+        "remote_hold_token": token,
     }
     work = _take(connector)
-    assert work.holds == [("leg", held)]
+    assert work.holds == [("leg", held, token)]
     assert not (work.tracks or work.loads or work.releases or work.cancels or work.unholds)
     # The params are a snapshot: freeing (and bumping) the blocks later does not rewrite them.
     generations[held] += 1
     assert params["remote_block_generations"] == [int(generations[b]) - 1 for b in held]
     # The hold's block list is not the caller's list.
     block_ids.clear()
-    assert work.holds == [("leg", held)]
+    assert work.holds == [("leg", held, token)]
 
 
 def test_the_params_a_prefill_leg_returns_are_accepted_by_a_matching_decode_engine():
@@ -179,7 +183,7 @@ def test_a_cancelled_hold_is_unheld():
     connector.hold_cancelled("leg")
     work = _take(connector)
     # Both in one order: the agent applies the holds first, then the unholds.
-    assert work.holds == [("leg", [5, 6])] and work.unholds == ["leg"]
+    assert [hold[:2] for hold in work.holds] == [("leg", [5, 6])] and work.unholds == ["leg"]
     connector.hold_cancelled("other")
     assert _take(connector).unholds == ["other"]
 
@@ -418,7 +422,7 @@ def test_many_requests_share_one_work_order_in_call_order():
     work = _take(connector)
     assert [rid for rid, _ in work.tracks] == list(prompts)
     assert [remote.request_id for _, remote in work.tracks] == [f"p-{rid}" for rid in prompts]
-    assert work.holds == [("leg", [9])]
+    assert [hold[:2] for hold in work.holds] == [("leg", [9])]
 
 
 # ----- refused at the door ----------------------------------------------------------------------
@@ -640,7 +644,7 @@ def test_a_hybrid_prefill_leg_holds_its_state_rows_and_a_decode_pulls_them_into_
     assert hold and params is not None
     assert params["remote_block_ids"] == [9, 3, 12, 60, 61]
     assert params["remote_block_generations"] == [10, 4, 13, 61, 62]
-    assert _take(prefill).holds == [("leg", [9, 3, 12, 60, 61])]
+    assert [hold[:2] for hold in _take(prefill).holds] == [("leg", [9, 3, 12, 60, 61])]
 
     decode = PDConnectorScheduler(_config(), COMPAT, BLOCK_SIZE, [PORT], generations, state_rows=2)
     request = _request("d", prompt, params)

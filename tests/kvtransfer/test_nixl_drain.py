@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pdserve.kvtransfer.work import TransferWork
-from tests.kvtransfer.agents import engines, load
+from tests.kvtransfer.agents import engines, load, token_of
 
 pytest.importorskip("nixl._api")
 
@@ -40,7 +40,7 @@ class _StillRunning:
 
 def _stalled_pull(prefill, decode, running: _StillRunning) -> None:
     running.hold.set()
-    prefill.agent.submit(TransferWork(holds=[("p", [1, 2])]))
+    prefill.agent.submit(TransferWork(holds=[("p", [1, 2], token_of("p"))]))
     decode.agent.submit(TransferWork(loads=[load("d", prefill.remote("p", [1, 2]), [5, 6])]))
     decode.wait_for(lambda seen: seen.failed_recving_in_flight, "the timeout")
     assert decode.seen.failed_recving_in_flight == {"d"}
@@ -52,11 +52,11 @@ def test_a_timed_out_read_still_running_is_reported_drained_only_when_it_ends():
         running = _StillRunning(decode.agent.transport.agent)
         decode.agent.transport.agent = running
         # A first pull, so the second's handshake is done and its timeout is the transfer's alone.
-        prefill.agent.submit(TransferWork(holds=[("o", [0])]))
+        prefill.agent.submit(TransferWork(holds=[("o", [0], token_of("o"))]))
         decode.agent.submit(TransferWork(loads=[load("c", prefill.remote("o", [0]), [4])]))
         decode.wait_for(lambda seen: seen.finished_recving == {"c"}, "the first pull")
         running.hold.set()
-        prefill.agent.submit(TransferWork(holds=[("p", [1, 2]), ("q", [3])]))
+        prefill.agent.submit(TransferWork(holds=[("p", [1, 2], token_of("p")), ("q", [3], token_of("q"))]))
         decode.agent.submit(TransferWork(loads=[load("d", prefill.remote("p", [1, 2]), [5, 6])]))
         time.sleep(0.5)
         # Another read on the same connection, still within its own deadline when the first times out: the

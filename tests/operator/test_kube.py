@@ -5,6 +5,7 @@ import base64
 import kubernetes
 import pytest
 
+from pdserve.api.keys import new_bundle, rotate
 from pdserve.operator import manifests
 from pdserve.operator.kube import Kube, is_subset, without_nulls
 from pdserve.operator.spec import with_defaults
@@ -63,22 +64,23 @@ def test_create_only_fields_are_never_patched(kube, kube_cluster, kube_namespace
     assert stored["metadata"]["labels"]["extra"] == "yes"
 
 
-def test_the_kv_secrets_value_is_never_patched(kube, kube_cluster, kube_namespace):
-    def apply(value):
-        secret = manifests.kv_secret("llm", kube_namespace, with_defaults(spec()), value)
-        return kube.apply(secret, create_only=manifests.KV_SECRET_CREATE_ONLY)
+def test_the_kv_keys_are_never_patched(kube, kube_cluster, kube_namespace):
+    def apply(bundle):
+        secret = manifests.kv_keys("llm", kube_namespace, with_defaults(spec()), bundle)
+        return kube.apply(secret, create_only=manifests.KV_KEYS_CREATE_ONLY)
 
-    created = apply("a" * 64)
-    assert base64.b64decode(created["data"]["kv-secret"]) == b"a" * 64
+    first = new_bundle()
+    created = apply(first)
+    assert base64.b64decode(created["data"]["engine.key"]).decode() == first["engine.key"]
     writes = len(kube_cluster.requests())
-    assert apply("b" * 64)["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"]
+    assert apply(new_bundle())["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"]
     assert [method for method, _ in kube_cluster.requests()[writes:]] == ["GET"]
-    # The user rotates it; the operator keeps their value and still maintains the labels.
-    rotated = base64.b64encode(b"c" * 64).decode()
-    kube_cluster.patch(SECRETS, "llm-kv-secret", {"data": {"kv-secret": rotated}}, kube_namespace)
-    kube_cluster.patch(SECRETS, "llm-kv-secret", {"metadata": {"labels": {"pdserve.io/service": None}}}, kube_namespace)
-    stored = apply("d" * 64)
-    assert stored["data"] == {"kv-secret": rotated}
+    # The user rotates them; the operator keeps their keys and still maintains the labels.
+    rotated = {name: base64.b64encode(text.encode()).decode() for name, text in rotate(first, "add").items()}
+    kube_cluster.patch(SECRETS, "llm-kv-keys", {"data": rotated}, kube_namespace)
+    kube_cluster.patch(SECRETS, "llm-kv-keys", {"metadata": {"labels": {"pdserve.io/service": None}}}, kube_namespace)
+    stored = apply(new_bundle())
+    assert stored["data"] == rotated
     assert stored["metadata"]["labels"]["pdserve.io/service"] == "llm"
 
 

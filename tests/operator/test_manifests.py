@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 import yaml
 
+from pdserve.api.keys import new_bundle
 from pdserve.cli import build_parser
 from pdserve.operator import manifests
 from pdserve.operator.kube import without_nulls
@@ -71,8 +72,8 @@ def test_engine_command_has_the_cli_flags_then_the_users():
         "10",
         "--kv-load-failure",
         "fail",
-        "--kv-secret-file",
-        "/etc/pdserve/kv-secret/kv-secret",
+        "--kv-keys",
+        "/etc/pdserve/kv-keys",
         "--max-model-len",
         "8192",
     ]
@@ -85,7 +86,7 @@ def test_engine_command_passes_the_tensor_parallel_size_before_the_users_flags()
     fields = {"prefill": {"tensorParallelSize": 2, "engineArgs": ["--max-model-len", "8192"]}}
     command = container(engine_pod("llm", "prefill", full(**fields)))["command"]
     assert command[-4:] == ["--tensor-parallel-size", "2", "--max-model-len", "8192"]
-    assert command[command.index("--kv-secret-file") + 2] == "--tensor-parallel-size"
+    assert command[command.index("--kv-keys") + 2] == "--tensor-parallel-size"
     # Size 1 is the engine's default: the command stays as it was.
     decode = container(engine_pod("llm", "decode", full(**fields)))["command"]
     assert "--tensor-parallel-size" not in decode and "-tp" not in decode
@@ -106,8 +107,8 @@ def test_router_command_discovers_its_own_pods():
         "ns",
         "--selector",
         "app.kubernetes.io/instance=llm",
-        "--kv-secret-file",
-        "/etc/pdserve/kv-secret/kv-secret",
+        "--kv-keys",
+        "/etc/pdserve/kv-keys",
         "--tokenizer",
         "/models/model",
         "--routing",
@@ -254,47 +255,54 @@ def all_pods(**fields):
 
 
 @pytest.mark.parametrize("fields", [{}, {"model": {"source": "huggingface", "repo": "Qwen/Qwen3-0.6B"}}])
-def test_every_pod_reads_the_kv_secret_from_its_secret_volume(fields):
+def test_every_pod_reads_its_roles_keys_from_the_keys_volume(fields):
+    # Before, one secret in every pod: an engine pod could sign as the router. Now no engine pod mounts router.key.
+    files = {
+        "router": ["router.key", "events.key"],
+        "prefill": ["router.pub", "engine.key", "events.key"],
+        "decode": ["router.pub", "engine.key", "events.key"],
+    }
     for role, pod in all_pods(**fields).items():
         command = container(pod)["command"]
-        assert command[command.index("--kv-secret-file") + 1] == "/etc/pdserve/kv-secret/kv-secret", role
-        mount = {"name": "kv-secret", "mountPath": "/etc/pdserve/kv-secret", "readOnly": True}
+        assert command[command.index("--kv-keys") + 1] == "/etc/pdserve/kv-keys", role
+        mount = {"name": "kv-keys", "mountPath": "/etc/pdserve/kv-keys", "readOnly": True}
         assert mount in container(pod)["volumeMounts"], role
         secret = {
-            "secretName": "llm-kv-secret",
+            "secretName": "llm-kv-keys",
             "defaultMode": 0o400,
-            "items": [{"key": "kv-secret", "path": "kv-secret"}],
+            "items": [{"key": name, "path": name} for name in files[role]],
         }
-        assert {"name": "kv-secret", "secret": secret} in pod["spec"]["volumes"], role
+        assert {"name": "kv-keys", "secret": secret} in pod["spec"]["volumes"], role
         # Secret volumes belong to root; fsGroup makes the 0400 file readable by the pod's user (1000).
         assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsUser"] == 1000
 
 
-def test_the_operators_kv_secret():
-    value = "0123456789abcdef" * 4
-    secret = manifests.kv_secret("llm", "ns", full(), value)
+def test_the_operators_kv_keys():
+    bundle = new_bundle()
+    secret = manifests.kv_keys("llm", "ns", full(), bundle)
     assert secret == {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {
-            "name": "llm-kv-secret",
+            "name": "llm-kv-keys",
             "namespace": "ns",
-            "labels": SERVICE_LABELS | {"app.kubernetes.io/component": "kv-secret"},
+            "labels": SERVICE_LABELS | {"app.kubernetes.io/component": "kv-keys"},
         },
         "type": "Opaque",
-        "data": {"kv-secret": base64.b64encode(value.encode()).decode()},
+        "data": {name: base64.b64encode(bundle[name].encode()).decode() for name in sorted(bundle)},
     }
+    assert sorted(bundle) == sorted(["router.key", "router.pub", "engine.key", "events.key"])
     # Applied apart, create-only: rotating it is the user's (test_kube.py, test_operator.py).
     assert "Secret" not in [obj["kind"] for obj in objects()]
 
 
 def test_a_named_secret_replaces_the_operators():
     fields = {"kvTransfer": {"secretName": "team-kv.v2"}}
-    assert manifests.kv_secret("llm", "ns", full(**fields), "0" * 64) is None
+    assert manifests.kv_keys("llm", "ns", full(**fields), new_bundle()) is None
     for role, pod in all_pods(**fields).items():
-        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "kv-secret"]
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "kv-keys"]
         assert volume["secret"]["secretName"] == "team-kv.v2", role
-        assert volume["secret"]["items"] == [{"key": "kv-secret", "path": "kv-secret"}], role
+        assert "engine.key" in [item["key"] for item in volume["secret"]["items"]] or role == "router", role
 
 
 def test_the_engines_network_policy():
@@ -376,7 +384,7 @@ def test_objects_pass_the_kubernetes_schemas():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     model = {"source": "huggingface", "repo": "Qwen/Qwen3-0.6B"}
     fields = {"model": model, "prefill": {"nodeSelector": {"a": "b"}, "tolerations": [{"operator": "Exists"}]}}
-    secret = manifests.kv_secret("llm", "ns", full(), "0" * 64)
+    secret = manifests.kv_keys("llm", "ns", full(), new_bundle())
     parallel = {"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4, "shmSize": "1.5Gi"}}
     placed = {
         "apiKeySecret": {"name": "team-api"},
@@ -413,7 +421,7 @@ def test_pod_commands_parse_with_the_real_cli():
             5600,
         )
         assert args.kv_lease_seconds == 2.5
-        assert args.kv_secret_file == "/etc/pdserve/kv-secret/kv-secret"
+        assert args.kv_keys == "/etc/pdserve/kv-keys"
     parallel = full(prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 4, "gpus": 0})
     for role, size in (("prefill", 2), ("decode", 4)):
         args = parser.parse_args(container(engine_pod("llm", role, parallel))["command"][1:])
@@ -421,7 +429,7 @@ def test_pod_commands_parse_with_the_real_cli():
     assert parser.parse_args(container(engine_pod("llm", "decode", full()))["command"][1:]).tensor_parallel_size == 1
     args = parser.parse_args(container(router_pod("llm", "ns", full()))["command"][1:])
     assert (args.discovery, args.namespace, args.selector) == ("kubernetes", "ns", "app.kubernetes.io/instance=llm")
-    assert args.kv_secret_file == "/etc/pdserve/kv-secret/kv-secret"
+    assert args.kv_keys == "/etc/pdserve/kv-keys"
 
 
 def test_a_disruption_budget_per_engine_pool():

@@ -8,6 +8,7 @@ import base64
 import re
 import urllib.request
 
+from pdserve.api.keys import new_bundle, rotate
 from pdserve.launcher import free_port
 from tests.operator.helpers import (
     DEPLOYMENTS,
@@ -31,7 +32,7 @@ OWNED = (
         ("v1/serviceaccounts", "llm-router"),
         ("rbac.authorization.k8s.io/v1/roles", "llm-router"),
         ("rbac.authorization.k8s.io/v1/rolebindings", "llm-router"),
-        (SECRETS, "llm-kv-secret"),
+        (SECRETS, "llm-kv-keys"),
         (NETWORK_POLICIES, "llm-engines"),
         ("policy/v1/poddisruptionbudgets", "llm-prefill"),
         ("policy/v1/poddisruptionbudgets", "llm-decode"),
@@ -79,9 +80,11 @@ def test_create_makes_every_object_owned_by_the_pdservice(kube_cluster, kube_nam
         "replicas": 2,
     }
     assert [replicas(kube_cluster, kube_namespace, role) for role in ROLES] == [1, 2, 1]
-    secret = kube_cluster.get(SECRETS, "llm-kv-secret", kube_namespace)
+    secret = kube_cluster.get(SECRETS, "llm-kv-keys", kube_namespace)
     assert secret["type"] == "Opaque"
-    assert re.fullmatch("[0-9a-f]{64}", base64.b64decode(secret["data"]["kv-secret"]).decode())
+    assert sorted(secret["data"]) == ["engine.key", "events.key", "router.key", "router.pub"]
+    for name in secret["data"]:
+        assert re.fullmatch("[0-9a-f]{64}\n", base64.b64decode(secret["data"][name]).decode()), name
     policy = kube_cluster.get(NETWORK_POLICIES, "llm-engines", kube_namespace)
     assert policy["spec"]["podSelector"]["matchLabels"] == {"pdserve.io/service": "llm"}
     prefill = kube_cluster.get(DEPLOYMENTS, "llm-prefill", kube_namespace)["spec"]["template"]["spec"]
@@ -137,11 +140,11 @@ def test_spec_change_updates_deployments_but_never_pool_sizes(kube_cluster, kube
     assert kube_cluster.get(PDPOOLS, "llm-decode", kube_namespace)["spec"]["replicas"] == 2
 
 
-def test_reconciling_again_keeps_the_kv_secret_and_a_users_rotation(kube_cluster, kube_namespace, operator):
+def test_reconciling_again_keeps_the_kv_keys_and_a_users_rotation(kube_cluster, kube_namespace, operator):
     deploy(kube_cluster, kube_namespace)
 
     def value():
-        return kube_cluster.get(SECRETS, "llm-kv-secret", kube_namespace)["data"]["kv-secret"]
+        return kube_cluster.get(SECRETS, "llm-kv-keys", kube_namespace)["data"]
 
     def image():  # of the decode Deployment, the last object a reconcile applies
         pod = kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace)["spec"]["template"]["spec"]
@@ -151,9 +154,9 @@ def test_reconciling_again_keeps_the_kv_secret_and_a_users_rotation(kube_cluster
     kube_cluster.patch(PDSERVICES, "llm", {"spec": {"image": "pdserve:2"}}, kube_namespace)
     wait_for(lambda: image() == "pdserve:2")  # a second reconcile ran
     assert value() == first
-    # A user rotates it: the next reconcile keeps their value (pods read it at start: restart them).
-    rotated = base64.b64encode(b"f" * 64).decode()
-    kube_cluster.patch(SECRETS, "llm-kv-secret", {"data": {"kv-secret": rotated}}, kube_namespace)
+    # A user rotates them (a step of `pdserve keys --rotate`): the next reconcile keeps theirs (pods re-read them).
+    rotated = {name: base64.b64encode(text.encode()).decode() for name, text in rotate(new_bundle(), "add").items()}
+    kube_cluster.patch(SECRETS, "llm-kv-keys", {"data": rotated}, kube_namespace)
     kube_cluster.patch(PDSERVICES, "llm", {"spec": {"image": "pdserve:3"}}, kube_namespace)
     wait_for(lambda: image() == "pdserve:3")
     assert value() == rotated
@@ -167,7 +170,7 @@ def test_a_named_secret_is_used_and_none_is_created(kube_cluster, kube_namespace
     assert kube_cluster.list(SECRETS, kube_namespace) == []
     for role in ROLES:
         pod = kube_cluster.get(DEPLOYMENTS, f"llm-{role}", kube_namespace)["spec"]["template"]["spec"]
-        (volume,) = [v for v in pod["volumes"] if v["name"] == "kv-secret"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "kv-keys"]
         assert volume["secret"]["secretName"] == "team-kv"
 
 
@@ -192,7 +195,7 @@ def test_invalid_spec_creates_nothing_and_says_why(kube_cluster, kube_namespace,
         PDSERVICES, "llm", {"spec": {"model": {"claimName": "models"}, "prefill": {"engineArgs": []}}}, kube_namespace
     )
     wait_for(lambda: all(kube_cluster.get(resource, name, kube_namespace) for resource, name in OWNED))
-    wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["reason"] == "PoolsNotReady")
+    wait_for(lambda: (ready_condition(kube_cluster, kube_namespace) or {}).get("reason") == "PoolsNotReady")
 
 
 def test_restart_changes_nothing(kube_cluster, kube_namespace):
@@ -267,7 +270,7 @@ def test_an_invalid_change_leaves_what_runs(kube_cluster, kube_namespace, operat
     kube_cluster.patch(
         PDSERVICES, "llm", {"spec": {"image": "pdserve:2", "decode": {"engineArgs": ["--host=x"]}}}, kube_namespace
     )
-    wait_for(lambda: ready_condition(kube_cluster, kube_namespace)["reason"] == "InvalidSpec")
+    wait_for(lambda: (ready_condition(kube_cluster, kube_namespace) or {}).get("reason") == "InvalidSpec")
     kube_cluster.wait_idle()
     assert kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace) == before
 
@@ -295,7 +298,7 @@ def test_tensor_parallel_pools_and_too_few_gpus(kube_cluster, kube_namespace, op
     kube_cluster.patch(PDSERVICES, "llm", {"spec": {"decode": {"gpus": 2}}}, kube_namespace)
     condition = wait_for(
         lambda: (
-            ready_condition(kube_cluster, kube_namespace)["reason"] == "InvalidSpec"
+            (ready_condition(kube_cluster, kube_namespace) or {}).get("reason") == "InvalidSpec"
             and ready_condition(kube_cluster, kube_namespace)
         )
     )
@@ -306,7 +309,7 @@ def test_tensor_parallel_pools_and_too_few_gpus(kube_cluster, kube_namespace, op
     kube_cluster.patch(PDSERVICES, "llm", {"spec": {"decode": {"tensorParallelSize": 1}}}, kube_namespace)
     wait_for(lambda: "--tensor-parallel-size" not in template("decode")["spec"]["containers"][0]["command"])
     pod = template("decode")
-    assert [v["name"] for v in pod["spec"]["volumes"]] == ["model", "scratch", "kv-secret"]
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["model", "scratch", "kv-keys"]
     assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
     assert pod["metadata"]["annotations"] == {"pdserve.io/tensor-parallel-size": "1"}
 

@@ -84,9 +84,10 @@ def test_a_valid_spec_has_no_problems():
         ({"decode": {"engineArgs": ["--mod", "/x"]}}, "must not set --model"),  # argparse prefix
         ({"decode": {"engineArgs": ["--kv-lease-seconds", "5"]}}, "must not set --kv-lease-seconds"),
         ({"decode": {"engineArgs": "--port 1"}}, "must be a list of strings"),
-        ({"prefill": {"engineArgs": ["--kv-secret-file", "/x"]}}, "must not set --kv-secret-file"),
+        ({"prefill": {"engineArgs": ["--kv-keys", "/x"]}}, "must not set --kv-keys"),
+        ({"prefill": {"engineArgs": ["--kv-nixl-unbounded"]}}, "must not set --kv-nixl-unbounded"),
         ({"decode": {"engineArgs": ["--kv-insecure"]}}, "must not set --kv-insecure"),
-        ({"router": {"args": ["--kv-secret-file=/x"]}}, "spec.router.args must not set --kv-secret-file"),
+        ({"router": {"args": ["--kv-keys=/x"]}}, "spec.router.args must not set --kv-keys"),
         ({"router": {"args": ["--kv-insecure"]}}, "spec.router.args must not set --kv-insecure"),
         ({"router": {"args": ["--selector", "x=y"]}}, "spec.router.args must not set --selector"),
         ({"router": {"replicas": -1}}, "spec.router.replicas must be an integer >= 0"),

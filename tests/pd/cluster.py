@@ -9,7 +9,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from pdserve.api.auth import SECRET_ENV
+from pdserve.api.auth import ROUTER_AUTH_HEADER, RouterSigner
+from pdserve.api.keys import ENGINE_FILES, KEYS_ENV, ROUTER_FILES, load_router_signing, new_bundle, write_bundle
 from pdserve.launcher import free_port
 from pdserve.models.demo import ensure_demo_model
 from pdserve.testing.metrics import scrape as metrics  # noqa: F401 - tests/fuzz still import it from here
@@ -23,6 +24,15 @@ class Cluster:
     prefills: list[Process] = field(default_factory=list)
     decodes: list[Process] = field(default_factory=list)
     router: Process | None = None
+    keys: str | None = None  # the whole key folder (the router's files and the engines' are given apart)
+
+    def router_header(self, url: str, path: str, data: bytes) -> dict[str, str]:
+        """The router's signature on ``data`` POSTed to ``path`` of the engine at ``url`` (its id from /health):
+        a test plays the router's part on one leg."""
+        assert self.keys is not None
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            engine_id = json.loads(response.read())["engine_id"]
+        return {ROUTER_AUTH_HEADER: RouterSigner(load_router_signing(self.keys)).header("POST", path, data, engine_id)}
 
     @classmethod
     def start(
@@ -35,17 +45,26 @@ class Cluster:
         decode_flags: tuple[str, ...] = (),
         decode_faults: str = "",
         with_router: bool = True,
-        secret: str | None = None,
+        keys: bool = False,
         router_flags: tuple[str, ...] = (),
         model: str | None = None,
     ) -> Cluster:
-        """``secret``: the cluster secret every process gets (in its environment); None: none (loopback only).
-        ``model``: a model folder (the demo model's tokenizer); None: the demo model."""
+        """``keys``: fresh keys, the router's files for the router and the engines' for the engines (in their
+        environment); False: none (loopback only). ``model``: a model folder (the demo model's tokenizer); None:
+        the demo model."""
         demo = str(ensure_demo_model())
         tokenizer = ("--tokenizer", demo) if model is not None else ()
         model = model or demo
-        env = server_env() if secret is None else dict(server_env(), **{SECRET_ENV: secret})
+        env = router_env = server_env()
         cluster = cls()
+        if keys:
+            bundle, folder = new_bundle(), tmp_path / "keys"
+            write_bundle(folder / "all", bundle)
+            write_bundle(folder / "router", bundle, ROUTER_FILES)
+            write_bundle(folder / "engine", bundle, ENGINE_FILES)
+            cluster.keys = str(folder / "all")
+            env = dict(env, **{KEYS_ENV: str(folder / "engine")})
+            router_env = dict(router_env, **{KEYS_ENV: str(folder / "router")})
         for role, count, flags in (("prefill", num_prefill, prefill_flags), ("decode", num_decode, decode_flags)):
             role_env = dict(env, PDSERVE_KV_FAULTS=decode_faults) if role == "decode" and decode_faults else env
             for index in range(count):
@@ -63,7 +82,7 @@ class Cluster:
                 argv = router_argv(
                     port, [p.url for p in cluster.prefills], [d.url for d in cluster.decodes], *router_flags
                 )
-                cluster.router = Process("router", argv, env, port, str(tmp_path / "router.log"))
+                cluster.router = Process("router", argv, router_env, port, str(tmp_path / "router.log"))
                 cluster.router.start()
                 cluster.router.wait_healthy()
         except BaseException:

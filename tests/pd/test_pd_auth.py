@@ -1,4 +1,4 @@
-"""A P/D cluster with a cluster secret: real router, prefill and decode processes (NIXL) on 127.0.0.1.
+"""A P/D cluster with keys: real router, prefill and decode processes (NIXL) on 127.0.0.1.
 
 Requests through the router go the disaggregated way, every leg signed. A client that is not the router cannot use
 P/D params on an engine (403, and a forged decode leg frees nothing). A stranger on a prefill's side channel (a
@@ -8,14 +8,13 @@ by a real decode leg. Afterwards no engine owns, holds or waits for anything."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 import zmq
 
-from pdserve.api.auth import ROUTER, ROUTER_AUTH_HEADER, Signer, new_secret, sign_request
+from pdserve.api.auth import ROUTER_AUTH_HEADER
 from pdserve.api.protocol import KV_PARAMS_REJECTED_HEADER
 from pdserve.kvtransfer import messages
 from pdserve.models.demo import ensure_demo_model
@@ -23,24 +22,28 @@ from pdserve.testing.metrics import idle, metric
 from tests.fuzz.openapi_fuzz import completion_body, prefill_leg_body
 from tests.pd.cluster import Cluster, metrics, wait_for
 
-SECRET = new_secret()
-PROMPT = "The secret keeps strangers out of the KV cache. " * 3
+PROMPT = "The keys keep strangers out of the KV cache. " * 3
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     # With the tokenizer the router follows the engines' KV events; every prompt is worth a prefill leg.
     router_flags = ("--tokenizer", str(ensure_demo_model()), "--pd-min-prefill-tokens", "0")
-    cluster = Cluster.start(tmp_path_factory.mktemp("pd-auth"), "nixl", secret=SECRET, router_flags=router_flags)
+    cluster = Cluster.start(
+        tmp_path_factory.mktemp("pd-auth"), "nixl", num_prefill=2, keys=True, router_flags=router_flags
+    )
     yield cluster
     cluster.stop()
 
 
-def _post(url: str, path: str, body: dict, signed: bool) -> tuple[int, dict, dict[str, str]]:
+def _post(
+    url: str, path: str, body: dict, cluster: Cluster | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict, dict[str, str]]:
+    """POST ``body``; signed as the router signs it for the engine at ``url`` when ``cluster`` is given."""
     data = json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"}
-    if signed:
-        headers[ROUTER_AUTH_HEADER] = sign_request(Signer(SECRET.encode(), ROUTER), "POST", path, data)
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    if cluster is not None:
+        headers.update(cluster.router_header(url, path, data))
     request = urllib.request.Request(url + path, data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -54,7 +57,7 @@ def _side_channel(process) -> str:
 
 
 def test_requests_through_the_router_go_disaggregated(cluster):
-    status, answer, _ = _post(cluster.router.url, "/v1/completions", completion_body(PROMPT, max_tokens=4), False)
+    status, answer, _ = _post(cluster.router.url, "/v1/completions", completion_body(PROMPT, max_tokens=4))
     assert status == 200, answer
     router = metrics(cluster.router.url)
     assert metric(router, "pdserve_router_requests_total", path="disagg") == 1, router
@@ -63,46 +66,72 @@ def test_requests_through_the_router_go_disaggregated(cluster):
 
 def test_pd_params_from_anyone_but_the_router_are_refused(cluster):
     prefill, decode = cluster.prefills[0].url, cluster.decodes[0].url
-    status, answer, _ = _post(prefill, "/v1/completions", prefill_leg_body(PROMPT), False)
+    status, answer, _ = _post(prefill, "/v1/completions", prefill_leg_body(PROMPT))
     assert status == 403 and answer["error"]["param"] == "kv_transfer_params", answer
     assert ROUTER_AUTH_HEADER in answer["error"]["message"]
     # A real hold, then a forged decode leg naming it: refused before anything, and it frees nothing.
-    status, leg, _ = _post(prefill, "/v1/completions", prefill_leg_body(PROMPT), True)
+    status, leg, _ = _post(prefill, "/v1/completions", prefill_leg_body(PROMPT), cluster)
     assert status == 200, leg
     params = leg["kv_transfer_params"]
     forged = completion_body(PROMPT, max_tokens=2, kv_transfer_params=params)
-    status, answer, _ = _post(decode, "/v1/completions", forged, False)
+    status, answer, _ = _post(decode, "/v1/completions", forged)
     assert status == 403, answer
-    status, answer, _ = _post(decode, "/v1/completions", {**forged, "max_tokens": "two"}, False)  # does not decode
+    status, answer, _ = _post(decode, "/v1/completions", {**forged, "max_tokens": "two"})  # does not decode
     assert status == 403, answer
-    status, answer, _ = _post(prefill, "/v1/kv_transfer/release", {"kv_transfer_params": params}, False)
+    status, answer, _ = _post(prefill, "/v1/kv_transfer/release", {"kv_transfer_params": params})
     assert status == 403, answer
     assert metrics(prefill)["pdserve_kv_blocks_held_for_remote"] > 0
     # A prefill leg on the decode engine: it hands its KV to no peer.
-    status, answer, _ = _post(decode, "/v1/completions", prefill_leg_body(PROMPT), True)
+    status, answer, _ = _post(decode, "/v1/completions", prefill_leg_body(PROMPT), cluster)
     assert status == 400 and "decode role" in answer["error"]["message"], answer
     # The router's signed decode leg uses the params.
-    status, answer, headers = _post(decode, "/v1/completions", forged, True)
+    status, answer, headers = _post(decode, "/v1/completions", forged, cluster)
     assert status == 200 and KV_PARAMS_REJECTED_HEADER not in headers, (answer, headers)
     wait_for(lambda: metrics(prefill)["pdserve_kv_blocks_held_for_remote"] == 0, 10, "the pull did not free")
 
 
+def test_a_signed_leg_replayed_to_another_engine_is_refused(cluster):
+    # Before (dbd1dc4): the router's signature named no engine, so a leg captured on its way to one prefill was
+    # taken by every other (it held KV for nobody, or worse).
+    first, second = cluster.prefills[0].url, cluster.prefills[1].url
+    body = prefill_leg_body(PROMPT + " replayed")
+    data = json.dumps(body).encode()
+    captured = cluster.router_header(first, "/v1/completions", data)
+    status, answer, headers = _post(second, "/v1/completions", body, headers=captured)
+    assert status == 403 and answer["error"]["type"] == "router_auth_target", answer
+    assert headers.get("X-PDServe-Engine-Id") == _engine_id(second)  # so the router can sign afresh, once
+    assert metrics(second)["pdserve_kv_blocks_held_for_remote"] == 0
+    status, leg, _ = _post(first, "/v1/completions", body, headers=captured)  # where it was meant for: taken
+    assert status == 200 and leg["kv_transfer_params"], leg
+    status, answer, _ = _post(first, "/v1/completions", body, headers=captured)  # and only once
+    assert status == 403 and "replayed" in answer["error"]["message"], answer
+    status, _, _ = _post(first, "/v1/kv_transfer/release", {"kv_transfer_params": leg["kv_transfer_params"]}, cluster)
+    assert status == 200
+
+
+def _engine_id(url: str) -> str:
+    with urllib.request.urlopen(url + "/health", timeout=10) as response:
+        return json.loads(response.read())["engine_id"]
+
+
 def test_a_stranger_on_the_side_channel_gets_nothing_and_harms_nobody(cluster):
     prefill = cluster.prefills[0]
-    status, leg, _ = _post(prefill.url, "/v1/completions", prefill_leg_body(PROMPT + " stranger"), True)
+    status, leg, _ = _post(prefill.url, "/v1/completions", prefill_leg_body(PROMPT + " stranger"), cluster)
     assert status == 200, leg
     params = leg["kv_transfer_params"]
+    hold = [(params["remote_request_id"], params["remote_hold_token"])]
+    receiver = params["remote_engine_id"]
     before = metric(metrics(prefill.url), "pdserve_kv_side_channel_rejected_total", reason="unauthenticated")
     context = zmq.Context()
     try:
         stranger = context.socket(zmq.DEALER)
         stranger.setsockopt(zmq.LINGER, 0)
         stranger.connect(_side_channel(prefill))
-        seal = messages.Seal("stranger", time.time_ns(), None)
-        stranger.send(seal.seal(messages.Handshake("stranger")))
-        stranger.send(seal.seal(messages.ReleaseBlocks([params["remote_request_id"]])))
+        seal = messages.Seal("stranger", None)  # even knowing the hold's token: no key, nothing
+        stranger.send(seal.seal(messages.Handshake("stranger", messages.new_challenge()), receiver))
+        stranger.send(seal.seal(messages.ReleaseBlocks(hold), receiver))
         for _ in range(3000):  # a flood of forged lease renewals
-            stranger.send(seal.seal(messages.RenewLeases([params["remote_request_id"]])))
+            stranger.send(seal.seal(messages.RenewLeases(hold), receiver))
         assert not stranger.poll(1500), "the stranger got an answer"
     finally:
         context.destroy(linger=0)
@@ -117,9 +146,9 @@ def test_a_stranger_on_the_side_channel_gets_nothing_and_harms_nobody(cluster):
     # Nothing was released: the decode leg still pulls the blocks, and the router keeps serving meanwhile.
     assert metrics(prefill.url)["pdserve_kv_blocks_held_for_remote"] > 0
     body = completion_body(PROMPT + " stranger", max_tokens=2, kv_transfer_params=params)
-    status, answer, headers = _post(cluster.decodes[0].url, "/v1/completions", body, True)
+    status, answer, headers = _post(cluster.decodes[0].url, "/v1/completions", body, cluster)
     assert status == 200 and KV_PARAMS_REJECTED_HEADER not in headers, (answer, headers)
-    status, answer, _ = _post(cluster.router.url, "/v1/completions", completion_body(PROMPT, max_tokens=2), False)
+    status, answer, _ = _post(cluster.router.url, "/v1/completions", completion_body(PROMPT, max_tokens=2))
     assert status == 200, answer
 
 

@@ -20,7 +20,7 @@ import zmq.asyncio
 from aiohttp import web
 from multidict import CIMultiDict
 
-from pdserve.api.kv_events import EngineLoad, KVEventBatch, encode_batch
+from pdserve.api.kv_events import EngineLoad, EventSigner, KVEventBatch, encode_batch
 from pdserve.launcher import free_port
 from pdserve.router import RouterConfig, RunningRouter, start_router
 
@@ -135,9 +135,10 @@ class Stub:
     ``cached_tokens`` (reported in usage when set; streams add a usage event when asked). With ``events``, it
     publishes KV-event batches (``publish``) on the port its /health advertises."""
 
-    def __init__(self, role: str, events: bool = False) -> None:
+    def __init__(self, role: str, events: bool = False, signer: EventSigner | None = None) -> None:
         self.role = role
         self.events = events
+        self.signer = signer  # signs the KV-event batches (events.key), as an engine with keys does
         self.cached_tokens: int | None = None
         self.engine_id = f"stub-{id(self):x}"
         self.seq = 0
@@ -194,11 +195,12 @@ class Stub:
         block_size: int = 16,
         load: EngineLoad | None = None,
         seq: int | None = None,
+        engine_id: str | None = None,
     ) -> None:
-        """Publish one batch (consecutive ``seq`` unless given)."""
+        """Publish one batch (consecutive ``seq`` unless given; in the stub's name unless ``engine_id``)."""
         self.seq = self.seq if seq is None else seq
         batch = KVEventBatch(
-            self.engine_id,
+            engine_id or self.engine_id,
             self.seq,
             block_size,
             list(stored),
@@ -207,7 +209,7 @@ class Stub:
             None if snapshot is None else list(snapshot),
         )
         self.seq += 1
-        await self._publisher.send(encode_batch(batch))
+        await self.send_raw(encode_batch(batch))
 
     async def rebind_events(self) -> None:
         """What a restarted engine looks like to a router: another events port, another engine id."""
@@ -218,14 +220,17 @@ class Stub:
         self.engine_id, self.seq = f"stub-{id(self):x}-again", 0
 
     async def send_raw(self, *frames: bytes) -> None:
+        """Frames as they are (one: signed first when the stub signs)."""
+        if self.signer is not None and len(frames) == 1:
+            frames = tuple(self.signer.frames(frames[0]))
         await self._publisher.send_multipart(list(frames))
 
     async def health(self, request: web.Request) -> web.Response:
         if self.hung:
             await asyncio.sleep(60)
         if self.kv_events_port is None:
-            return web.json_response({"status": "ok"})
-        return web.json_response({"status": "ok", "kv_events_port": self.kv_events_port})
+            return web.json_response({"status": "ok", "engine_id": self.engine_id})
+        return web.json_response({"status": "ok", "kv_events_port": self.kv_events_port, "engine_id": self.engine_id})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -296,8 +301,8 @@ class Cluster:
         self._stubs: list[Stub] = []
         self._routers: list[RunningRouter] = []
 
-    def stub(self, role: str, events: bool = False) -> Stub:
-        stub = self.loop.run(Stub(role, events).start())
+    def stub(self, role: str, events: bool = False, signer: EventSigner | None = None) -> Stub:
+        stub = self.loop.run(Stub(role, events, signer).start())
         self._stubs.append(stub)
         return stub
 

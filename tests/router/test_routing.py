@@ -10,6 +10,7 @@ import time
 import msgspec
 import pytest
 
+from pdserve.api.kv_events import EventSigner
 from pdserve.api.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 from pdserve.engine.block_hash import hash_prompt_blocks
 from pdserve.models.demo import ensure_demo_model
@@ -220,3 +221,38 @@ def test_several_prompts_and_bad_chat_arguments_route_without_the_prompt(loop, c
     ):
         assert loop.run(post(router.url + path, body))[0] == 200
     assert len(decode.seen) == 2
+
+
+def test_events_relayed_from_another_pod_replayed_or_signed_for_another_engine_are_refused(
+    loop, cluster, model, tmp_path
+):
+    # Before (dbd1dc4): an event's signature named no engine and had no order, so any engine's signed stream (anyone
+    # may subscribe) relayed under another pod's address, or an old batch sent again, was taken: the router credited
+    # pod B with pod A's cache. Now a batch must name the engine the pod's /health names, with a newer seq.
+    from pdserve.api.keys import EVENTS_KEY, ROUTER_FILES, load_secret, new_bundle, write_bundle
+
+    write_bundle(tmp_path, new_bundle(), ROUTER_FILES)
+    signer = EventSigner(load_secret(tmp_path, EVENTS_KEY))  # what every engine of the deployment holds
+    first, second = (
+        cluster.stub("decode", events=True, signer=signer),
+        cluster.stub("decode", events=True, signer=signer),
+    )
+    router = cluster.router([], [first.url, second.url], tokenizer=model, health_interval=0.2, keys_dir=str(tmp_path))
+    inner = router.router
+    assert settles(lambda: len(inner.subscriber.endpoints()) == 2)
+    publish_until(loop, first, router, has([b"a" * 32]), snapshot=[b"a" * 32])
+    publish_until(loop, second, router, has([b"b" * 32]), snapshot=[b"b" * 32])
+
+    def malformed() -> float:
+        return metric(metrics_text(loop, router), "pdserve_router_kv_events_malformed_total")
+
+    # First's batch, signed and fresh, relayed by the second pod (or sent from its address by anyone):
+    loop.run(second.publish(snapshot=[b"x" * 32], engine_id=first.engine_id, seq=first.seq + 1))
+    # an old batch of the second pod's own, sent again:
+    loop.run(second.publish(snapshot=[b"y" * 32], seq=0))
+    # a batch made with the events key by an engine (any holds it) in the second one's name, from the first pod:
+    loop.run(first.publish(snapshot=[b"z" * 32], engine_id=second.engine_id, seq=second.seq + 10))
+    assert settles(lambda: malformed() == 3)
+    assert inner.index.pods[second.url].hashes == {b"b" * 32} and inner.index.pods[first.url].hashes == {b"a" * 32}
+    # The real streams carry on.
+    publish_until(loop, second, router, has([b"c" * 32]), stored=[b"c" * 32])
