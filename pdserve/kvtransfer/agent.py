@@ -187,6 +187,7 @@ class TransferAgent:
         self._next_renewal = 0.0
         self._rejection_logged: dict[str, float] = {}
         self._backlog = False  # frames left unread by the last step's bounded slices: poll again at once
+        self._stalled = False  # fault hook: the one stall after a read was taken
         self._poller = zmq.Poller()
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-agent", daemon=True)
         self._thread.start()
@@ -459,6 +460,9 @@ class TransferAgent:
         pull.connection = peer
         pull.deadline = time.monotonic() + self.config.transfer_timeout
         self.transport.start_pull(pull, peer.socket, peer.engine_id)
+        if self.faults.stall_after_read and not self._stalled:
+            self._stalled = True
+            time.sleep(self.faults.stall_after_read)
 
     def _forget_pull(self, pull: Pull) -> bool:
         """Take a pull out of every queue it may sit in (it is about to be reported); True if a

@@ -8,6 +8,8 @@ Faults (tests only): ``PDSERVE_KV_FAULTS`` holds comma-separated items, read whe
 starts, so tests can stage races deterministically in real processes:
 
 - ``delay_load=S``: wait S seconds before starting each pull (requests sit in WAITING_FOR_REMOTE_KVS);
+- ``stall_after_read=S``: the agent thread sleeps S seconds right after it posts its first pull's read (an agent
+  kept from running: a NIXL read's bytes then land when it next makes progress, long after the pull's timeout);
 - ``fail_load``: every pull fails after its transfer (as a broken connection would);
 - ``fail_handshake``: this engine refuses handshakes (answers with an error);
 - ``no_renew``: never renew remote leases; ``no_release``: never tell the prefill side to free;
@@ -28,6 +30,7 @@ LOAD_FAILURE_POLICIES = ("recompute", "fail")
 @dataclass(frozen=True)
 class KVFaults:
     delay_load: float = 0.0
+    stall_after_read: float = 0.0
     fail_load: bool = False
     fail_handshake: bool = False
     no_renew: bool = False
@@ -43,7 +46,7 @@ class KVFaults:
         values: dict[str, float | bool] = {}
         for item in text.split(","):
             name, _, value = item.strip().partition("=")
-            if name == "delay_load":
+            if name in ("delay_load", "stall_after_read"):
                 values[name] = float(value)
             elif name in ("fail_load", "fail_handshake", "no_renew", "no_release", "corrupt_blocks", "truncate_blocks"):
                 values[name] = True

@@ -319,10 +319,11 @@ class NixlTransport(Transport):
             ),
         ]
         self._peers: dict[tuple[str, int], _NixlPeer] = {}
-        # Timed-out reads NIXL still ran when they were given up: their handles are kept (releasing
-        # a running one is not a cancel) until they end or their peer is removed.
+        # Timed-out reads NIXL still ran when they were given up: their handles are kept (releasing a running
+        # one is not a cancel) until NIXL says they ended; only then can nothing more land in their blocks.
         self._draining: list[Pull] = []
-        self._drained: list[Pull] = []
+        # Peers dropped while reads from them still drain: their agents are removed once those reads ended.
+        self._retiring: list[_NixlPeer] = []
 
     def local_info(self) -> dict[str, Any]:
         return {
@@ -356,25 +357,21 @@ class NixlTransport(Transport):
         peer = self._peers.pop(address, None)
         if peer is None:
             return
-        # Reads still draining from that peer end with its connection: their handles go first
-        # (removing the agent under them frees them in newer NIXL), then its endpoints are torn down.
-        draining = [pull for pull in self._draining if pull.state[2] is peer]
-        for pull in draining:
-            self._draining.remove(pull)
-            self._release_handle(pull.state[1])
-        try:
-            self.agent.remove_remote_agent(peer.agent_name)  # idempotent: an agent already gone is no error
-        except Exception as error:
-            # Not confirmed torn down: a read may still land, so those blocks are never reported drained
-            # (they stay quarantined: leaked and counted, never reused under a late write).
-            logger.error(
-                "removing NIXL agent %s failed (%s): %d draining read(s) stay quarantined",
-                peer.agent_name,
-                error,
-                len(draining),
-            )
-            return
-        self._drained.extend(draining)
+        # Reads still draining from that peer keep its agent: removing it does not end them at once (UCX
+        # closes the endpoint asynchronously, and a read's data can still land in a later progress call; seen
+        # here, over UCX's tcp transport, as a given-up read writing into blocks already given to another
+        # request). The agent goes once they ended; new transfers never use it (a restart has a new name).
+        self._retiring.append(peer)
+        self._retire_idle_peers()
+
+    def _retire_idle_peers(self) -> None:
+        busy = {id(pull.state[2]) for pull in self._draining}
+        for peer in [peer for peer in self._retiring if id(peer) not in busy]:
+            self._retiring.remove(peer)
+            try:
+                self.agent.remove_remote_agent(peer.agent_name)
+            except Exception as error:
+                logger.warning("removing NIXL agent %s: %s", peer.agent_name, error)
 
     def start_pull(self, pull: Pull, socket: zmq.Socket[bytes], receiver: str) -> None:
         peer = self._peers[pull.spec.remote.rank_address(pull.source_rank)]
@@ -489,12 +486,14 @@ class NixlTransport(Transport):
             return "ERR"
 
     def drained(self) -> list[Pull]:
-        drained, self._drained = self._drained, []
+        drained = []
         for pull in list(self._draining):
             if self._state(pull.state[1]) != "PROC":
                 self._draining.remove(pull)
                 self._release_handle(pull.state[1])
                 drained.append(pull)
+        if self._retiring:
+            self._retire_idle_peers()
         return drained
 
     def poll_releases(self) -> list[tuple[str, str, int, int]]:

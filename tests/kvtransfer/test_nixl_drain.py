@@ -71,13 +71,30 @@ def test_a_timed_out_read_still_running_is_reported_drained_only_when_it_ends():
         decode.wait_for(lambda seen: seen.failed_recving == {"d"} and "e" in seen.finished_recving, "the drain")
 
 
-def test_tearing_down_the_peer_ends_the_quarantine_of_its_reads():
+def test_dropping_the_peer_keeps_the_quarantine_of_its_reads_until_they_end():
+    # Before, dropping the (suspect) connection removed the peer's NIXL agent after releasing the read's handle, and
+    # that counted as "nothing can land any more". It was not: UCX closes the endpoint asynchronously, and over its
+    # tcp transport a given-up read's data landed in a later progress call, in blocks already given to another
+    # request (tests/chaos/test_late_read.py). Now the peer's agent waits for its reads, and only their end drains.
     nixl = {"transport": "nixl", "transfer_timeout": 1.0}
     with engines({"filled": True, **nixl}, {"filled": False, **nixl}) as (prefill, decode):
         running = _StillRunning(decode.agent.transport.agent)
         decode.agent.transport.agent = running
+        removed: list[str] = []
+        remove = running._agent.remove_remote_agent
+        running.remove_remote_agent = lambda name: removed.append(name) or remove(name)  # type: ignore[attr-defined]
         _stalled_pull(prefill, decode, running)
-        # The timed-out pull was the only one on its connection: the agent drops that (suspect) connection, which
-        # removes the peer's NIXL agent after releasing the handle: nothing can land any more.
+        # The timed-out pull was the only one on its connection: the agent drops that (suspect) connection ...
+        deadline = time.monotonic() + 5
+        while decode.agent.transport._peers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not decode.agent.transport._peers
+        # ... but the read still runs: its blocks stay quarantined, its handle kept, the peer's agent kept.
+        assert not decode.quiet_for(1.0).failed_recving
+        assert not running.released and not removed
+        running.hold.clear()  # the read ends
         decode.wait_for(lambda seen: seen.failed_recving == {"d"}, "the drained report")
-        assert running.hold.is_set() and running.released
+        deadline = time.monotonic() + 5
+        while not removed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert running.released and removed  # then, and only then, the handle and the agent go

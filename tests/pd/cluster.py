@@ -8,6 +8,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pdserve.api.auth import ROUTER_AUTH_HEADER, RouterSigner
 from pdserve.api.keys import ENGINE_FILES, KEYS_ENV, ROUTER_FILES, load_router_signing, new_bundle, write_bundle
@@ -24,7 +25,8 @@ class Cluster:
     prefills: list[Process] = field(default_factory=list)
     decodes: list[Process] = field(default_factory=list)
     router: Process | None = None
-    keys: str | None = None  # the whole key folder (the router's files and the engines' are given apart)
+    # Where the keys are: all/ (the whole bundle, for tests), router/ and engine/ (each role's files, as given).
+    keys: Path | None = None
 
     def router_header(self, url: str, path: str, data: bytes) -> dict[str, str]:
         """The router's signature on ``data`` POSTed to ``path`` of the engine at ``url`` (its id from /health):
@@ -32,7 +34,15 @@ class Cluster:
         assert self.keys is not None
         with urllib.request.urlopen(url + "/health", timeout=10) as response:
             engine_id = json.loads(response.read())["engine_id"]
-        return {ROUTER_AUTH_HEADER: RouterSigner(load_router_signing(self.keys)).header("POST", path, data, engine_id)}
+        signer = RouterSigner(load_router_signing(self.keys / "all"))
+        return {ROUTER_AUTH_HEADER: signer.header("POST", path, data, engine_id)}
+
+    def write_keys(self, bundle: dict[str, str]) -> None:
+        """Replace the keys every process reads (each role's files in its folder), as a Secret's update does."""
+        assert self.keys is not None
+        write_bundle(self.keys / "all", bundle)
+        write_bundle(self.keys / "router", bundle, ROUTER_FILES)
+        write_bundle(self.keys / "engine", bundle, ENGINE_FILES)
 
     @classmethod
     def start(
@@ -48,21 +58,19 @@ class Cluster:
         keys: bool = False,
         router_flags: tuple[str, ...] = (),
         model: str | None = None,
+        engine_env: dict[str, str] | None = None,
     ) -> Cluster:
         """``keys``: fresh keys, the router's files for the router and the engines' for the engines (in their
         environment); False: none (loopback only). ``model``: a model folder (the demo model's tokenizer); None:
-        the demo model."""
+        the demo model. ``engine_env``: more environment for the engines."""
         demo = str(ensure_demo_model())
         tokenizer = ("--tokenizer", demo) if model is not None else ()
         model = model or demo
-        env = router_env = server_env()
+        env, router_env = dict(server_env(), **(engine_env or {})), server_env()
         cluster = cls()
         if keys:
-            bundle, folder = new_bundle(), tmp_path / "keys"
-            write_bundle(folder / "all", bundle)
-            write_bundle(folder / "router", bundle, ROUTER_FILES)
-            write_bundle(folder / "engine", bundle, ENGINE_FILES)
-            cluster.keys = str(folder / "all")
+            folder = cluster.keys = Path(tmp_path) / "keys"
+            cluster.write_keys(new_bundle())
             env = dict(env, **{KEYS_ENV: str(folder / "engine")})
             router_env = dict(router_env, **{KEYS_ENV: str(folder / "router")})
         for role, count, flags in (("prefill", num_prefill, prefill_flags), ("decode", num_decode, decode_flags)):

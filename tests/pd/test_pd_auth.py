@@ -1,13 +1,17 @@
-"""A P/D cluster with keys: real router, prefill and decode processes (NIXL) on 127.0.0.1.
+"""A P/D cluster with keys: real router, two prefill and one decode processes (NIXL) on 127.0.0.1.
 
-Requests through the router go the disaggregated way, every leg signed. A client that is not the router cannot use
-P/D params on an engine (403, and a forged decode leg frees nothing). A stranger on a prefill's side channel (a
-handshake, a forged release, a flood) gets no answer and harms nobody: the blocks it tried to free are still pulled
-by a real decode leg. Afterwards no engine owns, holds or waits for anything."""
+Requests through the router go the disaggregated way, every leg signed for its engine. A client that is not the
+router cannot use P/D params on an engine (403, and a forged decode leg frees nothing, nor makes the engine dial
+the address it names); a leg signed for one engine is refused by another. A stranger on a prefill's side channel
+(a handshake, a forged release, a flood) gets no answer and harms nobody: the blocks it tried to free are still
+pulled by a real decode leg. The keys roll over, in three steps, under traffic, without a failed request.
+Afterwards no engine owns, holds or waits for anything."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -107,6 +111,93 @@ def test_a_signed_leg_replayed_to_another_engine_is_refused(cluster):
     assert status == 403 and "replayed" in answer["error"]["message"], answer
     status, _, _ = _post(first, "/v1/kv_transfer/release", {"kv_transfer_params": leg["kv_transfer_params"]}, cluster)
     assert status == 200
+
+
+def test_a_clients_params_make_a_keyed_engine_dial_nobody(cluster):
+    # dbd1dc4's oracle: `pdserve serve --kv-insecure` gave its children a secret and the flag, so its decode engine
+    # took P/D params from any HTTP client and sealed a fresh handshake for the client's own socket, which the
+    # client replayed to a prefill. An engine with keys takes params from the router only: it dials nothing.
+    context = zmq.Context()
+    try:
+        listener = context.socket(zmq.ROUTER)
+        listener.setsockopt(zmq.LINGER, 0)
+        port = listener.bind_to_random_port("tcp://127.0.0.1")
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": _engine_id(cluster.prefills[0].url),
+            "remote_request_id": "r",
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            "remote_block_ids": [0],
+            "remote_block_generations": [0],
+            "remote_num_tokens": 1,
+            "remote_prompt_hash": "h",
+            "kv_compat_hash": "c",
+            "remote_lease_seconds": 30,
+            "remote_hold_token": "t",
+        }
+        body = completion_body(PROMPT, max_tokens=2, kv_transfer_params=params)
+        status, answer, _ = _post(cluster.decodes[0].url, "/v1/completions", body)
+        assert status == 403, answer
+        assert not listener.poll(1500), "the engine dialled the address a client named"
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_key_rollover_drops_no_request(cluster):
+    from pdserve.api.keys import RELOAD_INTERVAL_S, read_bundle, rotate
+
+    assert cluster.keys is not None
+    answers: list[int] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        number = 0
+        while not stop.is_set():
+            body = completion_body(f"rollover {number}: " + PROMPT, max_tokens=2)
+            answers.append(_post(cluster.router.url, "/v1/completions", body)[0])
+            number += 1
+
+    engines = (*cluster.prefills, *cluster.decodes)
+
+    def refused() -> list[float]:
+        return [
+            metric(metrics(process.url), "pdserve_kv_side_channel_rejected_total", reason="unauthenticated")
+            for process in engines
+        ] + [metric(metrics(cluster.router.url), "pdserve_router_kv_events_malformed_total")]
+
+    disagg = metric(metrics(cluster.router.url), "pdserve_router_requests_total", path="disagg")
+    refused_before = refused()
+    old = read_bundle(cluster.keys / "all")
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        for step in ("add", "promote", "retire"):
+            # Each step waits until every process has re-read the files (and signed with what it read) before
+            # the next: what Kubernetes' propagation of a Secret's update is for pods.
+            time.sleep(RELOAD_INTERVAL_S + 1.5)
+            cluster.write_keys(rotate(read_bundle(cluster.keys / "all"), step))
+        time.sleep(RELOAD_INTERVAL_S + 1.5)
+    finally:
+        stop.set()
+        thread.join(60)
+    assert len(answers) >= 5 and set(answers) == {200}, answers
+    router = metrics(cluster.router.url)
+    # Every request went the disaggregated way: no leg, handshake or event was refused for its keys.
+    assert metric(router, "pdserve_router_requests_total", path="disagg") - disagg == len(answers)
+    assert refused() == refused_before
+    assert all(len(text.split()) == 1 for text in read_bundle(cluster.keys / "all").values())
+    # The retired router key signs nothing any more.
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from pdserve.api.auth import RouterSigner
+    from pdserve.api.keys import KeyRing
+
+    retired = RouterSigner(KeyRing([Ed25519PrivateKey.from_private_bytes(bytes.fromhex(old["router.key"].strip()))]))
+    url, body = cluster.prefills[0].url, prefill_leg_body(PROMPT + " retired")
+    header = {ROUTER_AUTH_HEADER: retired.header("POST", "/v1/completions", json.dumps(body).encode(), _engine_id(url))}
+    status, answer, _ = _post(url, "/v1/completions", body, headers=header)
+    assert status == 403 and "bad signature" in answer["error"]["message"], answer
 
 
 def _engine_id(url: str) -> str:

@@ -154,3 +154,68 @@ def test_free_port_never_hands_out_a_port_twice():
     # pairs of calls, enough for two engines of one test cluster to be told the same port.
     ports = [free_port() for _ in range(3000)]
     assert len(set(ports)) == len(ports)
+
+
+@pytest.mark.slow
+def test_serve_kv_insecure_gives_its_children_no_keys_so_no_oracle_seals_anything():
+    # dbd1dc4 gave `pdserve serve --kv-insecure`'s children a fresh secret and the flag: its decode engine took P/D
+    # params from any HTTP client and sealed, with the secret, a handshake for the client's own socket, which the
+    # client replayed to a prefill (full KV read and write from one HTTP request). Now --kv-insecure means no
+    # keys at all: what a client can make the decode engine send is unsealed, worth nothing against any engine
+    # with keys (and an engine without keys answers anyone anyway, as the flag says).
+    import msgspec
+    import zmq
+
+    from pdserve.kvtransfer import messages
+    from pdserve.kvtransfer.params import prompt_hash
+
+    ensure_demo_model()
+    port = free_port()
+    process = _serve(
+        port, "--kv-insecure", "--max-model-len", "512", "--kv-transfer", "tcp", "--kv-transfer-timeout", "2"
+    )
+    context = zmq.Context()
+    try:
+        _wait_healthy(process, port, 180)
+        (decode,) = _descendants_running(process.pid, "pdserve.cli decode")
+        argv = Path(f"/proc/{decode}/cmdline").read_bytes().decode().split("\0")
+        assert "--kv-keys" not in argv and "--kv-insecure" in argv
+        decode_url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+        listener = context.socket(zmq.ROUTER)
+        listener.setsockopt(zmq.LINGER, 0)
+        listener_port = listener.bind_to_random_port("tcp://127.0.0.1")
+        prompt = [(7 * i) % 500 + 10 for i in range(40)]  # token ids: no tokenizer in between
+        with urllib.request.urlopen(f"{decode_url}/health", timeout=10) as response:
+            compat_hash = json.loads(response.read())["kv_compat_hash"]
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "a-prefill",
+            "remote_request_id": "r",
+            "remote_host": "127.0.0.1",
+            "remote_port": listener_port,
+            "remote_block_ids": [0, 1, 2],
+            "remote_block_generations": [0, 0, 0],
+            "remote_num_tokens": len(prompt),
+            "remote_prompt_hash": prompt_hash(prompt),
+            "kv_compat_hash": compat_hash,
+            "remote_lease_seconds": 30,
+            "remote_hold_token": "t",
+        }
+        request = urllib.request.Request(
+            f"{decode_url}/v1/completions",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": prompt, "max_tokens": 2, "kv_transfer_params": params}).encode(),
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:  # taken: no keys, as the flag says
+            assert response.status == 200  # computed by decode after the handshake went unanswered
+        assert listener.poll(5000), "the decode engine did not dial the address the params name"
+        _, frame = listener.recv_multipart()
+        envelope = msgspec.msgpack.decode(frame, type=messages.Envelope)
+        assert envelope.mac == b"" and envelope.nonce == b""  # unsealed: nothing to replay against a keyed engine
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        context.destroy(linger=0)
+        if process.poll() is None:
+            process.kill()
+    assert "not authenticated" in process.stdout.read()
