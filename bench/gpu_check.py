@@ -1,8 +1,10 @@
 """GPU check: everything about the GPU path that CPU machines cannot test, in one run.
 
 Run it through bench/gpu_check.sh on a machine with a CUDA GPU, from the source tree
-(PYTHONPATH=.) against the installed torch and triton; only the worker_process section needs ZMQ
-and msgspec (skipped without them), nothing needs NIXL.
+(PYTHONPATH=.) against the installed torch and triton; the sections that build an engine (parity,
+decode_step, worker_process) import pdserve's own dependencies too: msgspec, pyzmq, cryptography (with
+cffi and pycparser) and blake3; carry them as wheels where the machine's image lacks them (each section
+is skipped, naming the missing module, without them). Nothing needs NIXL.
 Sections, each recorded in the result file whether it passes, fails or is skipped:
 
 1. kernels: the Triton write-KV and paged-attention kernels, compiled for real, against the torch

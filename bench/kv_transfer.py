@@ -15,8 +15,13 @@ Then P/D between tensor-parallel sizes: 16 MiB of a model's KV (8 layers, 8 KV h
 decode engine at TP 1 or 2 (its rank agents in this process), each decode rank reading exactly its
 heads from the prefill ranks holding them; GB/s of the whole KV moved, and against the TP1->TP1 row.
 
-With --plot DIR, writes DIR/kv_transfer.png. Runs in about a minute.
-Last line: {"bench": "kv_transfer", "nixl_16mib_gbps", "memcpy_16mib_gbps", "ratio"}.
+Then what the side channel's protection costs, in the same run: 16 KiB and 16 MiB pulls (one 16 KiB block: the
+per-pull cost of the handshake-less exchange; 64 blocks of 256 KiB: the per-byte cost) without keys, with keys,
+and with keys while a stranger floods the holding engine's side channel with the costliest junk there is (fresh,
+well-addressed, wrongly keyed frames of the largest size it takes, from four connections); median of 9 each.
+
+With --plot DIR, writes DIR/kv_transfer.png. Runs in about two minutes.
+Last line: {"bench": "kv_transfer", "nixl_16mib_gbps", "memcpy_16mib_gbps", "ratio", ...}.
 """
 
 from __future__ import annotations
@@ -160,6 +165,29 @@ def _pull_between_tp_sizes(transport: str, prefill_tp: int, decode_tp: int) -> f
     return TP_PULL_BLOCKS * block_bytes / min(times) / 1e9
 
 
+AUTH_SIZES = ((16 << 10, 1), (256 << 10, 64))  # (block bytes, blocks a pull)
+AUTH_REPEATS = 9
+
+
+def _protection_costs() -> dict[tuple[str, str, int], float]:
+    """Median seconds of a pull, per (transport, setting, bytes), settings: no keys, keys, keys + flood."""
+    import statistics
+    import tempfile
+
+    from pdserve.api.keys import new_bundle, write_bundle
+    from pdserve.bench.kv_pull import measure_pulls
+
+    folder = tempfile.mkdtemp(prefix="pdserve-bench-keys-")
+    write_bundle(folder, new_bundle())
+    found = {}
+    for transport in ("tcp", "nixl"):
+        for setting, keys_dir, flood in (("none", None, False), ("keys", folder, False), ("flood", folder, True)):
+            for block_bytes, count in AUTH_SIZES:
+                pulls = measure_pulls(transport, [count], block_bytes, AUTH_REPEATS, keys_dir=keys_dir, flood=flood)
+                found[transport, setting, block_bytes * count] = statistics.median(seconds for _, seconds in pulls)
+    return found
+
+
 def _contiguous_memcpy() -> float:
     """For reference: one contiguous, cache-warm 16 MiB copy (the most flattering baseline)."""
     import numpy as np
@@ -207,6 +235,7 @@ def main() -> None:
         for transport in ("nixl", "tcp")
         for pair in TP_PAIRS
     }
+    protection = _protection_costs()
     print(
         f"KV pull between two processes vs numpy copying the same blocks in one process; "
         f"{BLOCK_BYTES >> 10} KiB blocks, best of {REPEATS} (GB/s)"
@@ -229,6 +258,17 @@ def main() -> None:
             f"{f'TP{pair[0]} -> TP{pair[1]}':>18} {nixl_tp:8.2f} {nixl_tp / between['nixl', (1, 1)]:12.2f} "
             f"{tcp_tp:8.2f} {tcp_tp / between['tcp', (1, 1)]:12.2f}"
         )
+    print(f"What the side channel's protection costs a pull: median of {AUTH_REPEATS} (ms), and ratios")
+    header = ("transport", "size", "no keys", "keys", "flooded", "keys/none", "flood/keys")
+    print(" ".join(f"{name:>{width}}" for name, width in zip(header, (9, 8, 8, 8, 8, 10, 11), strict=True)))
+    for transport in ("tcp", "nixl"):
+        for block_bytes, count in AUTH_SIZES:
+            size = block_bytes * count
+            none, keyed, flooded = (protection[transport, setting, size] for setting in ("none", "keys", "flood"))
+            print(
+                f"{transport:>9} {size >> 10:>5} KiB {none * 1e3:8.2f} {keyed * 1e3:8.2f} {flooded * 1e3:8.2f} "
+                f"{keyed / none:10.2f} {flooded / keyed:11.2f}"
+            )
     if args.plot:
         bar_chart(
             args.plot,
@@ -254,6 +294,10 @@ def main() -> None:
                 **{
                     f"{transport}_p{pair[0]}_d{pair[1]}_gbps": round(gbps, 2)
                     for (transport, pair), gbps in between.items()
+                },
+                **{
+                    f"{transport}_{setting}_{size >> 10}kib_ms": round(seconds * 1e3, 3)
+                    for (transport, setting, size), seconds in protection.items()
                 },
             }
         )

@@ -9,8 +9,8 @@ minimal keep-alive HTTP/1.1 client, so that client cost does not hide proxy cost
 Measured, for streamed /v1/completions requests:
 (a) a client making both legs itself (prefill, then decode with the returned params): p50, p99 latency;
 (b) the same through our router: p50, p99, and added = p50(b) - p50(a);
-(c) requests/s through our router with 64 requests in flight, for a few seconds; (b) and (c) again with a cluster
-    secret, the router signing both legs (what production runs: the stubs do not check the signature);
+(c) requests/s through our router with 64 requests in flight, for a few seconds; (b) and (c) again with keys,
+    the router signing both legs for their engine with Ed25519 (what production runs: the stubs do not check it);
 (d) the same (latency and requests/s) through the FastAPI + httpx baseline, when fastapi/httpx/uvicorn are
     installed (``.venv/bin/pip install fastapi httpx uvicorn``); otherwise skipped with a message.
 

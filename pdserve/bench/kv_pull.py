@@ -5,6 +5,10 @@ own cache, as a decode engine does, and times each pull from the moment its agen
 to the moment it reports the blocks landed. Block ids are random (blocks are scattered in a real
 cache) and new each time. The first pull is a warm-up (the handshake). Used by
 `bench/kv_transfer.py` and by `pdserve profile` (the planner's transfer model).
+
+With ``flood``, a third process floods the holder's side channel all the while: fresh, well-addressed, wrongly
+keyed frames of the largest size it takes (each costs the holder's agent an HMAC when it has keys), as fast as
+four connections carry them; what that costs a pull is the flooded time against the unflooded one.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import random
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 
 def _kv_cache(num_blocks: int, block_bytes: int) -> Any:
@@ -55,6 +61,31 @@ def _holder(transport: str, num_blocks: int, block_bytes: int, keys_dir: str | N
     agent.close()
 
 
+def _flood(port: int, receiver: str, frame_bytes: int, stop: Any) -> None:
+    """Junk for the side channel at ``port`` until ``stop`` is set (a stranger's flood)."""
+    import zmq
+
+    from pdserve.kvtransfer import messages
+
+    context = zmq.Context()
+    sockets = []
+    for _ in range(4):
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(f"tcp://127.0.0.1:{port}")
+        sockets.append(socket)
+    body = b"\0" * (frame_bytes - 200)
+    while not stop.is_set():
+        envelope = messages.Envelope("stranger", receiver, time.time(), b"n" * 16, body, b"m" * 32)
+        frame = msgspec.msgpack.encode(envelope)
+        for socket in sockets:
+            try:
+                socket.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                time.sleep(0.0002)
+    context.destroy(linger=0)
+
+
 def measure_pulls(
     transport: str,
     block_counts: Sequence[int],
@@ -62,9 +93,11 @@ def measure_pulls(
     repeats: int = 3,
     seed: int = 0,
     keys_dir: str | None = None,
+    flood: bool = False,
 ) -> list[tuple[int, float]]:
     """(bytes, seconds) of `repeats` pulls of each block count (after one warm-up pull); ``keys_dir``: both
-    agents seal the side channel with its engine.key."""
+    agents seal the side channel with its engine.key; ``flood``: a stranger floods the holder's side channel."""
+    from pdserve.kvtransfer.agent import max_request_bytes
     from pdserve.kvtransfer.params import RemotePrefill, new_hold_token
     from pdserve.kvtransfer.work import LoadSpec, TransferWork
 
@@ -77,6 +110,13 @@ def measure_pulls(
     holder.start()
     agent, _ = _agent(transport, num_blocks, block_bytes, keys_dir)
     engine_id, port = pipe.recv()
+    stop = context.Event()
+    flooder = None
+    if flood:
+        frame_bytes = max_request_bytes(num_blocks)
+        flooder = context.Process(target=_flood, args=(port, engine_id, frame_bytes, stop), daemon=True)
+        flooder.start()
+        time.sleep(0.5)  # under way before the first pull
     rng = random.Random(seed)
     found: list[tuple[int, float]] = []
     try:
@@ -102,6 +142,9 @@ def measure_pulls(
             if index:  # not the warm-up
                 found.append((count * block_bytes, time.perf_counter() - start))
     finally:
+        stop.set()
+        if flooder is not None:
+            flooder.join(10)
         pipe.send(None)
         holder.join(10)
         agent.close()
