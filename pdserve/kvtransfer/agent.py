@@ -49,7 +49,7 @@ from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.holds import HeldBlocks
 from pdserve.kvtransfer.layout import head_mapping_problem, head_ranges, num_kv_heads_of, rank_agent_id, read_plan
-from pdserve.kvtransfer.nixl_policy import choose_transport, unexpected_listeners
+from pdserve.kvtransfer.nixl_policy import choose_transport, listening_sockets, unexpected_listeners
 from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.kvtransfer.transport import Pull, Transport, make_transport
 from pdserve.kvtransfer.work import LoadSpec, TransferWork
@@ -141,7 +141,16 @@ class TransferAgent:
         keys = load_secret(config.keys_dir, ENGINE_KEY) if config.keys_dir else None
         self.seal = messages.Seal(self.agent_id, keys)
         choice = choose_transport(config.transport, config.host, config.nixl_unbounded)
+        listening = listening_sockets()
         self.transport: Transport = make_transport(choice, kv_cache, generations, self.seal, rank, self.kv_head_ranges)
+        exposed = unexpected_listeners(config.host, listening)  # what the transport (UCX) opened, beyond our address
+        if exposed:
+            self.transport.close()
+            raise RuntimeError(
+                f"the {choice.name} transport listens on {', '.join(exposed)}, beyond this engine's KV address "
+                f"{config.host} and loopback (UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES', '')!r}): refusing "
+                f"to start"
+            )
         self._context = zmq.Context()
         self._server = self._context.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
@@ -154,16 +163,6 @@ class TransferAgent:
         else:
             self.port = self._server.bind_to_random_port(f"tcp://{config.host}")
         self._caps.port = self.port
-        exposed = unexpected_listeners(config.host)
-        if exposed:
-            self._caps.close()
-            self._server.close(linger=0)
-            self.transport.close()
-            self._context.term()
-            raise RuntimeError(
-                f"this engine listens on {', '.join(exposed)}, beyond its KV address {config.host} and loopback "
-                f"(UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES', '')!r}): refusing to start"
-            )
         self._wake_address = f"inproc://pdserve-kv-agent-{id(self)}"
         self._wake_recv = self._context.socket(zmq.PULL)
         self._wake_recv.bind(self._wake_address)

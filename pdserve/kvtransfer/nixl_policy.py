@@ -18,12 +18,13 @@ transport, which serves only the blocks of a hold the peer names with its token.
 takes NIXL anyway, saying that every peer may read and write this process. The choice is logged at start.
 
 UCX opens a TCP listener on every network interface unless told otherwise: :func:`ucx_environment` pins it
-to the interface of the engine's KV address (loopback when that is loopback), and :func:`listening_addresses`
-lets the start-up check see every listener the process has, UCX's included.
+to the interface of the engine's KV address (loopback when that is loopback), and :func:`unexpected_listeners`
+lets the start-up check see every listener the transport opened (UCX's) beyond that address.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import os
@@ -147,8 +148,8 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def listening_addresses(pid: int | str = "self") -> list[str]:
-    """The local addresses of every TCP socket of process ``pid`` in the listening state."""
+def listening_sockets(pid: int | str = "self") -> dict[str, str]:
+    """Every TCP socket of process ``pid`` in the listening state: its inode -> its local address."""
     inodes = set()
     fd_dir = f"/proc/{pid}/fd"
     for fd in os.listdir(fd_dir):
@@ -158,7 +159,7 @@ def listening_addresses(pid: int | str = "self") -> list[str]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    addresses = []
+    found = {}
     for table, width in (("tcp", 4), ("tcp6", 16)):
         try:
             with open(f"/proc/{pid}/net/{table}") as handle:
@@ -168,8 +169,8 @@ def listening_addresses(pid: int | str = "self") -> list[str]:
         for line in lines:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                addresses.append(_proc_address(fields[1].split(":")[0], width))
-    return addresses
+                found[fields[9]] = _proc_address(fields[1].split(":")[0], width)
+    return found
 
 
 def _proc_address(text: str, width: int) -> str:
@@ -179,18 +180,24 @@ def _proc_address(text: str, width: int) -> str:
     return str(ipaddress.ip_address(words))
 
 
-def unexpected_listeners(host: str, pid: int | str = "self") -> list[str]:
-    """Listening addresses of the process that are neither ``host`` nor loopback (none for a wildcard ``host``:
-    that engine listens everywhere by choice). A wildcard listener is unexpected: it answers on every interface."""
+def unexpected_listeners(host: str, before: Mapping[str, str], pid: int | str = "self") -> list[str]:
+    """Addresses of the process's listening sockets opened since ``before`` (``listening_sockets()`` then) that are
+    neither ``host`` (or what it resolves to) nor loopback; none for a wildcard ``host`` (that engine listens
+    everywhere by choice). A wildcard listener is unexpected: it answers on every interface."""
     try:
         if ipaddress.ip_address(host.strip("[]")).is_unspecified:
             return []
     except ValueError:
         pass
+    allowed = {host.strip("[]")}
+    with contextlib.suppress(OSError):
+        allowed.add(socket.gethostbyname(host))
     found = []
-    for address in listening_addresses(pid):
+    for inode, address in listening_sockets(pid).items():
+        if inode in before:
+            continue
         parsed = ipaddress.ip_address(address)
         mapped = getattr(parsed, "ipv4_mapped", None) or parsed
-        if not (mapped.is_loopback or str(mapped) == host.strip("[]")):
+        if not (mapped.is_loopback or str(mapped) in allowed):
             found.append(address)
     return found
