@@ -19,8 +19,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
-
 
 def _kv_cache(num_blocks: int, block_bytes: int) -> Any:
     import torch
@@ -61,31 +59,6 @@ def _holder(transport: str, num_blocks: int, block_bytes: int, keys_dir: str | N
     agent.close()
 
 
-def _flood(port: int, receiver: str, frame_bytes: int, stop: Any) -> None:
-    """Junk for the side channel at ``port`` until ``stop`` is set (a stranger's flood)."""
-    import zmq
-
-    from pdserve.kvtransfer import messages
-
-    context = zmq.Context()
-    sockets = []
-    for _ in range(4):
-        socket = context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(f"tcp://127.0.0.1:{port}")
-        sockets.append(socket)
-    body = b"\0" * (frame_bytes - 200)
-    while not stop.is_set():
-        envelope = messages.Envelope("stranger", receiver, time.time(), b"n" * 16, body, b"m" * 32)
-        frame = msgspec.msgpack.encode(envelope)
-        for socket in sockets:
-            try:
-                socket.send(frame, zmq.NOBLOCK)
-            except zmq.Again:
-                time.sleep(0.0002)
-    context.destroy(linger=0)
-
-
 def measure_pulls(
     transport: str,
     block_counts: Sequence[int],
@@ -100,6 +73,7 @@ def measure_pulls(
     from pdserve.kvtransfer.agent import max_request_bytes
     from pdserve.kvtransfer.params import RemotePrefill, new_hold_token
     from pdserve.kvtransfer.work import LoadSpec, TransferWork
+    from pdserve.testing.flood import flood_until
 
     num_blocks = 2 * max(block_counts) + 16
     context = multiprocessing.get_context("spawn")
@@ -113,8 +87,8 @@ def measure_pulls(
     stop = context.Event()
     flooder = None
     if flood:
-        frame_bytes = max_request_bytes(num_blocks)
-        flooder = context.Process(target=_flood, args=(port, engine_id, frame_bytes, stop), daemon=True)
+        targets = [(f"tcp://127.0.0.1:{port}", engine_id)]
+        flooder = context.Process(target=flood_until, args=(targets, max_request_bytes(num_blocks), stop), daemon=True)
         flooder.start()
         time.sleep(0.5)  # under way before the first pull
     rng = random.Random(seed)

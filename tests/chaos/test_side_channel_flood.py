@@ -11,14 +11,11 @@ frame by frame (counted), never answered."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 import urllib.request
 
 import pytest
-import zmq
 
-from pdserve.kvtransfer import messages
+from pdserve.testing.flood import SideChannelFlood
 from pdserve.testing.metrics import idle, metric, scrape
 from tests.chaos.load import request, two_waves_around_a_stop
 from tests.pd.cluster import Cluster, wait_for
@@ -49,48 +46,9 @@ def _side_channel(process) -> tuple[str, str]:
     return f"tcp://127.0.0.1:{port}", engine_id
 
 
-class Flood:
-    def __init__(self, targets: list[tuple[str, str]]) -> None:
-        self.context = zmq.Context()
-        self.sent = 0
-        self.answers = 0
-        self.stop = threading.Event()
-        self.sockets = []
-        for endpoint, receiver in targets:
-            body = b"\x00" * (FRAME_BYTES - 200)
-            envelope = messages.Envelope("stranger", receiver, 0.0, b"n" * 16, body, b"m" * 32)
-            for _ in range(4):
-                socket = self.context.socket(zmq.DEALER)
-                socket.setsockopt(zmq.LINGER, 0)
-                socket.setsockopt(zmq.SNDHWM, 10000)
-                socket.connect(endpoint)
-                self.sockets.append((socket, envelope))
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            for socket, envelope in self.sockets:
-                envelope.sent_at = time.time()  # fresh: refused for its MAC, after an HMAC, not for its age
-                try:
-                    socket.send(messages._envelope_encode(envelope), zmq.NOBLOCK)
-                    self.sent += 1
-                except zmq.Again:
-                    pass
-                while socket.poll(0):
-                    socket.recv_multipart()
-                    self.answers += 1
-            time.sleep(0.0005)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-        self.context.destroy(linger=0)
-
-
 def test_a_flood_and_a_stopped_prefill_together_cost_no_wrong_answer_and_leave_nothing_held(cluster):
     router, prefill, decode = cluster.router.url, cluster.prefills[0], cluster.decodes[0]
-    flood = Flood([_side_channel(prefill), _side_channel(decode)])
+    flood = SideChannelFlood([_side_channel(prefill), _side_channel(decode)], FRAME_BYTES).start()
     try:
         wait_for(lambda: flood.sent > 500, 20, "the flood did not start")
         results = two_waves_around_a_stop(router, prefill.process.pid)

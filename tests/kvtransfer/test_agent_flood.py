@@ -13,7 +13,6 @@ bench/kv_transfer.py."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 
 import numpy as np
@@ -27,6 +26,7 @@ from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.nixl_policy import TransportChoice
 from pdserve.kvtransfer.transport import make_transport
 from pdserve.kvtransfer.work import TransferWork
+from pdserve.testing.flood import SideChannelFlood, junk_frame
 from tests.kvtransfer.agents import _kv_cache, engines, load, token_of
 
 
@@ -37,51 +37,6 @@ def keys(tmp_path_factory) -> str:
     return str(folder)
 
 
-def _junk(receiver: str, size: int) -> bytes:
-    """A fresh envelope addressed to ``receiver``, with a wrong MAC, ``size`` bytes long."""
-    body = b"\x00" * max(0, size - 200)
-    envelope = messages.Envelope("stranger", receiver, time.time(), b"n" * 16, body, b"m" * 32)
-    frame = messages._envelope_encode(envelope)
-    assert len(frame) <= size
-    return frame
-
-
-class Flood:
-    """``connections`` DEALERs sending junk to ``port`` as fast as ZMQ takes it, in a thread, until stopped."""
-
-    def __init__(self, port: int, receiver: str, size: int, connections: int = 4) -> None:
-        self.context = zmq.Context()
-        self.sockets = []
-        for _ in range(connections):
-            socket = self.context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.SNDHWM, 100000)
-            socket.connect(f"tcp://127.0.0.1:{port}")
-            self.sockets.append(socket)
-        self.frame = _junk(receiver, size)
-        self.sent = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for socket in self.sockets:
-                try:
-                    socket.send(self.frame, zmq.NOBLOCK)
-                    self.sent += 1
-                except zmq.Again:
-                    time.sleep(0.0005)
-
-    def __enter__(self) -> Flood:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.context.destroy(linger=0)
-
-
 def test_a_pull_lands_in_its_normal_time_under_a_strangers_flood(keys):
     timeout = 3.0
     with engines(
@@ -89,7 +44,8 @@ def test_a_pull_lands_in_its_normal_time_under_a_strangers_flood(keys):
         {"filled": False, "keys_dir": keys, "transfer_timeout": timeout},
     ) as (prefill, decode):
         size = agent_module.max_request_bytes(prefill.agent.transport.num_blocks)
-        with Flood(prefill.agent.port, prefill.agent.agent_id, size) as flood:
+        target = (f"tcp://127.0.0.1:{prefill.agent.port}", prefill.agent.agent_id)
+        with SideChannelFlood([target], size) as flood:
             deadline = time.monotonic() + 10
             while flood.sent < 200:  # the flood is under way before the pull starts
                 assert time.monotonic() < deadline
@@ -166,7 +122,8 @@ def test_what_a_stranger_can_make_an_agent_buffer_is_bounded(keys):
                 socket.setsockopt(zmq.LINGER, 0)
                 socket.connect(f"tcp://127.0.0.1:{agent.port}")
                 sockets.append(socket)
-            frame = _junk(agent.agent_id, bound)
+            frame = junk_frame(agent.agent_id, bound)
+            assert len(frame) <= bound
             for socket in sockets:
                 for _ in range(3):
                     with contextlib.suppress(zmq.Again):
