@@ -7,6 +7,7 @@ that into an OpenAI-style 400 with ``param`` set.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,10 @@ class StructuredOutputsParams:
             raise SamplingParamsError(f"structured_outputs.{kind}", f"has the wrong type: {type(value).__name__}")
         if self.disable_any_whitespace is not None and not isinstance(self.disable_any_whitespace, bool):
             raise SamplingParamsError("structured_outputs.disable_any_whitespace", "must be a boolean")
+        if isinstance(self.json, dict):
+            # Carried as text: a schema is arbitrary JSON, integers of any size among it, which the msgpack
+            # channel to the engine core cannot carry as values (beyond 64 bits it raised: an HTTP 500).
+            self.json = json.dumps(self.json)
 
     @property
     def kind(self) -> str:

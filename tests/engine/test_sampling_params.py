@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 
 def test_defaults_follow_vllm():
@@ -63,3 +63,19 @@ def test_min_tokens_may_not_exceed_max_tokens():
     with pytest.raises(SamplingParamsError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4)
     assert SamplingParams(max_tokens=None, min_tokens=100).min_tokens == 100
+
+
+def test_a_json_schema_with_integers_beyond_64_bits_crosses_to_the_core():
+    # Found by schemathesis (make test-slow, 2026-12-04): a response_format schema holding 27858382735335139311616
+    # made the API process's msgpack encoding of the request raise, an HTTP 500. The schema now travels as text.
+    import json
+
+    import msgspec
+
+    from pdserve.engine.grammar import grammar_spec
+
+    schema = {"type": "object", "properties": {"n": {"enum": [27858382735335139311616, -(2**70)]}}}
+    params = StructuredOutputsParams(json=schema)
+    assert isinstance(params.json, str)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=StructuredOutputsParams)
+    assert json.loads(grammar_spec(decoded).text) == schema
