@@ -70,10 +70,10 @@ def measure_pulls(
 ) -> list[tuple[int, float]]:
     """(bytes, seconds) of `repeats` pulls of each block count (after one warm-up pull); ``keys_dir``: both
     agents seal the side channel with its engine.key; ``flood``: a stranger floods the holder's side channel."""
+    from pdserve.bench.flood import flood_until
     from pdserve.kvtransfer.agent import max_request_bytes
     from pdserve.kvtransfer.params import RemotePrefill, new_hold_token
     from pdserve.kvtransfer.work import LoadSpec, TransferWork
-    from pdserve.testing.flood import flood_until
 
     num_blocks = 2 * max(block_counts) + 16
     context = multiprocessing.get_context("spawn")

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from pdserve.testing.flood import SideChannelFlood
+from pdserve.bench.flood import SideChannelFlood
 from pdserve.testing.metrics import idle, metric, scrape
 from tests.chaos.load import request, two_waves_around_a_stop
 from tests.pd.cluster import Cluster, wait_for

@@ -20,13 +20,13 @@ import pytest
 import zmq
 
 from pdserve.api.keys import new_bundle, write_bundle
+from pdserve.bench.flood import SideChannelFlood, junk_frame
 from pdserve.kvtransfer import agent as agent_module
 from pdserve.kvtransfer import holds, messages
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.nixl_policy import TransportChoice
 from pdserve.kvtransfer.transport import make_transport
 from pdserve.kvtransfer.work import TransferWork
-from pdserve.testing.flood import SideChannelFlood, junk_frame
 from tests.kvtransfer.agents import _kv_cache, engines, load, token_of
 
 
