@@ -17,6 +17,7 @@ it), so a file rewritten in place is always hashed afresh. A cache that cannot b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -67,12 +68,10 @@ def file_digest(path: Path, cache: Path) -> bytes:
     path = path.resolve()
     entry = cache / hashlib.blake2b(str(path).encode(), digest_size=16).hexdigest()
     identity = _identity(path.stat())
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not cached, or another format: hash it
         known = json.loads(entry.read_text())
         if known["path"] == str(path) and known["identity"] == identity:
             return bytes.fromhex(known["digest"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # not cached, or an entry of another format: hash it
     digest = hash_file(path)
     if _identity(path.stat()) != identity:  # changed while it was read: hash it again next time
         return digest
