@@ -88,11 +88,7 @@ class Signer:
         self._purpose = b"pdserve/" + purpose.encode()
 
     def _mac(self, key: bytes, parts: tuple[bytes, ...]) -> bytes:
-        mac = hmac.new(key, self._purpose, hashlib.sha256)
-        for part in parts:  # length-prefixed: no two different part lists sign alike
-            mac.update(len(part).to_bytes(8, "big"))
-            mac.update(part)
-        return mac.digest()
+        return hmac.new(key, self._purpose + _framed(*parts), hashlib.sha256).digest()
 
     def sign(self, *parts: bytes) -> bytes:
         return self._mac(self.keys.current, parts)
