@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pdserve.api.tokenizer import load_tokenizer
+from pdserve.engine.build import build_engine_core, model_folder
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.outputs import EngineCoreOutput, TokenLogprobs
 from pdserve.engine.request import Request, RequestStatus
@@ -113,8 +114,8 @@ class LLM:
             structured_outputs_any_whitespace=structured_outputs_any_whitespace,
             reasoning_parser=reasoning_parser,
         )
-        self.engine, self.model_config = args.build_engine_core()
-        self.tokenizer = load_tokenizer(tokenizer or args.resolved_model())
+        self.engine, self.model_config = build_engine_core(args)
+        self.tokenizer = load_tokenizer(tokenizer or model_folder(args))
         eos_ids = self.model_config.eos_token_ids or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )

@@ -41,13 +41,35 @@ def _unit(module: str) -> str:
     return module.split(".")[1] if module.count(".") >= 1 else "__init__"
 
 
-def _imports(path: Path) -> list[str]:
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split(".")[1:])
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """Ids of the import nodes under ``if TYPE_CHECKING:`` (annotations only: never run)."""
+    hidden: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            hidden |= {id(child) for statement in node.body for child in ast.walk(statement)}
+    return hidden
+
+
+def _imports(path: Path, runtime_only: bool = False) -> list[str]:
+    tree = ast.parse(path.read_text())
+    hidden = _type_checking_only(tree) if runtime_only else set()
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
         if isinstance(node, ast.Import):
             found += [alias.name for alias in node.names if alias.name.startswith("pdserve.")]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pdserve."):
-            found.append(node.module)
+            # ``from pdserve.x import y`` imports the module pdserve.x.y when there is one.
+            submodules = [
+                f"{node.module}.{alias.name}" for alias in node.names if _is_module(f"{node.module}.{alias.name}")
+            ]
+            found += submodules or [node.module]
     return found
 
 
@@ -69,3 +91,75 @@ def test_every_pdserve_import_points_down():
             elif RANKS[target] >= RANKS[unit]:
                 wrong.append(f"{module} imports {imported} (a floor at or above its own)")
     assert not wrong, "\n".join(wrong)
+
+
+def _modules() -> dict[str, Path]:
+    return {
+        "pdserve." + ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in sorted(ROOT.rglob("*.py"))
+    }
+
+
+# Inside the engine core, concrete parts (torch, models, executors, transports, agents) are the composition
+# root's alone; the rest of the core sees the step contract, the connector interface, and the torch-free
+# settings and registry tables that name implementations without importing them.
+COMPOSITION_ROOT = "pdserve.engine.build"
+CORE_MAY_IMPORT = {
+    "pdserve.worker.interface",  # the step contract
+    "pdserve.worker.executors",  # the executors' table
+    "pdserve.kvtransfer.base",  # the connector interface
+    "pdserve.kvtransfer.config",  # the KV transfer's settings
+    "pdserve.kvtransfer.connectors",  # the connectors' table
+}
+
+
+def test_only_the_composition_root_imports_concrete_parts_into_the_core():
+    wrong = []
+    for module, path in _modules().items():
+        if not module.startswith("pdserve.engine.") or module == COMPOSITION_ROOT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                lower = (
+                    name.split(".")[1] in ("worker", "kvtransfer", "models") if name.startswith("pdserve.") else False
+                )
+                if (lower and name not in CORE_MAY_IMPORT) or name.split(".")[0] == "torch":
+                    # The structured-output manager fills a torch bitmask lazily (xgrammar's API takes one).
+                    if not (module == "pdserve.engine.structured_outputs" and name == "torch"):
+                        wrong.append(f"{module} imports {name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle_inside_a_package():
+    """Modules of one package import each other along one direction (imports that only annotations see
+    excepted)."""
+    modules = _modules()
+    edges = {
+        module: {
+            imported
+            for imported in _imports(path, runtime_only=True)
+            if imported in modules and imported != module and _unit(imported) == _unit(module)
+        }
+        for module, path in modules.items()
+    }
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[str] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for imported in sorted(edges[module]):
+            if state.get(imported) == 1:
+                cycles.append(" -> ".join([*path[path.index(imported) :], imported]))
+            elif imported not in state:
+                visit(imported, [*path, imported])
+        state[module] = 2
+
+    for module in sorted(modules):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "\n".join(cycles)

@@ -7,10 +7,12 @@ tokenizer and chat template are honoured exactly.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 from pdserve.api.protocol import RESERVED_TEMPLATE_KWARGS, TEMPLATE_LIST_KWARGS
 
@@ -20,6 +22,10 @@ class TemplateKwargsError(ValueError):
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    # Imported here: transformers imports torch (its configuration module does), which a process that only
+    # reads settings or the protocol should not pay for.
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -1,6 +1,6 @@
 """`pdserve profile`: measure an engine on this machine into the planner's `Profile`.
 
-The engine is built as a pod builds it (`EngineArgs.build_engine_core`: the same model, dtype,
+The engine is built as a pod builds it (`pdserve.engine.build`: the same model, dtype,
 device, KV cache and batch limits) and driven step by step, each step timed with what its
 scheduler put in it:
 - prompts alone, of lengths doubling from 16 tokens up to four step budgets (chunked beyond one),
@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from pdserve.bench.kv_pull import measure_pulls
+from pdserve.engine.build import build_engine_core
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
@@ -83,7 +84,7 @@ def profile_engine(
 ) -> Profile:
     """Measure the engine `args` describes (its colocated role: the step costs are the role's either way)."""
     args = replace(args, role="colocated", kv_transfer=None, kv_events_port=None, async_scheduling=False)
-    core, model_config = args.build_engine_core()
+    core, model_config = build_engine_core(args)
     try:
         config = core.config
         rng = random.Random(seed)

@@ -126,7 +126,9 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
         stopping = True
 
     signal.signal(signal.SIGTERM, stop)
-    core, _ = args.build_engine_core()
+    from pdserve.engine.build import build_engine_core  # torch and the model: this process's, not its parent's
+
+    core, _ = build_engine_core(args)
     scheduler_config = core.config
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)

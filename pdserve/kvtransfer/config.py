@@ -1,8 +1,9 @@
 """KVTransferConfig: how an engine takes part in P/D transfers, and the fault-injection hook.
 
-One config serves both roles: an engine hands out its blocks when a request asks for
-``do_remote_decode`` and pulls blocks when a request carries ``do_remote_prefill``. Which of the
-two happens is decided by the requests the router sends, not by a role switch here.
+One config serves both P/D roles, set by the flags it declares (``pdserve.api.flags``); the role
+(``pdserve.api.roles``) adds one thing, ``serves_blocks``: a prefill engine hands out its blocks when a
+request asks for ``do_remote_decode``, a decode engine only pulls blocks for requests that carry
+``do_remote_prefill``.
 
 Faults (tests only): ``PDSERVE_KV_FAULTS`` holds comma-separated items, read when the engine
 starts, so tests can stage races deterministically in real processes:
@@ -18,9 +19,12 @@ starts, so tests can stage races deterministically in real processes:
 
 from __future__ import annotations
 
+import argparse
 import os
 import uuid
 from dataclasses import dataclass, field
+
+from pdserve.api.flags import add_flags, flag, flag_values
 
 FAULTS_ENV = "PDSERVE_KV_FAULTS"
 TRANSPORTS = ("nixl", "tcp")
@@ -57,13 +61,49 @@ class KVFaults:
 
 @dataclass
 class KVTransferConfig:
-    transport: str = "nixl"  # nixl | tcp
+    transport: str = field(
+        default="nixl",
+        metadata=flag(
+            "how KV blocks move between engines: nixl where it exposes nothing beyond the KV cache (peers on "
+            "this host, or UCX limited to RDMA), else the checked TCP transport; tcp: always the TCP transport",
+            name="kv-transfer",
+            choices=TRANSPORTS,
+        ),
+    )
     host: str = "127.0.0.1"  # the address decode engines reach this engine's side channel on
-    side_channel_port: int = 0  # 0: a free port, advertised in remote_port
-    lease_seconds: float = 30.0
-    transfer_timeout: float = 10.0  # bounds a handshake and each transfer
-    load_failure: str = "recompute"  # recompute | fail
-    max_held_fraction: float = 0.5  # of the KV cache, held for remote readers at once (beyond: no hold)
+    side_channel_port: int = field(
+        default=0,
+        metadata=flag(
+            "rank 0's side channel; rank r of a tensor-parallel engine listens on it + r (0: free ports, advertised)",
+            name="kv-side-channel-port",
+        ),
+    )
+    lease_seconds: float = field(
+        default=30.0,
+        metadata=flag(
+            "held blocks are freed if no decode engine takes or renews them within this time", name="kv-lease-seconds"
+        ),
+    )
+    transfer_timeout: float = field(
+        default=10.0, metadata=flag("seconds a handshake or one transfer may take", name="kv-transfer-timeout")
+    )
+    load_failure: str = field(
+        default="recompute",
+        metadata=flag(
+            "what a failed or expired pull does: recompute the prompt locally, or fail the request",
+            name="kv-load-failure",
+            choices=LOAD_FAILURE_POLICIES,
+        ),
+    )
+    # Of the KV cache, held for remote readers at once (beyond: no hold).
+    max_held_fraction: float = field(
+        default=0.5,
+        metadata=flag(
+            "share of the KV cache a prefill engine holds for decode engines at once; beyond it a prefill leg "
+            "answers without params and its decode computes the prompt",
+            name="kv-max-held-fraction",
+        ),
+    )
     # This engine's identity for one run: new at every start, so a restarted engine is another engine to its
     # peers (a message sealed for the old one is refused by the new).
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -73,11 +113,28 @@ class KVTransferConfig:
     keys_dir: str | None = None
     # Use NIXL even over UCX transports that do not bound a peer's access to the registration
     # (pdserve/kvtransfer/nixl_policy.py): every peer may then read and write this process.
-    nixl_unbounded: bool = False
+    nixl_unbounded: bool = field(
+        default=False,
+        metadata=flag(
+            "use NIXL even over UCX transports that do not bound a peer's access (tcp, shared memory): EVERY "
+            "PEER THAT HAND-SHAKES CAN THEN READ AND WRITE THIS PROCESS'S MEMORY (docs/faults.md)",
+            name="kv-nixl-unbounded",
+        ),
+    )
     # Hands this engine's blocks (and, with NIXL, its agent metadata and addresses) to peers that
     # ask: the prefill role. A decode-role engine only pulls, so it tells no peer where its memory is.
     serves_blocks: bool = True
     faults: KVFaults = field(default_factory=KVFaults.from_env)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """The flags of the KV transfer (the side channel's address and the key folder are the process's:
+        the CLI's)."""
+        add_flags(parser, KVTransferConfig)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, host: str, keys_dir: str | None) -> KVTransferConfig:
+        return cls(host=host, keys_dir=keys_dir, **flag_values(args, cls))
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:

@@ -18,10 +18,14 @@ proxy passes the whole object through unchanged:
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 from array import array
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.models.config import ModelConfig
 
 MAX_TP_SIZE = 64
 # Bounds on the identifiers a decode engine puts in its side-channel messages (they are client input until the
@@ -38,6 +42,38 @@ def kv_compat_hash(**fields: object) -> str:
     """A digest of what must match for one engine's KV blocks to be valid in another's cache."""
     text = ";".join(f"{name}={fields[name]}" for name in sorted(fields))
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def model_compat_hash(
+    model: ModelConfig,
+    weights: str,
+    dtype: str,
+    block_size: int,
+    tp_size: int,
+    cache_layout: str,
+    state_layout: str,
+) -> str:
+    """The compatibility hash of an engine's KV blocks: exactly what determines a token's KV. The weights
+    (``weights``: their fingerprint), rope and window, the cache's dtype, block size, shape and layout
+    (``cache_layout``: the worker's name for it). Not the tensor-parallel size: engines of one model at
+    different TP sizes may pair (each rank's head ranges are a handshake matter), except hybrid models, whose
+    state slots (laid out as ``state_layout`` says) are split by rank."""
+    return kv_compat_hash(
+        weights=weights,
+        architecture=model.architecture,
+        routing=model.routing,
+        rope_theta=model.rope_theta,
+        rope_scaling=json.dumps(model.rope_scaling, sort_keys=True),
+        sliding_window=model.sliding_window,
+        layers=model.num_layers,
+        kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        dtype=dtype,
+        block_size=block_size,
+        layout=cache_layout,
+        layer_types=",".join(model.layer_types),
+        state_layout=f"{state_layout};tp={tp_size}" if model.is_hybrid else "",
+    )
 
 
 def prompt_hash(token_ids: list[int]) -> str:

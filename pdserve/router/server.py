@@ -22,7 +22,8 @@ from pdserve.router.discovery import KubernetesDiscovery
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pods import HealthChecker, Pod, PodSet
-from pdserve.router.policy import PREFIX_ROUTINGS, Chooser
+from pdserve.router.policies import ROUTING_POLICIES
+from pdserve.router.policy import Chooser
 from pdserve.router.prompt import PromptReader
 from pdserve.router.proxy import REQUEST_ID, REQUEST_ID_KEY, Proxy
 from pdserve.router.subscriber import KVSubscriber
@@ -45,7 +46,7 @@ class Router:
         self.prefill = PodSet("prefill", config.prefill_urls)
         self.decode = PodSet("decode", config.decode_urls)
         self.chooser = Chooser(config, self.index)
-        if config.routing in PREFIX_ROUTINGS and config.tokenizer is None:
+        if ROUTING_POLICIES[config.routing].matches_prefixes and config.tokenizer is None:
             logger.warning(
                 "--routing %s needs the model's tokenizer (--tokenizer PATH) to hash prompts; "
                 "choosing pods by least load instead",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +221,12 @@ async def start_engine_server(
     P/D params and releases are taken only with the router's signature (None: from any client).
     ``tool_call_parser``: reads tool calls from answers (``tool_choice`` "auto"); the reasoning
     parser is the engine's (``args.reasoning_parser``)."""
-    folder = args.resolved_model()
+    folder = args.model
+    if folder is None:  # the built-in demo model, written once here: the core then reads the same folder
+        from pdserve.models.demo import ensure_demo_model
+
+        folder = str(ensure_demo_model())
+        args = replace(args, model=folder)
     tokenizer = load_tokenizer(args.tokenizer or folder)
     chat_parsers = ChatParsers.of(tokenizer, args.reasoning_parser, tool_call_parser)  # raises before anything starts
     # The HTTP port is taken first: starting the core binds free ports of its own (side channels, one

@@ -30,6 +30,7 @@ import zmq
 
 from pdserve.kvtransfer.aggregate import RankReports
 from pdserve.kvtransfer.base import KVConnectorOutput
+from pdserve.worker.executors import LoadedExecutor
 from pdserve.worker.interface import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.worker.kv_cache import CacheSize
 from pdserve.worker.process import WorkerFailed, WorkerReady, WorkerSpec, generations_file, shared_generations
@@ -193,3 +194,13 @@ class MultiprocExecutor:
         self._outputs.close(linger=0)
         self._context.term()
         shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def start_workers(spec: WorkerSpec, runner_cls: type | None = None) -> LoadedExecutor:
+    """The ``mp`` row of ``worker.executors``: the model in worker processes, one per rank."""
+    if runner_cls is not None:
+        raise ValueError("a model runner class replaces the in-process runner: it needs the uni executor")
+    executor = MultiprocExecutor(spec)
+    return LoadedExecutor(
+        executor, executor.cache_size, executor.describe(), executor.generations, executor.agent_ports
+    )

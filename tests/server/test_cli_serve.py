@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli import parse_size
+from pdserve.api.flags import parse_size
 from pdserve.launcher import free_port
 from pdserve.models.demo import ensure_demo_model
 from pdserve.testing.processes import wait_healthy

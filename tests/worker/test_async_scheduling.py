@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from pdserve.engine.build import build_engine_core
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
@@ -82,7 +83,7 @@ def test_stop_strings_and_aborts_in_flight_leave_the_same_outputs_and_nothing_he
 
     # Aborts while a step of theirs is in flight: the others' outputs are unchanged, and no block
     # stays owned once the engine has drained.
-    engine, _ = EngineArgs(model=str(ensure_demo_model()), async_scheduling=True, **SETTINGS).build_engine_core()
+    engine, _ = build_engine_core(EngineArgs(model=str(ensure_demo_model()), async_scheduling=True, **SETTINGS))
     try:
         requests = [Request(f"r{i}", prompt, params) for i, prompt in enumerate(_prompts()[:6])]
         for request in requests:

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from pdserve.engine.build import build_engine_core
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.llm import LLM
@@ -114,21 +115,21 @@ def test_preemption_and_long_chunked_prompts_at_two_ranks():
 
 def test_an_impossible_split_is_refused_at_start_up():
     with pytest.raises(ValueError, match="4 attention heads do not split over 3 ranks"):
-        EngineArgs(model=str(ensure_demo_model()), device="cpu", tensor_parallel_size=3).build_engine_core()
+        build_engine_core(EngineArgs(model=str(ensure_demo_model()), device="cpu", tensor_parallel_size=3))
 
 
 def test_experts_that_cannot_split_are_refused(tmp_path):
     family, overrides = SHAPES["qwen3moe-e4-top1"]
     build_hf_model(family, {**overrides, "moe_intermediate_size": 42}, tmp_path)
     with pytest.raises(ValueError, match="an expert intermediate size of 42 does not split over 4 ranks"):
-        EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=4).build_engine_core()
+        build_engine_core(EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=4))
 
 
 def test_linear_attention_heads_that_cannot_split_are_refused(tmp_path):
     family, overrides = SHAPES["qwen3.5-hybrid"]
     build_hf_model(family, {**overrides, "linear_num_key_heads": 1, "linear_num_value_heads": 3}, tmp_path)
     with pytest.raises(ValueError, match="1 linear-attention key heads do not split over 2 ranks"):
-        EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=2).build_engine_core()
+        build_engine_core(EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=2))
 
 
 def test_a_rank_reads_only_its_own_slices_of_split_weights(monkeypatch, tmp_path):

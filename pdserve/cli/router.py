@@ -1,0 +1,45 @@
+"""``pdserve router``: the OpenAI front that sends each request to a prefill pod, then a decode pod. Its
+flags are ``RouterConfig``'s, plus the pod lists and the process's address and keys."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from pdserve.api.keys import ROUTER_FILES
+from pdserve.api.roles import ROUTER, ROUTER_PORT
+from pdserve.cli.common import add_key_flags, add_server_flags, deployment_keys, set_log_level, wait_for_signal
+from pdserve.router.config import RouterConfig
+
+
+def add_router_command(commands: argparse._SubParsersAction) -> None:
+    router = commands.add_parser(ROUTER, help="run the router: prefill leg, then decode leg streamed back")
+    add_server_flags(router, ROUTER_PORT)
+    add_key_flags(router)
+    router.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill engine URLs (without /v1)")
+    router.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode engine URLs (without /v1)")
+    RouterConfig.add_cli_args(router)
+    router.set_defaults(handler=_router)
+
+
+async def _run_router(args: argparse.Namespace) -> None:
+    from pdserve.router import start_router
+
+    if args.discovery == "static" and not args.decode:
+        raise SystemExit("pdserve router: --decode URL ... is required with --discovery static")
+    keys_dir = deployment_keys(args, ROUTER, [args.host], ROUTER_FILES)
+    running = await start_router(RouterConfig.from_cli_args(args, args.api_key, keys_dir), args.host, args.port)
+    pods = (
+        f"prefill: {', '.join(args.prefill) or 'none'}; decode: {', '.join(args.decode)}"
+        if args.discovery == "static"
+        else f"pods found by Kubernetes discovery ({args.selector or 'all'})"
+    )
+    print(f"pdserve router serving at {running.url}/v1 ({pods})", flush=True)
+    await wait_for_signal()
+    await running.close()
+
+
+def _router(args: argparse.Namespace) -> int:
+    set_log_level(args)
+    asyncio.run(_run_router(args))
+    return 0

@@ -1,0 +1,148 @@
+"""The engine's composition root: from ``EngineArgs`` to a running ``EngineCore``.
+
+The one module of the core that imports concrete parts (torch, the model stack, the executors, the KV
+connectors and transfer agents; ``tests/test_layering.py`` keeps it so): everything else in the core
+works through the step contract (``worker.interface``) and the connector interface
+(``kvtransfer.base``). The offline ``LLM`` and the engine-core process of the servers build here, so an
+engine is put together one way wherever it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.api.registry import load_row, resolve
+from pdserve.api.tokenizer import load_tokenizer
+from pdserve.engine.engine_args import EngineArgs
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.reasoning import ReasoningMarkers, blank_token_test, reasoning_parser
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.structured_outputs import StructuredOutputManager
+from pdserve.kvtransfer.base import KVConnectorScheduler
+from pdserve.kvtransfer.connectors import ConnectorContext, make_connector
+from pdserve.kvtransfer.layout import head_ranges
+from pdserve.kvtransfer.params import model_compat_hash
+from pdserve.models.config import ModelConfig, resolve_dtype
+from pdserve.models.demo import ensure_demo_model
+from pdserve.models.fingerprint import weights_fingerprint
+from pdserve.models.parallel import split_problem
+from pdserve.worker.executors import EXECUTORS, LoadedExecutor
+from pdserve.worker.kv_cache import KV_CACHE_LAYOUT, STATE_SLOT_LAYOUT, RunnerConfig
+from pdserve.worker.model_runner import ModelRunner
+from pdserve.worker.process import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+
+def model_folder(args: EngineArgs) -> str:
+    """The model's folder: the one given, or the built-in demo model's (written on first use)."""
+    return args.model or str(ensure_demo_model())
+
+
+def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig]:
+    """Load the model onto its device (in this process, or in worker processes: the executor's row), then
+    build the scheduler around the KV cache it sized; with P/D on, the connector over the transfer agents
+    the executor started next to the cache."""
+    folder = model_folder(args)
+    model_config = ModelConfig.from_folder(folder)
+    problem = split_problem(model_config, args.tensor_parallel_size)
+    if problem is not None:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: {problem}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(args.dtype, device)
+    max_model_len = args.max_model_len or model_config.max_model_len
+    runner_config = RunnerConfig(
+        model=folder,
+        dtype=dtype,
+        device=device,
+        block_size=args.block_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        tp_size=args.tensor_parallel_size,
+    )
+    compat_hash = ""
+    if args.kv_transfer is not None:
+        compat_hash = model_compat_hash(
+            model_config,
+            weights_fingerprint(folder),
+            str(dtype),
+            args.block_size,
+            args.tensor_parallel_size,
+            KV_CACHE_LAYOUT,
+            STATE_SLOT_LAYOUT,
+        )
+    heads = head_ranges(model_config.num_kv_heads, args.tensor_parallel_size)  # per rank
+    spec = WorkerSpec(model_config, runner_config, args.kv_transfer, compat_hash, heads)
+    start = resolve(EXECUTORS, args.distributed_executor_backend, "distributed executor backend")
+    loaded: LoadedExecutor = start(spec, _runner_class(args.model_runner_cls))
+    logger.info(
+        "%s engine: model %s (%s, %s on %s); %s",
+        args.role,
+        folder,
+        model_config.architecture,
+        dtype,
+        device,
+        loaded.description,
+    )
+    if model_config.is_hybrid and args.enable_prefix_caching:
+        logger.info(
+            "prefix caching is off: %s has linear-attention layers, whose state at a cached block is not kept",
+            model_config.architecture,
+        )
+    connector: KVConnectorScheduler | None = None
+    if args.kv_transfer is not None:
+        assert loaded.generations is not None  # the transfer agent made them
+        context = ConnectorContext(
+            args.kv_transfer,
+            compat_hash,
+            args.block_size,
+            loaded.agent_ports,
+            loaded.generations,
+            loaded.cache_size.rows_per_state_slot,
+        )
+        connector = make_connector(args.kv_connector, context)
+    cache_size = loaded.cache_size
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=cache_size.num_blocks,
+            block_size=args.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.enable_prefix_caching,
+            num_state_slots=cache_size.num_state_slots,
+            rows_per_state_slot=cache_size.rows_per_state_slot,
+        ),
+        connector,
+        loaded.generations,
+    )
+    reasoning = None
+    if args.reasoning_parser is not None:
+        tokenizer = load_tokenizer(args.tokenizer or folder)
+        markers = ReasoningMarkers.of(reasoning_parser(args.reasoning_parser), tokenizer)
+        reasoning = (markers, blank_token_test(tokenizer))
+    structured_outputs = StructuredOutputManager(
+        args.tokenizer or folder,
+        model_config.vocab_size,
+        model_config.eos_token_ids,
+        args.structured_outputs_compile_timeout,
+        args.structured_outputs_any_whitespace,
+        reasoning,
+    )
+    return EngineCore(scheduler, loaded.executor, args.async_scheduling, structured_outputs), model_config
+
+
+def _runner_class(path: str | None) -> type[ModelRunner] | None:
+    """The ``module:Class`` of ``EngineArgs.model_runner_cls``, checked to be a ModelRunner."""
+    if path is None:
+        return None
+    runner_cls = load_row(path)
+    if not (isinstance(runner_cls, type) and issubclass(runner_cls, ModelRunner)):
+        raise ValueError(f"{path} is not a ModelRunner subclass")
+    return runner_cls
