@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +186,9 @@ class TransferModel:
 
 @dataclass
 class EngineShape:
-    """The engine configuration the profile was measured with (the simulator runs the same)."""
+    """The engine configuration the profile was measured with (the simulator runs the same): its scheduler's
+    configuration, field for field (``of`` and ``scheduler_config`` copy every ``SchedulerConfig`` field, and
+    a test holds the two classes to the same fields), and its KV bytes per token."""
 
     num_blocks: int
     block_size: int
@@ -195,30 +197,17 @@ class EngineShape:
     max_num_batched_tokens: int
     kv_bytes_per_token: int  # the KV cache's bytes for one token of context (all layers)
     enable_prefix_caching: bool = True
+    num_state_slots: int = 0  # hybrid models: linear-attention state slots, a cap on running requests
+    rows_per_state_slot: int = 0
 
     @classmethod
     def of(cls, config: SchedulerConfig, kv_bytes_per_token: int) -> EngineShape:
         """The shape of an engine whose scheduler has this configuration."""
-        return cls(
-            num_blocks=config.num_blocks,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            kv_bytes_per_token=kv_bytes_per_token,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
+        return cls(**asdict(config), kv_bytes_per_token=kv_bytes_per_token)
 
     def scheduler_config(self) -> SchedulerConfig:
         """The configuration of a scheduler like the profiled engine's."""
-        return SchedulerConfig(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_prefix_caching=self.enable_prefix_caching,
-        )
+        return SchedulerConfig(**{item.name: getattr(self, item.name) for item in fields(SchedulerConfig)})
 
 
 @dataclass
