@@ -163,3 +163,20 @@ def test_no_import_cycle_inside_a_package():
         if module not in state:
             visit(module, [module])
     assert not cycles, "\n".join(cycles)
+
+
+def test_the_floor_picture_in_the_docs_is_ranks():
+    """docs/architecture.md draws the floors top to bottom: its lines name the packages in RANKS's order."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    picture = text.split("## Layering: imports point down", 1)[1].split("```", 2)[1]
+    drawn = []
+    for line in picture.strip().splitlines():
+        names = [
+            word.removeprefix("pdserve/").removesuffix(".py") for word in line.split() if word.startswith("pdserve/")
+        ]
+        drawn.append(sorted(names))
+    floors = sorted({rank for unit, rank in RANKS.items() if unit != "__init__"}, reverse=True)
+    expected = [
+        sorted(unit for unit, rank in RANKS.items() if rank == floor and unit != "__init__") for floor in floors
+    ]
+    assert drawn == expected
