@@ -23,8 +23,9 @@ from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import PDConnectorScheduler
 from pdserve.kvtransfer.layout import head_ranges
 from pdserve.kvtransfer.params import kv_compat_hash
-from pdserve.models.config import ModelConfig, resolve_dtype
+from pdserve.models.config import ModelConfig
 from pdserve.models.demo import ensure_demo_model
+from pdserve.models.dtype import resolve_dtype
 from pdserve.models.fingerprint import weights_fingerprint
 from pdserve.models.parallel import split_problem
 from pdserve.worker.interface import ModelExecutor
