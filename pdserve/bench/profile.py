@@ -139,7 +139,7 @@ def profile_engine(
 def _kv_dtype(args: EngineArgs) -> Any:
     import torch
 
-    from pdserve.models.config import resolve_dtype
+    from pdserve.models.dtype import resolve_dtype
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return resolve_dtype(args.dtype, device)

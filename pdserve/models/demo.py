@@ -3,7 +3,7 @@ a ChatML chat template, built locally in seconds (no download), so everything ru
 
 Its weights are random (normal, std 0.2, so the logits are peaked and greedy decoding is stable
 across summation orders): it speaks gibberish, fluently and reproducibly. ``pdserve demo-model
---family`` writes the other families we serve at the same scale: ``qwen3-moe`` routes each token
+--family`` writes other families at the same scale (``families.DEMO_FAMILIES``): ``qwen3-moe`` routes each token
 to 2 of 8 experts in every layer; ``qwen3.5`` is hybrid, three Gated DeltaNet layers then one gated
 full-attention layer.
 """
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from pdserve.models.families import DEMO_FAMILIES
 
 DEMO_MODEL_NAME = "pdserve-demo-qwen3-v2"  # v2: the chat template renders tools; thinking and tool-call tokens
 SEED = 1234
@@ -75,28 +77,6 @@ ARCHITECTURE = {
     "head_dim": 64,
     "vocab_size": 1024,
     "max_position_embeddings": 4096,
-}
-# family -> (config.json's architecture and model_type, what it adds to ARCHITECTURE).
-FAMILIES: dict[str, tuple[str, str, dict]] = {
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", {}),
-    "qwen3-moe": (
-        "Qwen3MoeForCausalLM",
-        "qwen3_moe",
-        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 192, "norm_topk_prob": True},
-    ),
-    "qwen3.5": (
-        "Qwen3_5ForCausalLM",
-        "qwen3_5_text",
-        {
-            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 32,
-            "linear_value_head_dim": 32,
-            "linear_conv_kernel_dim": 4,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        },
-    ),
 }
 _WORDS = (
     "the",
@@ -223,10 +203,10 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
 def write_demo_model(path: str | Path, seed: int = SEED, family: str = "qwen3") -> Path:
     """Write the demo model (config.json, model.safetensors, tokenizer files) into ``path``.
     Another ``seed`` gives a checkpoint of the same shape with other weights (a "fine-tune");
-    another ``family`` (``FAMILIES``) the same scale in that family's layout."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown demo model family {family!r}; known: {', '.join(FAMILIES)}")
-    architecture, model_type, extra = FAMILIES[family]
+    another ``family`` (``families.DEMO_FAMILIES``) the same scale in that family's layout."""
+    if family not in DEMO_FAMILIES:
+        raise ValueError(f"unknown demo model family {family!r}; known: {', '.join(DEMO_FAMILIES)}")
+    architecture, model_type, extra = DEMO_FAMILIES[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     arch = {**ARCHITECTURE, **extra}

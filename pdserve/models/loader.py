@@ -1,13 +1,14 @@
 """Load a Hugging Face model folder into our CausalLM: safetensors (single file or sharded with
 ``model.safetensors.index.json``), memory-mapped, mapped onto our fused parameters.
 
-Mixture-of-experts checkpoints store one gate/up/down triple per expert (Qwen3-MoE's
-``mlp.experts.E.gate_proj``, Mixtral's ``block_sparse_moe.experts.E.w1``); each fills its slice of
-the layer's stacked expert weights. Qwen3.5 checkpoints of the vision-language class keep the
-text model under ``model.language_model``: read as the text model, their vision tower and
-multi-token-prediction head skipped (one log line); their RMSNorm weights are offsets from 1,
-stored as 1 + w. No transformers model code runs here. Every checkpoint tensor
-must land somewhere and every parameter must be filled; anything else is an error naming the tensors.
+The names are the family's (``Checkpoint`` in ``models/family.py``, declared by each family's
+module): which checkpoint tensors are rows of one of our fused modules, which are ours under another
+name, how routed experts are named (each expert's gate/up/down fills its slice of the layer's stacked
+expert weights), which parts a text-only engine skips (one log line), which norms are stored as
+offsets from 1. What this module knows is our side: where each part of a fused module lies, and
+which rows or columns of a tensor a tensor-parallel rank reads. No transformers model code runs
+here. Every checkpoint tensor must land somewhere and every parameter must be filled; anything else
+is an error naming the tensors.
 """
 
 from __future__ import annotations
@@ -24,26 +25,17 @@ from safetensors import safe_open
 
 from pdserve.models.attention import attention_backend
 from pdserve.models.config import ModelConfig
+from pdserve.models.family import Checkpoint, Experts
 from pdserve.models.linear import Linear
-from pdserve.models.moe import SharedExpert, SparseMoeBlock
+from pdserve.models.moe import SparseMoeBlock
 from pdserve.models.parallel import TensorParallel, rank_config
 from pdserve.models.rope import RotaryEmbedding
 from pdserve.models.transformer import CausalLM
 
 logger = logging.getLogger(__name__)
-# Checkpoint tensors that carry nothing we need (precomputed rotary tables in old checkpoints).
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-# Parts of a vision-language checkpoint a text-only engine does not run: the vision tower, the
-# multi-token-prediction head (speculative decoding, not built).
-_SKIPPED = re.compile(r"^(model\.visual\.|mtp\.)")
-_TEXT_MODEL_PREFIX = "model.language_model."
-# RMSNorms whose weights a checkpoint may store as offsets from 1 (ModelConfig.norm_weight_offset).
 # Checkpoint rows a rank reads: all (None), a range, or ranges joined in order.
 SourceRows = slice | tuple[slice, ...] | None
-_OFFSET_NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -77,63 +69,65 @@ class _Target:
     offset: float = 0.0  # added once copied (norm weights stored as offsets from 1)
 
 
-def _target(model: CausalLM, name: str, config: ModelConfig, tp: TensorParallel) -> _Target | None:
-    """``config`` is the whole model's (the checkpoint's shapes); ``model`` holds this rank's share."""
-    match = _LAYER.match(name)
-    if match is None:
-        vocab = slice(model.embed_tokens.start, model.embed_tokens.end)
-        simple = {
-            "model.embed_tokens.weight": _Target(model.embed_tokens.weight, source_rows=vocab),
-            "model.norm.weight": _Target(model.norm.weight, offset=config.norm_weight_offset),
-            "lm_head.weight": None
-            if model.lm_head is None
-            else _Target(model.lm_head.weight_t, transposed=True, source_rows=vocab),
-        }
-        return simple.get(name)
-    layer = model.layers[int(match.group(1))]
-    if isinstance(layer.mlp, SparseMoeBlock) and match.group(2).startswith(("mlp.", "block_sparse_moe.")):
-        return _expert_target(layer.mlp, match.group(2), config, tp)
-    module_name, _, kind = match.group(2).rpartition(".")
+@dataclass(frozen=True)
+class _Layout:
+    """Where a rank's share of each split tensor lies: the tensor-parallel layout of our blocks."""
+
+    # (our fused module, part) -> (the rows of it the part fills, the checkpoint rows this rank reads)
+    parts: dict[tuple[str, str], tuple[slice, SourceRows]]
+    # Our row-parallel modules (a layer's) -> the checkpoint columns (input features) this rank reads;
+    # their biases are whole.
+    columns: dict[str, slice]
+    # Our other split parameters (a layer's) -> the checkpoint rows this rank reads.
+    rows: dict[str, SourceRows]
+    expert_rows: slice  # each routed expert's intermediate features
+
+
+def _layout(config: ModelConfig, tp: TensorParallel) -> _Layout:
+    """``config`` is the whole model's (the checkpoint's shapes)."""
     head_dim = config.head_dim
     q_start, q_end = tp.even_range(config.num_heads)
     kv_start, kv_end = tp.kv_head_range(config.num_kv_heads)
-    inter_start, inter_end = tp.even_range(config.intermediate_size)
-    q_size, kv_size, inter = (q_end - q_start) * head_dim, (kv_end - kv_start) * head_dim, inter_end - inter_start
+    q_size, kv_size = (q_end - q_start) * head_dim, (kv_end - kv_start) * head_dim
     q_rows, kv_rows = slice(q_start * head_dim, q_end * head_dim), slice(kv_start * head_dim, kv_end * head_dim)
-    inter_rows = slice(inter_start, inter_end)
     # A gated model's q_proj holds each head's query and gate, side by side: kept so in qkv_proj.
     width = 2 if config.attn_output_gate else 1
     q_width, q_source = width * q_size, slice(width * q_start * head_dim, width * q_end * head_dim)
-    # Column-parallel: (our fused module, the rows it fills, the checkpoint rows this rank reads).
-    fused: dict[str, tuple[str, slice | None, SourceRows]] = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q_width), q_source),
-        "self_attn.k_proj": ("self_attn.qkv_proj", slice(q_width, q_width + kv_size), kv_rows),
-        "self_attn.v_proj": ("self_attn.qkv_proj", slice(q_width + kv_size, q_width + 2 * kv_size), kv_rows),
-        "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter), inter_rows),
-        "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter), inter_rows),
-        **_linear_attention_rows(config, tp),
-    }
+    mlp, mlp_rows = _halves(tp, config.intermediate_size)
+    shared, shared_rows = _halves(tp, config.shared_expert_intermediate_size)
     linear = _linear_attention_split(config, tp)
-    if module_name == "linear_attn.conv1d":  # one channel per q, k and v feature, split as they are
-        module_name, kind = "linear_attn", "conv1d_weight"
-        fused["linear_attn"] = ("linear_attn", None, linear.channels)
-    if module_name == "linear_attn" and kind in ("dt_bias", "A_log"):  # one per value head
-        fused["linear_attn"] = ("linear_attn", None, linear.value_heads)
-    # Row-parallel: the checkpoint columns (input features) this rank reads; their biases are whole.
-    split_inputs = {"self_attn.o_proj": q_rows, "mlp.down_proj": inter_rows, "linear_attn.out_proj": linear.values}
-    module_name, rows, source_rows = fused.get(module_name, (module_name, None, None))
-    source_columns = split_inputs.get(module_name) if kind == "weight" else None
-    try:
-        module = layer.get_submodule(module_name)
-    except AttributeError:
-        return None
-    if isinstance(module, Linear) and kind == "weight":
-        return _Target(module.weight_t, rows, True, source_rows, source_columns)
-    param = getattr(module, kind, None)
-    if not isinstance(param, torch.nn.Parameter):
-        return None
-    offset = config.norm_weight_offset if module_name in _OFFSET_NORMS else 0.0
-    return _Target(param, rows, False, source_rows, offset=offset)
+    return _Layout(
+        parts={
+            ("self_attn.qkv_proj", "q"): (slice(0, q_width), q_source),
+            ("self_attn.qkv_proj", "k"): (slice(q_width, q_width + kv_size), kv_rows),
+            ("self_attn.qkv_proj", "v"): (slice(q_width + kv_size, q_width + 2 * kv_size), kv_rows),
+            **{("mlp.gate_up_proj", part): rows for part, rows in mlp.items()},
+            **{("mlp.shared_expert.gate_up_proj", part): rows for part, rows in shared.items()},
+            **{("linear_attn.in_proj", part): rows for part, rows in _linear_attention_parts(linear).items()},
+        },
+        columns={
+            "self_attn.o_proj": q_rows,
+            "mlp.down_proj": mlp_rows,
+            "mlp.shared_expert.down_proj": shared_rows,
+            "linear_attn.out_proj": linear.values,
+        },
+        rows={
+            # The convolution has one channel per q, k and v feature, split as they are; dt_bias and
+            # A_log one value per value head.
+            "linear_attn.conv1d_weight": linear.channels,
+            "linear_attn.dt_bias": linear.value_heads,
+            "linear_attn.A_log": linear.value_heads,
+        },
+        expert_rows=slice(*tp.even_range(config.moe_intermediate_size)),
+    )
+
+
+def _halves(tp: TensorParallel, intermediate_size: int) -> tuple[dict[str, tuple[slice, SourceRows]], slice]:
+    """A SwiGLU MLP's gate and up parts of its gate_up_proj (this rank's intermediate features of
+    each, side by side), and the checkpoint rows of those features."""
+    start, end = tp.even_range(intermediate_size)
+    rows, inter = slice(start, end), end - start
+    return {"gate": (slice(0, inter), rows), "up": (slice(inter, 2 * inter), rows)}, rows
 
 
 @dataclass(frozen=True)
@@ -163,65 +157,86 @@ def _linear_attention_split(config: ModelConfig, tp: TensorParallel) -> _LinearS
     )
 
 
-def _linear_attention_rows(config: ModelConfig, tp: TensorParallel) -> dict[str, tuple[str, slice | None, SourceRows]]:
-    """A Gated DeltaNet layer's four input projections, as parts of its fused in_proj: (our module,
-    the rows they fill, the checkpoint rows this rank reads)."""
-    if not config.is_hybrid:
-        return {}
-    split = _linear_attention_split(config, tp)
-    parts: dict[str, tuple[int, SourceRows]] = {
-        "in_proj_qkv": (sum(piece.stop - piece.start for piece in split.channels), split.channels),
-        "in_proj_z": (split.values.stop - split.values.start, split.values),
-        "in_proj_b": (split.value_heads.stop - split.value_heads.start, split.value_heads),
-        "in_proj_a": (split.value_heads.stop - split.value_heads.start, split.value_heads),
+def _linear_attention_parts(split: _LinearSplit) -> dict[str, tuple[slice, SourceRows]]:
+    """A Gated DeltaNet layer's four input projections as parts of its fused in_proj: (the rows
+    they fill, the checkpoint rows this rank reads)."""
+    sources: dict[str, tuple[int, SourceRows]] = {
+        "qkv": (sum(piece.stop - piece.start for piece in split.channels), split.channels),
+        "z": (split.values.stop - split.values.start, split.values),
+        "b": (split.value_heads.stop - split.value_heads.start, split.value_heads),
+        "a": (split.value_heads.stop - split.value_heads.start, split.value_heads),
     }
-    rows: dict[str, tuple[str, slice | None, SourceRows]] = {}
+    parts: dict[str, tuple[slice, SourceRows]] = {}
     start = 0
-    for name, (size, source) in parts.items():
-        rows[f"linear_attn.{name}"] = ("linear_attn.in_proj", slice(start, start + size), source)
+    for name, (size, source) in sources.items():
+        parts[name] = (slice(start, start + size), source)
         start += size
-    return rows
+    return parts
 
 
-def _expert_target(block: SparseMoeBlock, name: str, config: ModelConfig, tp: TensorParallel) -> _Target | None:
-    """Where a routed layer's router or expert tensor ``name`` (``mlp.…`` or ``block_sparse_moe.…``) goes."""
-    parts = name.split(".")
-    if parts[0] == "block_sparse_moe":  # Mixtral's names for the same tensors
-        parts[0] = "mlp"
-        if len(parts) == 5 and parts[1] == "experts":
-            parts[3] = _MIXTRAL_EXPERT.get(parts[3], parts[3])
-        name = ".".join(parts)
-    if name == "mlp.gate.weight":
-        return _Target(block.gate_weight_t, transposed=True)
-    if name.startswith("mlp.shared_expert") and block.shared_expert is not None:
-        return _shared_expert_target(block.shared_expert, name, config, tp)
-    match = _EXPERT.match(name)
-    if match is None or int(match.group(1)) >= block.w13.shape[0]:
+def _target(model: CausalLM, name: str, checkpoint: Checkpoint, layout: _Layout) -> _Target | None:
+    """Where the checkpoint tensor ``name`` goes in ``model`` (this rank's share), or None."""
+    match = _LAYER.match(name)
+    if match is None:
+        return _top_level_target(model, name, checkpoint)
+    layer = model.layers[int(match.group(1))]
+    rest = match.group(2)
+    if checkpoint.experts is not None and rest.startswith(checkpoint.experts.prefix + "."):
+        block = layer.mlp  # a dense layer (Qwen3-MoE's mlp_only_layers) has no place for experts
+        return _expert_target(block, rest, checkpoint.experts, layout) if isinstance(block, SparseMoeBlock) else None
+    module_name, _, kind = rest.rpartition(".")
+    rows: slice | None = None
+    if module_name in checkpoint.packed:
+        module_name, part = checkpoint.packed[module_name]
+        rows, source_rows = layout.parts[module_name, part]
+    else:
+        module_name, _, kind = checkpoint.renamed.get(rest, rest).rpartition(".")
+        source_rows = layout.rows.get(f"{module_name}.{kind}")
+    try:
+        module = layer.get_submodule(module_name)
+    except AttributeError:
         return None
-    expert, projection = int(match.group(1)), match.group(2)
-    start, end = tp.even_range(config.moe_intermediate_size)
-    rank_rows, inter = slice(start, end), end - start
-    if projection == "down_proj":
-        return _Target(block.w2, transposed=True, source_columns=rank_rows, expert=expert)
-    rows = slice(0, inter) if projection == "gate_proj" else slice(inter, 2 * inter)
-    return _Target(block.w13, rows, transposed=True, source_rows=rank_rows, expert=expert)
+    if isinstance(module, Linear) and kind == "weight":
+        return _Target(module.weight_t, rows, True, source_rows, layout.columns.get(module_name))
+    param = getattr(module, kind, None)
+    if not isinstance(param, torch.nn.Parameter):
+        return None
+    offset = 1.0 if rest in checkpoint.offset_norms else 0.0
+    return _Target(param, rows, kind.endswith("weight_t"), source_rows, offset=offset)
 
 
-def _shared_expert_target(shared: SharedExpert, name: str, config: ModelConfig, tp: TensorParallel) -> _Target | None:
-    """Where a Qwen3.5-MoE shared expert's tensor goes: its intermediate features split over the
-    ranks as a dense MLP's are; its gate whole."""
-    start, end = tp.even_range(config.shared_expert_intermediate_size)
-    rank_rows, inter = slice(start, end), end - start
-    weight_t = shared.gate_up_proj.weight_t
-    targets = {
-        "mlp.shared_expert_gate.weight": _Target(shared.gate_weight_t, transposed=True),
-        "mlp.shared_expert.gate_proj.weight": _Target(weight_t, slice(0, inter), True, rank_rows),
-        "mlp.shared_expert.up_proj.weight": _Target(weight_t, slice(inter, 2 * inter), True, rank_rows),
-        "mlp.shared_expert.down_proj.weight": _Target(
-            shared.down_proj.weight_t, transposed=True, source_columns=rank_rows
-        ),
-    }
-    return targets.get(name)
+def _top_level_target(model: CausalLM, name: str, checkpoint: Checkpoint) -> _Target | None:
+    """The embedding and the LM head (this rank's vocabulary rows of each), and the final norm."""
+    vocab = slice(model.embed_tokens.start, model.embed_tokens.end)
+    if name == "model.embed_tokens.weight":
+        return _Target(model.embed_tokens.weight, source_rows=vocab)
+    if name == "model.norm.weight":
+        return _Target(model.norm.weight, offset=1.0 if name in checkpoint.offset_norms else 0.0)
+    if name == "lm_head.weight" and model.lm_head is not None:
+        return _Target(model.lm_head.weight_t, transposed=True, source_rows=vocab)
+    return None
+
+
+def _expert_target(block: SparseMoeBlock, name: str, experts: Experts, layout: _Layout) -> _Target | None:
+    """Where a routed expert's projection ``name`` (inside its layer) goes in the layer's stacked weights."""
+    expert, _, rest = name.removeprefix(experts.prefix + ".").partition(".")
+    projection, _, kind = rest.partition(".")
+    part = experts.projections.get(projection)
+    if part is None or kind != "weight" or not expert.isdigit() or int(expert) >= block.w13.shape[0]:
+        return None
+    if part == "down":
+        return _Target(block.w2, transposed=True, source_columns=layout.expert_rows, expert=int(expert))
+    inter = layout.expert_rows.stop - layout.expert_rows.start
+    rows = slice(0, inter) if part == "gate" else slice(inter, 2 * inter)
+    return _Target(block.w13, rows, transposed=True, source_rows=layout.expert_rows, expert=int(expert))
+
+
+def _renamed_prefix(name: str, checkpoint: Checkpoint) -> str:
+    """``name`` with a prefix the family renames (a vision-language class's text model) made ours."""
+    for theirs, ours in checkpoint.prefixes.items():
+        if name.startswith(theirs):
+            return ours + name.removeprefix(theirs)
+    return name
 
 
 def _read(checkpoint: Any, name: str, target: _Target) -> torch.Tensor:
@@ -252,6 +267,8 @@ def load_model(
         model = CausalLM(rank_config(config, tp), attention_backend(device), rotary, tp)
     model = model.to_empty(device=device).to(dtype)
 
+    names = config.family.checkpoint
+    layout = _layout(config, tp)
     filled: dict[int, int] = {}  # id(param) -> rows filled
     unexpected = []
     skipped = 0
@@ -259,13 +276,13 @@ def load_model(
         for path in checkpoint_files(folder):
             with safe_open(str(path), framework="pt") as checkpoint:
                 for stored_name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if _SKIPPED.match(stored_name):
+                    if stored_name.startswith(tuple(names.skipped)):
                         skipped += 1
                         continue
-                    name = stored_name.replace(_TEXT_MODEL_PREFIX, "model.", 1)
-                    if _IGNORED.match(name) or (name == "lm_head.weight" and model.lm_head is None):
+                    name = _renamed_prefix(stored_name, names)
+                    if name.endswith(names.ignored) or (name == "lm_head.weight" and model.lm_head is None):
                         continue  # tied checkpoints sometimes store the shared matrix twice
-                    target = _target(model, name, config, tp)
+                    target = _target(model, name, names, layout)
                     if target is None:
                         unexpected.append(name)
                         continue
@@ -284,7 +301,7 @@ def load_model(
                     filled[id(target.param)] = filled.get(id(target.param), 0) + tensor.numel()
     if skipped:
         logger.info(
-            "%s: %d tensors of the vision tower and multi-token prediction skipped (text only)", folder, skipped
+            "%s: %d tensors of %s skipped (not run here)", folder, skipped, " and ".join(names.skipped.values())
         )
     if unexpected:
         raise ValueError(f"checkpoint tensors with no place in {config.architecture}: {unexpected[:8]}")

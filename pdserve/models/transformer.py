@@ -1,14 +1,14 @@
-"""Our decoder-only transformer: the Llama / Mistral, Qwen2 and Qwen3 families in one module, their
-mixture-of-experts variants (Mixtral, Qwen3-MoE), and the hybrid Qwen3.5, whose layers are gated
-full attention or Gated DeltaNet linear attention (``models/gated_deltanet.py``).
+"""The shared building blocks of every family's decoder (RMSNorm, the vocabulary-parallel
+embedding, attention, the SwiGLU MLP, the decoder layer) and the decoder-only model made of them.
+Which variant a family uses its declaration says (``models/family.py``, one module per family),
+and ModelConfig carries: biases on q/k/v, RMSNorm over q and k heads, an output gate, rotary over
+part of a head; which layers route tokens to experts (``models/moe.py``) instead of one MLP; which
+mix tokens with Gated DeltaNet linear attention (``models/gated_deltanet.py``) instead of attention.
 
-The families differ only in attention details (biases on q/k/v, RMSNorm over q and k heads, an
-output gate, rotary over part of a head), which ModelConfig turns into flags, and in which layers
-route tokens to experts (``models/moe.py``) instead of one MLP. q/k/v and gate/up projections are
-fused into one matmul each (the loader concatenates the checkpoint's separate weights). Tokens
-arrive flattened across the batch, ``[num_tokens, hidden]``, with their positions; attention goes
-through the paged KV cache, linear attention through each request's state slot (a layer's "cache"
-is then its state tensors).
+q/k/v and gate/up projections are fused into one matmul each (the loader fills each part from the
+checkpoint's separate tensors). Tokens arrive flattened across the batch, ``[num_tokens, hidden]``,
+with their positions; attention goes through the paged KV cache, linear attention through each
+request's state slot (a layer's "cache" is then its state tensors).
 
 Under tensor parallelism (``models/parallel.py``) a rank's modules are built from its share of the
 model (``rank_config``: its heads, KV heads and intermediate features); o and down projections

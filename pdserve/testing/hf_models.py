@@ -37,6 +37,8 @@ SHAPES = {
             "rope_scaling": dict(LLAMA3_ROPE),
         },
     ),
+    # Llama's optional biases: on q, k, v and o (attention_bias) and on the MLP's three projections (mlp_bias).
+    "llama-gqa2-biases": ("Llama", {**_ATTENTION, "attention_bias": True, "mlp_bias": True}),
     "qwen2-gqa2-bias": ("Qwen2", {"num_attention_heads": 4, "num_key_value_heads": 2}),
     "qwen3-gqa2-headdim": (
         "Qwen3",
@@ -162,10 +164,13 @@ def build_hf_model(family: str, overrides: dict, path) -> Any:
         config = getattr(transformers, f"{family}Config")(**fields)
         model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     with torch.no_grad():
-        if family == "Qwen2":  # its q/k/v biases start at zero: make them matter
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.2)
+        if family in (
+            "Llama",
+            "Qwen2",
+        ):  # biases (Qwen2's q/k/v, Llama's optional ones) start at zero: make them matter
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0, 0.2)
         if family.startswith("Qwen3_5"):  # norm weights start at 0 (offsets from 1) or 1: make them matter
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):

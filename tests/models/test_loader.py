@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.models.config import ModelConfig, UnsupportedModelError, resolve_dtype
+from pdserve.models.config import ModelConfig, UnsupportedModelError
+from pdserve.models.dtype import resolve_dtype
 from pdserve.models.loader import load_model
 from pdserve.testing.hf_models import LLAMA3_ROPE, SHAPES, build_hf_model
 from pdserve.worker.kv_cache import rows_per_state_slot
@@ -149,7 +150,7 @@ def test_hybrid_layer_types_rotary_share_and_memory_per_request():
     config = ModelConfig.from_dict(HYBRID)
     # Every fourth layer full attention by default; the rest Gated DeltaNet.
     assert (config.attention_layers, config.linear_layers) == ((3, 7), (0, 1, 2, 4, 5, 6))
-    assert config.rotary_dim == 4 and config.attn_output_gate and config.norm_weight_offset == 1.0
+    assert config.rotary_dim == 4 and config.attn_output_gate
     assert config.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 16 * 4  # two attention layers only
     # A slot: per linear layer a conv window of 80 channels x 3 and a 4 x 8 x 12 state, 2496 bytes; six
     # layers take two rows of 16-token blocks (8192 bytes each).
