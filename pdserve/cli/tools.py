@@ -95,7 +95,7 @@ def add_tool_commands(commands: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--family",
         default="qwen3",
-        choices=DEMO_FAMILIES,
+        choices=list(DEMO_FAMILIES),
         help="the model family (default: qwen3, the model `pdserve serve` runs; qwen3-moe: 8 experts, top-2; "
         "qwen3.5: hybrid linear attention)",
     )

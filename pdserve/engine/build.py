@@ -24,8 +24,9 @@ from pdserve.kvtransfer.base import KVConnectorScheduler
 from pdserve.kvtransfer.connectors import ConnectorContext, make_connector
 from pdserve.kvtransfer.layout import head_ranges
 from pdserve.kvtransfer.params import model_compat_hash
-from pdserve.models.config import ModelConfig, resolve_dtype
+from pdserve.models.config import ModelConfig
 from pdserve.models.demo import ensure_demo_model
+from pdserve.models.dtype import resolve_dtype
 from pdserve.models.fingerprint import weights_fingerprint
 from pdserve.models.parallel import split_problem
 from pdserve.worker.executors import EXECUTORS, LoadedExecutor
