@@ -22,8 +22,10 @@ import os
 import uuid
 from dataclasses import dataclass, field
 
+from pdserve.kvtransfer.transport import registry
+
 FAULTS_ENV = "PDSERVE_KV_FAULTS"
-TRANSPORTS = ("nixl", "tcp")
+TRANSPORTS = tuple(registry.TRANSPORTS)
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
