@@ -1,5 +1,5 @@
 """TransferAgent: the thread that moves one engine's KV blocks, so the engine loop never blocks
-on the network.
+on the network, and ``make_transfer_agent``, how an engine (or a worker rank) builds one.
 
 The agent owns every piece of transfer state, and only its thread touches it; this module is the
 thread and the side channel it listens on, the two sides live next to it:
@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -270,3 +271,23 @@ class TransferAgent:
     def failed_release(self) -> None:
         with self._results_lock:
             self._results.num_failed_releases += 1
+
+
+def make_transfer_agent(
+    config: KVTransferConfig,
+    kv_cache: torch.Tensor,
+    generations: Callable[[int], np.ndarray],
+    compat_hash: str,
+    kv_head_ranges: list[tuple[int, int]] | None = None,
+    rank: int = 0,
+) -> TransferAgent:
+    """The transfer agent of rank ``rank`` over its ``kv_cache``, with the engine's block generation array
+    made by ``generations(rows)``: one int64 per row of the cache, state slots' rows too (the engine's block
+    pool makes it, or maps the one its ranks share; this package only reads and registers it). Built when
+    the cache is, before the scheduler's block pool, which is then built on the same array."""
+    rows = kv_cache.shape[0]
+    array = generations(rows)
+    if array.shape != (rows,) or array.dtype != np.int64 or not array.flags.c_contiguous:
+        # A transport reads a block's generation at 8 bytes times its id (NIXL, from a peer's memory).
+        raise ValueError(f"block generations must be a contiguous int64[{rows}], got {array.dtype}{list(array.shape)}")
+    return TransferAgent(config, kv_cache, array, compat_hash, kv_head_ranges, rank)
