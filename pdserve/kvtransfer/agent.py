@@ -1,8 +1,8 @@
 """TransferAgent: the thread that moves one engine's KV blocks, so the engine loop never blocks
 on the network, and ``make_transfer_agent``, how an engine (or a worker rank) builds one.
 
-The agent owns every piece of transfer state, and only its thread touches it; this module is the
-thread and the side channel it listens on, the two sides live next to it:
+The agent owns every piece of transfer state, and only its thread touches it. This module is the
+thread and the side channel it listens on; the two sides live next to it:
 
 - the prefill side, :class:`holds.HeldBlocks`: the blocks this engine holds for remote decodes, with
   their leases, and the answers on the side channel (a ZMQ ROUTER on ``host:port``);
