@@ -23,12 +23,6 @@ import numpy as np
 from pdserve.engine.block_hash import BlockHash
 
 
-def new_block_generations(num_blocks: int) -> np.ndarray:
-    """The generation array of a pool of ``num_blocks`` (made before the pool when a KV connector
-    must register it first)."""
-    return np.zeros(num_blocks, dtype=np.int64)
-
-
 class KVCacheBlock:
     __slots__ = ("block_hash", "block_id", "ref_cnt")
 
@@ -55,7 +49,7 @@ class BlockPool:
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
         if generations is None:
-            generations = new_block_generations(num_blocks)
+            generations = np.zeros(num_blocks, dtype=np.int64)  # no transfer agent shares them
         elif generations.shape != (num_blocks,) or generations.dtype != np.int64:
             raise ValueError(
                 f"block generations must be int64[{num_blocks}], got {generations.dtype}{list(generations.shape)}"

@@ -7,9 +7,12 @@
   from a prefill engine); each reads top to bottom as the life of a request in that role;
 - ``work``: the work order those sides hand the transfer agent each step;
 - ``agent``: the transfer agent, one thread per engine owning the side channel, holds, leases,
-  handshakes and pulls (its prefill side, the held blocks and the serving of the side channel, in
-  ``holds``); ``transport``: NIXL (default) and TCP data planes; ``messages``: the side channel's
-  sealed frames;
+  handshakes and pulls, and ``make_transfer_agent``; its prefill side, the held blocks and the serving
+  of the side channel, in ``holds``; its decode side, the pulls (each a small state machine), their
+  handshakes and lease renewals, in ``pulls``, over the connections of ``peers``; ``transport``: the
+  data planes, NIXL (default) and TCP, one module each, by name in ``transport.registry``;
+  ``nixl_policy``: where NIXL may serve; ``admission``: the side channel's connection caps;
+  ``messages``: the side channel's sealed frames;
 - ``layout``: tensor-parallel engines: which KV heads each rank holds, which prefill rank each
   decode rank reads them from; ``aggregate``: every rank's agent reports joined into the engine's;
 - ``params``: ``kv_transfer_params`` (vLLM's field names plus ours); ``config``: settings and the

@@ -25,9 +25,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdserve.api.flags import add_flags, flag, flag_values
+from pdserve.kvtransfer.transport import registry
 
 FAULTS_ENV = "PDSERVE_KV_FAULTS"
-TRANSPORTS = ("nixl", "tcp")
+TRANSPORTS = tuple(registry.TRANSPORTS)
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 

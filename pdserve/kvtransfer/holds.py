@@ -35,7 +35,7 @@ import zmq
 
 from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.transport import Transport
+from pdserve.kvtransfer.transport.base import Transport
 
 logger = logging.getLogger(__name__)
 

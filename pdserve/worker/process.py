@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import pickle
@@ -89,7 +90,7 @@ def shared_generations(path: str, num_blocks: int) -> np.ndarray:
 
 
 def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> None:
-    from pdserve.kvtransfer.agent import TransferAgent
+    from pdserve.kvtransfer.agent import TransferAgent, make_transfer_agent
     from pdserve.worker.model_runner import ModelRunner
 
     size = spec.runner.tp_size
@@ -116,8 +117,10 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
 
             def make_agent(kv_cache: torch.Tensor) -> TransferAgent:
                 assert kv_transfer is not None and spec.generations_path is not None
-                generations = shared_generations(spec.generations_path, kv_cache.shape[0])
-                return TransferAgent(kv_transfer, kv_cache, generations, spec.compat_hash, spec.kv_head_ranges, rank)
+                generations = functools.partial(shared_generations, spec.generations_path)
+                return make_transfer_agent(
+                    kv_transfer, kv_cache, generations, spec.compat_hash, spec.kv_head_ranges, rank
+                )
 
         runner = ModelRunner(spec.model_config, spec.runner, make_agent)
         agent = runner.kv_connector

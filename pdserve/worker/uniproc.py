@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pdserve.kvtransfer.agent import TransferAgent
+from pdserve.kvtransfer.agent import TransferAgent, make_transfer_agent
 from pdserve.worker.executors import LoadedExecutor
 from pdserve.worker.model_runner import ModelRunner
 from pdserve.worker.process import WorkerSpec
@@ -17,10 +17,9 @@ def start_in_process(spec: WorkerSpec, runner_cls: type[ModelRunner] | None = No
 
     def make_agent(kv_cache: torch.Tensor) -> TransferAgent:
         # The agent registers the KV cache and the block generations with its transport, so both exist
-        # before the scheduler's block pool, which is then built on them: every row's, state slots' too.
+        # before the scheduler's block pool, which is then built on them.
         assert spec.kv_transfer is not None
-        generations = np.zeros(kv_cache.shape[0], dtype=np.int64)
-        agent = TransferAgent(spec.kv_transfer, kv_cache, generations, spec.compat_hash, spec.kv_head_ranges)
+        agent = make_transfer_agent(spec.kv_transfer, kv_cache, _new_generations, spec.compat_hash, spec.kv_head_ranges)
         agents.append(agent)
         return agent
 
@@ -31,3 +30,8 @@ def start_in_process(spec: WorkerSpec, runner_cls: type[ModelRunner] | None = No
     if agents:
         loaded.generations, loaded.agent_ports = agents[0].generations, [agents[0].port]
     return loaded
+
+
+def _new_generations(rows: int) -> np.ndarray:
+    """A block generation array private to this process (the core's pool and its one agent share it)."""
+    return np.zeros(rows, dtype=np.int64)

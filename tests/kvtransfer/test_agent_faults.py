@@ -12,8 +12,7 @@ import blake3
 import numpy as np
 import zmq
 
-from pdserve.kvtransfer import agent as agent_module
-from pdserve.kvtransfer import holds, messages
+from pdserve.kvtransfer import holds, messages, peers
 from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.kvtransfer.work import TransferWork
 from pdserve.launcher import free_port
@@ -117,7 +116,7 @@ def test_releases_to_a_dead_prefill_neither_block_nor_raise_and_the_agent_keeps_
     dead_port = free_port()  # nothing listens: every message queues until the socket's bound
     dead = _remote(dead_port, "x", [0], engine_id="dead")
     with engines({"filled": True}, {"filled": False}) as (prefill, decode):
-        decode.agent.submit(TransferWork(releases=[(f"d{n}", dead) for n in range(agent_module.PEER_SEND_HWM + 500)]))
+        decode.agent.submit(TransferWork(releases=[(f"d{n}", dead) for n in range(peers.PEER_SEND_HWM + 500)]))
         decode.wait_for(lambda seen: seen.num_failed_releases > 0, "releases to be refused, not to block")
         # The agent still serves: a pull from a live prefill works.
         prefill.agent.submit(TransferWork(holds=[("p", [3], token_of("p"))]))
@@ -134,19 +133,19 @@ def test_an_engine_found_dead_gets_no_new_socket_just_for_a_release():
         before = decode.seen.num_failed_releases
         decode.agent.submit(TransferWork(releases=[("e", remote)]))
         decode.wait_for(lambda seen: seen.num_failed_releases > before, "the release to be skipped")
-        assert (("127.0.0.1", dead_port)) not in decode.agent._peers
+        assert (("127.0.0.1", dead_port)) not in decode.agent.pulls.peers
 
 
 def test_many_peers_never_hold_more_sockets_than_the_cap():
     with engines({"filled": False}) as (decode,):
-        ports = [free_port() for _ in range(agent_module.MAX_PEER_SOCKETS + 60)]
+        ports = [free_port() for _ in range(peers.MAX_PEER_SOCKETS + 60)]
         decode.agent.submit(TransferWork(releases=[(f"r{p}", _remote(p, f"r{p}", [0])) for p in ports]))
         deadline = time.monotonic() + 5
-        while len(decode.agent._peers) < agent_module.MAX_PEER_SOCKETS - 1:
+        while len(decode.agent.pulls.peers) < peers.MAX_PEER_SOCKETS - 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         decode.quiet_for(0.3)
-        assert len(decode.agent._peers) <= agent_module.MAX_PEER_SOCKETS
+        assert len(decode.agent.pulls.peers) <= peers.MAX_PEER_SOCKETS
 
 
 def test_an_exception_writing_pulled_bytes_fails_that_pull_only():

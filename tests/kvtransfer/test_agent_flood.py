@@ -25,7 +25,7 @@ from pdserve.kvtransfer import agent as agent_module
 from pdserve.kvtransfer import holds, messages
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.nixl_policy import TransportChoice
-from pdserve.kvtransfer.transport import make_transport
+from pdserve.kvtransfer.transport.registry import make_transport
 from pdserve.kvtransfer.work import TransferWork
 from tests.kvtransfer.agents import _kv_cache, engines, load, token_of
 

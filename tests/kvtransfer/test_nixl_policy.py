@@ -55,7 +55,7 @@ def test_a_cross_pod_default_hands_no_peer_any_memory_address():
     import torch
 
     from pdserve.kvtransfer import messages
-    from pdserve.kvtransfer.transport import make_transport
+    from pdserve.kvtransfer.transport.registry import make_transport
 
     transport = make_transport(choice, torch.zeros((4, 64)), np.zeros(4, np.int64), messages.Seal("x", None))
     assert transport.name == "tcp" and transport.local_info() == {}
