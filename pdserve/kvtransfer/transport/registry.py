@@ -1,7 +1,8 @@
 """The transports by name: one row per transport, its class written ``"module:Class"`` (a
 ``pdserve.api.registry`` row) and imported only when one is built, so reading the names
 (``config.TRANSPORTS``, the CLI's ``--kv-transfer`` choices) imports neither torch nor NIXL. A new
-transport is a module of this package and a row here; which one an engine runs is ``nixl_policy.choose_transport``'s call ("nixl" means NIXL only where it is safe).
+transport is a module of this package and a row here; which one an engine runs is
+``nixl_policy.choose_transport``'s call ("nixl" means NIXL only where it is safe).
 """
 
 from __future__ import annotations
