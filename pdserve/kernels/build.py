@@ -162,10 +162,13 @@ def _compiler() -> list[str]:
     return command
 
 
-def _run(command: list[str]) -> None:
+def _run(what: str, command: list[str]) -> None:
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise BuildError(f"{shlex.join(command[:3])} ... failed:\n{(done.stderr or done.stdout).strip()}")
+        output = (done.stderr or done.stdout).strip()
+        # The first error first: the one line a log keeps (cpu_ops logs one); the whole output after it.
+        first = next((line for line in output.splitlines() if "error" in line), output.partition("\n")[0])
+        raise BuildError(f"{what} failed: {first}\n{shlex.join(command)}\n{output}")
 
 
 def build(variant: Variant, *, force: bool = False, jobs: int | None = None) -> Path:
@@ -193,10 +196,10 @@ def build(variant: Variant, *, force: bool = False, jobs: int | None = None) -> 
                 for source, obj in zip(sources, objects, strict=True)
             ]
             with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-                list(pool.map(_run, commands))
+                list(pool.map(_run, [f"compiling {source.name}" for source in sources], commands))
             library = Path(scratch) / target.name
             library_dirs = [f"-L{path}" for path in library_paths()]
-            _run([*compiler, *map(str, objects), *library_dirs, *_link_flags(), "-o", str(library)])
+            _run("linking", [*compiler, *map(str, objects), *library_dirs, *_link_flags(), "-o", str(library)])
             os.replace(library, target)  # atomic: a loader sees the whole file or none
         for old in target.parent.glob(f"{variant.module}-*.so"):
             if old != target:

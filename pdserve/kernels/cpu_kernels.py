@@ -6,8 +6,8 @@ and wraps its ops for the models.
 Decode attention reads each sequence's KV blocks in place through its block table (the torch path
 gathers them into a copy first); rotary + KV write is one pass over the new tokens (seven torch ops
 otherwise); the norm and SwiGLU are one call each where torch dispatches several. Linear layers run
-over weights repacked once, after loading, into panels of ``PANEL`` output features (the module's
-``PANEL``), each one contiguous stream: decode's few-row matmuls run 1.5-4x faster than MKL's GEMM
+over weights repacked once, after loading, into panels of ``PANEL`` output features (the extension
+says how many), each one contiguous stream: decode's few-row matmuls run 1.5-4x faster than MKL's GEMM
 (docs/benchmarks.md); ``packed_rows`` reads rows back out of a packed table (a tied embedding's
 lookups). The Gated DeltaNet kernel runs the convolution and the delta rule of every sequence of a
 batch over the states in place.
