@@ -180,7 +180,8 @@ def build(variant: Variant, *, force: bool = False, jobs: int | None = None) -> 
         if target.exists() and not force:
             return target
         compiler = _compiler()
-        # The include and library paths of the torch and Python this runs on: the loader's own.
+        # The include and library paths of the torch and Python this runs on: the loader's own. Imported
+        # here: torch's extension module imports setuptools, which a start that only loads need not pay.
         from torch.utils.cpp_extension import include_paths, library_paths
 
         python_include = sysconfig.get_path("include", scheme="posix_prefix")
