@@ -14,7 +14,13 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -e '.[test]'
 	touch $@
 
-setup: $(VENV)/.installed
+# The C++ CPU kernels, compiled into the venv for every shipped instruction set (pdserve/kernels/build.py;
+# needs g++, about a minute on 2 cores): a start then only loads them. Editing a source rebuilds them.
+$(VENV)/.kernels: $(VENV)/.installed $(wildcard pdserve/kernels/csrc/*) pdserve/kernels/build.py
+	$(BIN)/python -m pdserve.kernels.build
+	touch $@
+
+setup: $(VENV)/.kernels
 
 # Router + one prefill + one decode engine on 127.0.0.1 (the built-in demo model); Ctrl-C stops all.
 serve: setup

@@ -119,7 +119,7 @@ def test_convolution_with_rolling_state_equals_transformers(width):
     torch.testing.assert_close(states[0], x[9 - (width - 1) : 9].t())
 
 
-@pytest.mark.skipif(cpu_kernels.cpu_ops() is None, reason="no C++ toolchain")
+@pytest.mark.usefixtures("kernel_variant")
 # Value dims 24, 8 and 80: column blocks of a vector register's width, then single columns, in different mixes.
 @pytest.mark.parametrize(
     ("key_heads", "value_heads", "width", "value_dim"), [(2, 4, 4, 24), (1, 3, 2, 8), (2, 2, 4, 80)]
@@ -177,7 +177,7 @@ def test_the_fused_cpu_kernel_equals_transformers_for_decodes_and_prompt_chunks_
     torch.testing.assert_close(rows[:, -5:], before[:, -5:], atol=0, rtol=0)
 
 
-@pytest.mark.skipif(cpu_kernels.cpu_ops() is None, reason="no C++ toolchain")
+@pytest.mark.usefixtures("kernel_variant")
 def test_the_fused_cpu_kernel_refuses_a_slot_out_of_range():
     key_heads, value_heads, key_dim, value_dim, width = 1, 1, 8, 8, 4
     channels = 2 * key_heads * key_dim + value_heads * value_dim

@@ -12,7 +12,7 @@ from pdserve.models.linear import Linear
 from pdserve.models.parallel import TensorParallel
 from pdserve.models.transformer import VocabParallelEmbedding
 
-pytestmark = pytest.mark.skipif(cpu_kernels.cpu_ops() is None, reason="no C++ toolchain")
+pytestmark = pytest.mark.usefixtures("kernel_variant")  # every shipped variant the CPU runs (conftest.py)
 
 
 # Rows: one, tails of a register tile (3 rows a tile with AVX2, 6 with AVX-512), more than a work
@@ -25,7 +25,8 @@ def test_packed_linear_equals_matmul(rows, in_features, out_features):
     weight_t = torch.randn(in_features, out_features, generator=generator)
     x = torch.randn(rows, in_features, generator=generator)
     packed = cpu_kernels.pack_weight(weight_t)
-    assert packed.shape == (-(-out_features // cpu_kernels.PANEL), in_features, cpu_kernels.PANEL)
+    panel = cpu_kernels.cpu_ops().PANEL
+    assert packed.shape == (-(-out_features // panel), in_features, panel)
     torch.testing.assert_close(cpu_kernels.packed_linear(x, packed, out_features), x @ weight_t, atol=1e-4, rtol=1e-5)
 
 

@@ -1,0 +1,170 @@
+// Attention over the paged KV cache: decode attention reading each sequence's blocks in place, and
+// rotary + KV write in one pass over a step's new tokens.
+//
+// Decode attention: the torch reference path must gather every decoding sequence's blocks into a
+// buffer before it can multiply, so a decode step reads the KV from memory and writes and re-reads
+// a copy of it. This kernel reads each sequence's blocks in place through its block table, once for
+// K and once for V, with the (sequence, KV head) pairs spread over torch's threads: on the 2-core
+// CPU machines it roughly halves decode attention time (docs/benchmarks.md).
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels.h"
+
+namespace pdserve {
+
+// Blocks are scattered in memory: ask for the next one while computing on this one, so the
+// loads overlap the arithmetic instead of stalling at each block boundary.
+static inline void prefetch_rows(const float* base, int64_t row_stride, int64_t rows, int64_t row_len) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < row_len; i += 16) __builtin_prefetch(base + r * row_stride + i, 0, 1);
+}
+
+// out[rows[d], h, :] = softmax(scale * query[rows[d], h] . K[d, :len_d]) V[d, :len_d] for every
+// decode d and query head h, reading K/V through block_tables (decodes sit among a batch's tokens
+// at rows[d]: no gather or scatter of their queries is needed). Cache views are [blocks, block_size, kv_heads,
+// head_dim] with any strides, head_dim contiguous. Every score is finite (no masking happens in
+// here), which is what lets this file be compiled with -ffast-math (vectorised exp).
+void decode_attention(at::Tensor out, at::Tensor query, at::Tensor rows, at::Tensor k_cache, at::Tensor v_cache,
+                      at::Tensor block_tables, at::Tensor context_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
+              "decode_attention: float32 only");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && query.stride(2) == 1 && out.stride(2) == 1,
+              "decode_attention: head_dim must be contiguous");
+  const int64_t num_decodes = rows.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const float* q_ptr = query.data_ptr<float>();
+  const float* k_ptr = k_cache.data_ptr<float>();
+  const float* v_ptr = v_cache.data_ptr<float>();
+  float* o_ptr = out.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vs = v_cache.stride(1), vh = v_cache.stride(2);
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score_buffer;
+    std::vector<float> acc_buffer(group * head_dim);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t d = pair / num_kv_heads, h = pair % num_kv_heads;
+      const int64_t len = lens[d];
+      const int64_t* table = tables + d * table_stride;
+      score_buffer.resize(group * len);
+      float* __restrict__ scores = score_buffer.data();
+      // Pass 1: scores, block by block, one K row at a time for all query heads of the group.
+      for (int64_t start = 0; start < len; start += block_size) {
+        const float* block_k = k_ptr + table[start / block_size] * kb + h * kh;
+        const int64_t rows = std::min(block_size, len - start);
+        if (start + block_size < len)
+          prefetch_rows(k_ptr + table[start / block_size + 1] * kb + h * kh, ks, block_size, head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* __restrict__ q = q_ptr + row_of[d] * qs0 + (h * group + g) * qs1;
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* __restrict__ k = block_k + r * ks;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < head_dim; ++i) dot += q[i] * k[i];
+            scores[g * len + start + r] = dot * fscale;
+          }
+        }
+      }
+      // Softmax per query head.
+      for (int64_t g = 0; g < group; ++g) {
+        float* __restrict__ s = scores + g * len;
+        float max_score = s[0];
+        for (int64_t t = 1; t < len; ++t) max_score = std::max(max_score, s[t]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - max_score);
+          total += s[t];
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      // Pass 2: weighted sum of V rows.
+      float* __restrict__ acc = acc_buffer.data();
+      std::fill(acc, acc + group * head_dim, 0.f);
+      for (int64_t start = 0; start < len; start += block_size) {
+        const float* block_v = v_ptr + table[start / block_size] * vb + h * vh;
+        const int64_t rows = std::min(block_size, len - start);
+        if (start + block_size < len)
+          prefetch_rows(v_ptr + table[start / block_size + 1] * vb + h * vh, vs, block_size, head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          float* __restrict__ a = acc + g * head_dim;
+          const float* w = scores + g * len + start;
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* __restrict__ v = block_v + r * vs;
+            const float weight = w[r];
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; ++i) a[i] += weight * v[i];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = o_ptr + row_of[d] * os0 + (h * group + g) * os1;
+        std::copy(acc + g * head_dim, acc + (g + 1) * head_dim, o);
+      }
+    }
+  });
+}
+
+// Rotary embedding applied in place to the q and k heads of ``qk`` [tokens, q_heads + kv_heads,
+// head_dim] ("rotate half" layout; cos/sin [tokens, head_dim] with both halves equal), then the
+// k heads (the last kv_heads of qk) and ``v`` [tokens, kv_heads, head_dim] stored in their cache
+// slots: one pass instead of seven torch ops.
+void rope_write_kv(at::Tensor qk, at::Tensor v, at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
+                   at::Tensor block_ids, at::Tensor offsets) {
+  TORCH_CHECK(qk.scalar_type() == at::kFloat && qk.stride(2) == 1 && v.stride(2) == 1 && cos.is_contiguous() &&
+                  sin.is_contiguous() && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "rope_write_kv: float32 with head_dim contiguous");
+  const int64_t tokens = qk.size(0), heads = qk.size(1), head_dim = qk.size(2), kv_heads = v.size(1);
+  const int64_t half = head_dim / 2, first_k = heads - kv_heads;
+  float* qk_ptr = qk.data_ptr<float>();
+  const float* v_ptr = v.data_ptr<float>();
+  const float* cos_ptr = cos.data_ptr<float>();
+  const float* sin_ptr = sin.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t* blocks = block_ids.data_ptr<int64_t>();
+  const int64_t* slots = offsets.data_ptr<int64_t>();
+  const int64_t qs0 = qk.stride(0), qs1 = qk.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vsl = v_cache.stride(1), vh = v_cache.stride(2);
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* __restrict__ c = cos_ptr + t * head_dim;
+      const float* __restrict__ s = sin_ptr + t * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* __restrict__ x = qk_ptr + t * qs0 + h * qs1;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x[i], b = x[i + half];
+          x[i] = a * c[i] - b * s[i];
+          x[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+      const int64_t block = blocks[t], slot = slots[t];
+      for (int64_t j = 0; j < kv_heads; ++j) {
+        std::copy(qk_ptr + t * qs0 + (first_k + j) * qs1, qk_ptr + t * qs0 + (first_k + j) * qs1 + head_dim,
+                  kc + block * kb + slot * ks + j * kh);
+        std::copy(v_ptr + t * vs0 + j * vs1, v_ptr + t * vs0 + j * vs1 + head_dim,
+                  vc + block * vb + slot * vsl + j * vh);
+      }
+    }
+  });
+}
+
+// out = weight * r / sqrt(mean(r^2) + eps) for each row r, where r = residual + x and residual is
+
+}  // namespace pdserve
