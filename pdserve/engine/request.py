@@ -131,6 +131,40 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def check_stop(self, token: int) -> RequestStatus | None:
+        """The finished status the output token just appended, ``token``, ends this request with (None: it goes
+        on): EOS, a stop token, the length cap, or its grammar, complete or broken; ``stop_reason`` says why."""
+        params = self.sampling_params
+        num_output = len(self.output_token_ids)
+        status = None
+        if num_output >= params.min_tokens and token == self.eos_token_id and not params.ignore_eos:
+            status = RequestStatus.FINISHED_STOPPED  # on the last allowed token too: the model did stop there
+        elif num_output >= params.min_tokens and token in params.stop_token_id_set:
+            self.stop_reason = token
+            status = RequestStatus.FINISHED_STOPPED
+        elif num_output >= self.max_output_tokens:
+            status = RequestStatus.FINISHED_LENGTH_CAPPED
+        grammar = self.structured_output
+        if grammar is None:
+            return status
+        if not grammar.accept(token):  # advances the grammar whatever the status
+            self.stop_reason = (
+                "no token of the model's vocabulary continues the grammar here"
+                if grammar.dead_end
+                else f"token {token} broke the request's grammar"  # an unmasked sample: a bug
+            )
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else status
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
+        """Prompt logprobs from position ``first_position`` on; a recomputed (preempted) prompt reports
+        positions it already reported: the first report of each is kept."""
+        collected = self.prompt_logprobs if self.prompt_logprobs is not None else []
+        skip = len(collected) - first_position
+        if skip < len(entries):
+            collected.extend(entries[max(skip, 0) :])
+        self.prompt_logprobs = collected
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"

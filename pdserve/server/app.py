@@ -197,7 +197,7 @@ class RunningServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and client.alive:
             stats = client.stats
-            if client.num_in_flight == 0 and (stats is None or stats.num_blocks_held_for_remote == 0):
+            if client.num_in_flight == 0 and (stats is None or stats.remote_kv.num_blocks_held_for_remote == 0):
                 return True
             await asyncio.sleep(0.1)
         return not client.alive

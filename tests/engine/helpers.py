@@ -93,8 +93,9 @@ def check_invariants(scheduler: Scheduler, max_placeholders: int = 0) -> None:
         assert len(set(taken)) == len(taken), f"a state slot has two owners: {slots.req_to_slot}"
         assert slots.num_free_slots + len(taken) == slots.num_slots
 
-    held = sum(kv.num_owned_blocks(request_id) for request_id in scheduler.held_for_remote)
-    assert scheduler._num_held_blocks == held <= scheduler.max_held_blocks
+    remote_kv = scheduler.remote_kv
+    held = sum(kv.num_owned_blocks(request_id) for request_id in remote_kv.held_for_remote)
+    assert remote_kv._num_held_blocks == held <= remote_kv.max_held_blocks
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
     for request in scheduler.running:
         assert request.status == RequestStatus.RUNNING
@@ -115,7 +116,7 @@ def check_invariants(scheduler: Scheduler, max_placeholders: int = 0) -> None:
             assert owned_tokens == 0 or (loaded and owned_tokens >= request.num_computed_tokens), request
         elif request.is_finished:
             assert (
-                request.request_id in scheduler.held_for_remote or request.request_id in scheduler.aborted_while_loading
+                request.request_id in remote_kv.held_for_remote or request.request_id in remote_kv.aborted_while_loading
             ), request
 
 
