@@ -29,6 +29,7 @@ from aiohttp import web
 from pdserve.api.auth import ENGINE_ID_HEADER, ROUTER_AUTH_HEADER, WRONG_TARGET, RouterVerifier
 from pdserve.api.chat import ConversationError, conversation
 from pdserve.api.http import json_response
+from pdserve.api.prefill_leg import leg_sampling
 from pdserve.api.protocol import (
     KV_PARAMS_REJECTED_HEADER,
     SSE_DONE,
@@ -52,7 +53,7 @@ from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from pdserve.kvtransfer.decode_side import unusable_reason
 from pdserve.kvtransfer.params import parse_remote_prefill, wants_remote_decode
-from pdserve.kvtransfer.prefill_side import is_prefill_leg, prefill_leg_sampling
+from pdserve.kvtransfer.prefill_side import is_prefill_leg
 from pdserve.server.chat_output import ChatOutputReader, ChatParsers
 from pdserve.server.choices import ChoiceRunner
 from pdserve.server.core_client import EngineCoreClient
@@ -437,7 +438,7 @@ class OpenAIServing:
         except ValueError as error:
             raise InputError("stream", str(error)) from error
         if prefill_leg:
-            fields = prefill_leg_sampling(fields)
+            fields = leg_sampling(fields)
         structured, structured_param = structured_outputs_from(body.response_format, body.structured_outputs)
         if forced_tools is not None:
             if structured is not None:
