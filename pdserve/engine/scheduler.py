@@ -189,7 +189,7 @@ class Scheduler:
         if hold and self.remote_kv.hold(request):
             return kv_transfer_params
         self._drop(request)
-        return None  # a refused hold hands nothing over: its decode computes the prompt
+        return None  # nothing handed over (a refused hold's decode computes the prompt)
 
     def _drop(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import hashlib
 import secrets
 from array import array
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 MAX_TP_SIZE = 64
 # Bounds on the identifiers a decode engine puts in its side-channel messages (they are client input until the
@@ -44,9 +45,10 @@ def prompt_hash(token_ids: list[int]) -> str:
     return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
-@dataclass(frozen=True, slots=True)
-class RemotePrefill:
-    """Where a decode engine finds a request's prefilled blocks (parsed ``do_remote_prefill`` params)."""
+class RemotePrefill(msgspec.Struct, frozen=True):
+    """Where a decode engine finds a request's prefilled blocks: a decode leg's ``do_remote_prefill`` params,
+    parsed and screened once by the API process (pdserve/server/pd_gate.py) and carried to the core, to its
+    connector and to the transfer agent as this value."""
 
     engine_id: str
     request_id: str
