@@ -1,5 +1,6 @@
 """Everything that runs in the EngineCore process: requests and sampling parameters, block
-hashes, the block pool and prefix cache, the KV-cache manager, the scheduler, EngineCore, the
+hashes, the block pool and prefix cache, the KV-cache manager, the scheduler and its ledger of KV
+transfers (``remote_kv``), EngineCore, the
 core process's loop and its KV-event publisher. The one place request state lives. No HTTP and
 no model tensors: the model runs in ``pdserve.worker``, driven through ``ModelExecutor``.
 

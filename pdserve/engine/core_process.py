@@ -20,7 +20,6 @@ import os
 import signal
 import time
 import uuid
-from typing import Any
 
 import msgspec
 import zmq
@@ -32,6 +31,7 @@ from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerStats
+from pdserve.kvtransfer.params import RemotePrefill
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,11 @@ class AddRequest(msgspec.Struct, tag="add"):
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
-    kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
+    # P/D, as the API process's gate (pdserve/server/pd_gate.py) parsed and screened the request's
+    # kv_transfer_params: a decode leg's remote blocks, or a prefill leg whose KV is held for a decode engine.
+    remote_prefill: RemotePrefill | None = None
+    remote_decode: bool = False
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -67,9 +70,9 @@ class DumpCachedBlocks(msgspec.Struct, tag="dump_cached_blocks"):
 
 
 class ReleaseRemoteBlocks(msgspec.Struct, tag="release_remote"):
-    """A request carrying these kv_transfer_params was refused: its prefill engine may free the blocks."""
+    """A decode leg naming these remote blocks was refused: their prefill engine may free them."""
 
-    kv_transfer_params: dict[str, Any]
+    remote: RemotePrefill
 
 
 CoreInput = AddRequest | AbortRequests | Shutdown | DumpCachedBlocks | ReleaseRemoteBlocks
@@ -171,7 +174,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                 if isinstance(message, AbortRequests):
                     core.abort_requests(message.request_ids)
                 elif isinstance(message, ReleaseRemoteBlocks):
-                    core.release_remote(message.kv_transfer_params)
+                    core.release_remote(message.remote)
                 elif isinstance(message, DumpCachedBlocks):
                     outputs.send(encode(CachedBlocks(message.token, core.cached_block_hashes())))
                 else:
@@ -183,12 +186,13 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                                 message.sampling_params,
                                 message.eos_token_id,
                                 message.arrival_time,
-                                message.kv_transfer_params,
                                 message.cache_salt,
+                                message.remote_prefill,
+                                message.remote_decode,
                             )
                         )
                     except ValueError as error:
-                        core.release_remote(message.kv_transfer_params)
+                        core.release_remote(message.remote_prefill)
                         outputs.send(encode(CoreError(message.request_id, str(error))))
                 timeout_ms = 0
             results = core.step() if core.has_work() else []

@@ -23,13 +23,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from pdserve.engine.block_hash import BlockHash
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from pdserve.engine.structured_outputs import StructuredOutputManager
+from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.worker.interface import ModelExecutor, PipelinedModelExecutor, SchedulerOutput, StepGrammar
 
 # A grammar that failed to compile is the caller's input problem: the request gets this status.
@@ -89,10 +89,10 @@ class EngineCore:
         """End requests the caller decided are done (a stop string found in their text)."""
         self.scheduler.finish_requests(request_ids, status)
 
-    def release_remote(self, kv_transfer_params: dict[str, Any] | None) -> None:
-        """A request carrying these params was refused before it was queued: its prefill engine
-        may free the blocks they point at."""
-        self.scheduler.connector.release_remote(kv_transfer_params)
+    def release_remote(self, remote: RemotePrefill | None) -> None:
+        """A request naming ``remote`` blocks was refused before it was queued: their prefill engine
+        may free them."""
+        self.scheduler.connector.release_remote(remote)
 
     def step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []

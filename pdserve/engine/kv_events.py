@@ -57,7 +57,7 @@ class KVEventPublisher:
             stats.num_waiting,
             stats.num_waiting_for_remote_kvs,
             stats.kv_cache_usage,
-            stats.num_blocks_held_for_remote,
+            stats.remote_kv.num_blocks_held_for_remote,
         )
         batch = KVEventBatch(
             self.engine_id,

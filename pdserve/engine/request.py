@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
 
 from pdserve.engine.block_hash import BlockHash
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured_outputs import RequestGrammar
+from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.worker.interface import TokenLogprobs
 
 
@@ -55,7 +55,6 @@ class Request:
         "block_hashes",
         "cache_salt",
         "eos_token_id",
-        "kv_transfer_params",
         "max_output_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -65,6 +64,8 @@ class Request:
         "output_token_ids",
         "prompt_logprobs",
         "prompt_token_ids",
+        "remote_decode",
+        "remote_prefill",
         "request_id",
         "sampling_params",
         "status",
@@ -79,9 +80,12 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
         cache_salt: str | None = None,
+        remote_prefill: RemotePrefill | None = None,
+        remote_decode: bool = False,
     ) -> None:
+        """``remote_prefill``: a P/D decode leg's remote blocks, screened by the API process (pdserve/server/
+        pd_gate.py); ``remote_decode``: a P/D prefill leg, whose KV is held for a decode engine when it ends."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         self.request_id = request_id
@@ -90,8 +94,9 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.kv_transfer_params = kv_transfer_params
         self.cache_salt = cache_salt
+        self.remote_prefill = remote_prefill
+        self.remote_decode = remote_decode
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -116,10 +121,6 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.sampling_params.prompt_logprobs is not None
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
@@ -130,6 +131,40 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def check_stop(self, token: int) -> RequestStatus | None:
+        """The finished status the output token just appended, ``token``, ends this request with (None: it goes
+        on): EOS, a stop token, the length cap, or its grammar, complete or broken; ``stop_reason`` says why."""
+        params = self.sampling_params
+        num_output = len(self.output_token_ids)
+        status = None
+        if num_output >= params.min_tokens and token == self.eos_token_id and not params.ignore_eos:
+            status = RequestStatus.FINISHED_STOPPED  # on the last allowed token too: the model did stop there
+        elif num_output >= params.min_tokens and token in params.stop_token_id_set:
+            self.stop_reason = token
+            status = RequestStatus.FINISHED_STOPPED
+        elif num_output >= self.max_output_tokens:
+            status = RequestStatus.FINISHED_LENGTH_CAPPED
+        grammar = self.structured_output
+        if grammar is None:
+            return status
+        if not grammar.accept(token):  # advances the grammar whatever the status
+            self.stop_reason = (
+                "no token of the model's vocabulary continues the grammar here"
+                if grammar.dead_end
+                else f"token {token} broke the request's grammar"  # an unmasked sample: a bug
+            )
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else status
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
+        """Prompt logprobs from position ``first_position`` on; a recomputed (preempted) prompt reports
+        positions it already reported: the first report of each is kept."""
+        collected = self.prompt_logprobs if self.prompt_logprobs is not None else []
+        skip = len(collected) - first_position
+        if skip < len(entries):
+            collected.extend(entries[max(skip, 0) :])
+        self.prompt_logprobs = collected
 
     def __repr__(self) -> str:
         return (

@@ -31,21 +31,20 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdserve.kvtransfer.params import RemotePrefill
+
 
 class ConnectorRequest(Protocol):
     """What a connector may read of a request."""
 
     request_id: str
     prompt_token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None
+    # A P/D decode leg's remote blocks, screened by the API process (usable for this engine and prompt).
+    remote_prefill: RemotePrefill | None
+    remote_decode: bool  # a P/D prefill leg: its prompt's KV is to be held for a decode engine
 
     @property
     def num_tokens(self) -> int: ...
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Its prompt's logits are needed (so its prompt must be computed here, not loaded)."""
-        ...
 
 
 @dataclass(slots=True)
@@ -117,8 +116,8 @@ class KVConnectorScheduler(ABC):
         """A request entered the scheduler's queue."""
         return None
 
-    def release_remote(self, kv_transfer_params: dict[str, Any] | None) -> None:
-        """A request with these params was refused before it was queued: free what they point at."""
+    def release_remote(self, remote: RemotePrefill | None) -> None:
+        """A request naming ``remote`` blocks was refused before it was queued: free them."""
         return None
 
     def hold_cancelled(self, request_id: str) -> None:

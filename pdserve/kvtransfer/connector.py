@@ -13,7 +13,7 @@ import numpy as np
 from pdserve.kvtransfer.base import ConnectorRequest, KVConnectorScheduler
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.decode_side import DecodeSide
-from pdserve.kvtransfer.params import wants_remote_decode
+from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.kvtransfer.prefill_side import PrefillSide
 from pdserve.kvtransfer.work import TransferWork, WorkOrders
 
@@ -50,14 +50,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
     def request_added(self, request: ConnectorRequest) -> None:
         self.decode.request_added(request)
 
-    def release_remote(self, kv_transfer_params: dict[str, Any] | None) -> None:
-        self.decode.release_remote(kv_transfer_params)
+    def release_remote(self, remote: RemotePrefill | None) -> None:
+        self.decode.release_remote(remote)
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         return self.decode.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def hands_over(self, request: ConnectorRequest) -> bool:
-        return wants_remote_decode(request.kv_transfer_params)
+        return request.remote_decode
 
     def expects_remote_kv(self, request: ConnectorRequest) -> bool:
         return self.decode.expects_remote_kv(request)

@@ -1,13 +1,16 @@
 """The decode role's P/D behaviour, top to bottom. The life of a request on a decode engine:
 
 1. The router sends the client's request with the prefill leg's ``kv_transfer_params``
-   (``do_remote_prefill`` and where the blocks are). The API process parses them
-   (``parse_remote_prefill``): malformed params are a 400 before anything is queued. A request
-   refused at the door (bad value, overload, draining) tells the prefill engine to free
-   (``release_remote``), or its blocks would wait for the lease.
-2. Queued (``request_added``): params for another model, layout or prompt text are never pulled
-   (the prompt is computed locally and the prefill engine told to free). Otherwise the request's
-   remote lease is renewed from now on, so its blocks outlive a long queue.
+   (``do_remote_prefill`` and where the blocks are). The API process's P/D gate
+   (pdserve/server/pd_gate.py) parses them once (``parse_remote_prefill``): malformed params are a
+   400 before anything is queued. Once the prompt is known it screens them (``unusable_reason``):
+   params for another model, layout or prompt text, or a request for prompt logprobs, are never
+   pulled (the prompt is computed locally and the prefill engine told to free). A request refused
+   at the door (bad value, overload, draining) tells the prefill engine to free (``release_remote``),
+   or its blocks would wait for the lease. What passes reaches the core as a ``RemotePrefill``.
+2. Queued (``request_added``): the request's remote lease is renewed from now on, so its blocks
+   outlive a long queue; a hybrid model's params that do not end with a state slot's rows are never
+   pulled (only the core knows the slot's size).
 3. Admitted: the scheduler counts the prompt tokens already in the local prefix cache and asks
    ``get_num_new_matched_tokens`` how many more can come from the prefill engine: all the rest,
    asynchronously (the last prompt token is recomputed here for its logits, so a load of only
@@ -28,10 +31,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from pdserve.kvtransfer.base import ConnectorRequest
-from pdserve.kvtransfer.params import RemotePrefill, parse_remote_prefill, prompt_hash
+from pdserve.kvtransfer.params import RemotePrefill, prompt_hash
 from pdserve.kvtransfer.work import LoadSpec, WorkOrders
 
 logger = logging.getLogger(__name__)
@@ -62,19 +64,12 @@ class DecodeSide:
         self._pulling: set[str] = set()  # requests whose pull was handed to the agent
 
     def request_added(self, request: ConnectorRequest) -> None:
-        try:
-            remote = parse_remote_prefill(request.kv_transfer_params)
-        except ValueError as error:  # the API server validates first; a direct caller may not have
-            logger.warning("request %s: ignoring kv_transfer_params (%s)", request.request_id, error)
-            return
+        remote = request.remote_prefill
         if remote is None:
             return
-        # The API process screens these first (and counts them); a direct caller may not have.
-        reason = unusable_reason(remote, request.prompt_token_ids, self.compat_hash, request.wants_prompt_logprobs)
-        if reason is None and self.state_rows and len(remote.block_ids) != self._num_rows(remote.num_tokens):
-            reason = "state slot"  # the params do not end with a state slot's rows: nothing to pull it from
-        if reason is not None:
-            logger.warning("request %s: remote KV unusable (%s); prefilling locally", request.request_id, reason)
+        if self.state_rows and len(remote.block_ids) != self._num_rows(remote.num_tokens):
+            # The params do not end with a state slot's rows: nothing to pull the state from.
+            logger.warning("request %s: remote KV has no state slot; prefilling locally", request.request_id)
             self.outbox.pending.releases.append((request.request_id, remote))
             return
         self._remote[request.request_id] = remote
@@ -84,11 +79,7 @@ class DecodeSide:
         """A hybrid prefill's transfer ids for ``num_tokens``: the prompt's blocks and a state slot."""
         return -(-num_tokens // self.block_size) + self.state_rows
 
-    def release_remote(self, kv_transfer_params: dict[str, Any] | None) -> None:
-        try:
-            remote = parse_remote_prefill(kv_transfer_params)
-        except ValueError:
-            return  # nothing this engine could ever have pulled
+    def release_remote(self, remote: RemotePrefill | None) -> None:
         if remote is not None:
             self.outbox.pending.releases.append((remote.request_id, remote))
 

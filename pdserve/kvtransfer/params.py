@@ -21,8 +21,9 @@ import hashlib
 import json
 import secrets
 from array import array
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 if TYPE_CHECKING:
     from pdserve.models.config import ModelConfig
@@ -80,9 +81,10 @@ def prompt_hash(token_ids: list[int]) -> str:
     return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
-@dataclass(frozen=True, slots=True)
-class RemotePrefill:
-    """Where a decode engine finds a request's prefilled blocks (parsed ``do_remote_prefill`` params)."""
+class RemotePrefill(msgspec.Struct, frozen=True):
+    """Where a decode engine finds a request's prefilled blocks: a decode leg's ``do_remote_prefill`` params,
+    parsed and screened once by the API process (pdserve/server/pd_gate.py) and carried to the core, to its
+    connector and to the transfer agent as this value."""
 
     engine_id: str
     request_id: str

@@ -1,9 +1,10 @@
 """The prefill role's P/D behaviour, top to bottom. The life of a request on a prefill engine:
 
 1. The router sends the client's request with ``kv_transfer_params={"do_remote_decode": true}``
-   and ``stream=false``. The API process rewrites its sampling (``prefill_leg_sampling``): one
-   token, EOS, stop strings, stop tokens and ``min_tokens`` off, so the leg always ends by length
-   and its blocks are always handed over.
+   and ``stream=false``. The API process's P/D gate (pdserve/server/pd_gate.py) takes it as a prefill
+   leg (``remote_decode``: a streamed one is a 400) and rewrites its sampling as the prefill-leg field
+   contract says (``pdserve.api.prefill_leg.leg_sampling``): one token, EOS, stop strings, stop tokens
+   and ``min_tokens`` off, so the leg always ends by length and its blocks are always handed over.
 2. The scheduler runs the prompt like any other (prefix-cache hits, chunked prefill) and samples
    the one token.
    A hybrid model's leg runs its last prompt token as a step of its own that leaves the request's
@@ -32,31 +33,8 @@ import numpy as np
 
 from pdserve.kvtransfer.base import ConnectorRequest
 from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.params import new_hold_token, remote_prefill_params, wants_remote_decode
+from pdserve.kvtransfer.params import new_hold_token, remote_prefill_params
 from pdserve.kvtransfer.work import WorkOrders
-
-# Sampling fields a prefill leg drops: none may end it before its one token by length.
-_ENDING_FIELDS = ("stop", "stop_token_ids", "min_tokens")
-
-
-def is_prefill_leg(kv_transfer_params: dict[str, Any] | None, stream: bool) -> bool:
-    """Whether a request is a P/D prefill leg; ValueError if it is one that cannot be served."""
-    if not wants_remote_decode(kv_transfer_params):
-        return False
-    if stream:
-        raise ValueError(
-            "a prefill leg (kv_transfer_params.do_remote_decode) needs stream=false: its answer "
-            "carries the transfer parameters"
-        )
-    return True
-
-
-def prefill_leg_sampling(fields: dict[str, Any]) -> dict[str, Any]:
-    """A prefill leg's sampling fields from the client's: one token, ending by length whatever it is."""
-    fields = {name: value for name, value in fields.items() if name not in _ENDING_FIELDS}
-    fields["ignore_eos"] = True
-    fields["max_tokens"] = 1
-    return fields
 
 
 class PrefillSide:
@@ -82,7 +60,7 @@ class PrefillSide:
         self, request: ConnectorRequest, block_ids: list[int], finish_reason: str
     ) -> tuple[bool, dict[str, Any] | None]:
         """Hold a finished prefill leg's prompt blocks (and state slot) and say where they are; else nothing."""
-        if not (wants_remote_decode(request.kv_transfer_params) and finish_reason == "length" and block_ids):
+        if not (request.remote_decode and finish_reason == "length" and block_ids):
             return False, None
         num_tokens = len(request.prompt_token_ids)
         held = block_ids[: -(-num_tokens // self.block_size)]

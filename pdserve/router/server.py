@@ -19,13 +19,14 @@ from pdserve.api.openapi import MAX_BODY_BYTES, ApiLimits, openapi_document, rea
 from pdserve.api.protocol import ProtocolError
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import KubernetesDiscovery
+from pdserve.router.exchange import REQUEST_ID, REQUEST_ID_KEY
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pods import HealthChecker, Pod, PodSet
 from pdserve.router.policies import ROUTING_POLICIES
 from pdserve.router.policy import Chooser
 from pdserve.router.prompt import PromptReader
-from pdserve.router.proxy import REQUEST_ID, REQUEST_ID_KEY, Proxy
+from pdserve.router.proxy import Proxy
 from pdserve.router.subscriber import KVSubscriber
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
         )
-        self.proxy.session = self._session = session
+        self.proxy.upstream.session = self._session = session
         self._health = HealthChecker(
             session,
             [self.prefill, self.decode],
@@ -160,7 +161,7 @@ class Router:
         ordered = sorted(self.decode.pods, key=lambda pod: not pod.healthy)
         for pod in ordered:
             try:
-                async with self.proxy.session.get(pod.url + "/v1/models", headers=headers) as answer:
+                async with self.proxy.upstream.session.get(pod.url + "/v1/models", headers=headers) as answer:
                     return web.Response(
                         body=await answer.read(),
                         status=answer.status,
@@ -208,7 +209,7 @@ class Router:
     async def _engine_limits(self) -> ApiLimits | None:
         for pod in sorted(self.decode.pods, key=lambda pod: not pod.healthy):
             try:
-                async with self.proxy.session.get(
+                async with self.proxy.upstream.session.get(
                     pod.url + "/openapi.json", timeout=aiohttp.ClientTimeout(total=10)
                 ) as answer:
                     if answer.status == 200:

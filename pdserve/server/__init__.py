@@ -4,7 +4,8 @@ touches a tensor or blocks its event loop on the model.
 
 - ``app``: the application, its routes, start-up and drain;
 - ``serving``: completions and chat completions; ``choices``: one core request per choice, run
-  concurrently, aborted when the caller stops;
+  concurrently, aborted when the caller stops; ``pd_gate``: what a request's ``kv_transfer_params``
+  may make the engine do, parsed and screened once;
 - ``input_processor``: prompts and sampling settings checked and turned into core requests
   (shared with the offline ``pdserve.llm.LLM``);
 - ``responses``: OpenAI response shapes (usage, logprobs, SSE);

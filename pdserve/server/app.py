@@ -111,7 +111,7 @@ class EngineServer:
         app.router.add_get("/metrics", self.render_metrics)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/debug/cached_blocks", self.debug_cached_blocks)
-        if self.serving.kv_transfer:
+        if self.serving.gate.kv_transfer:
             app.router.add_post("/v1/kv_transfer/release", self.release_held_blocks)
         return app
 
@@ -122,7 +122,7 @@ class EngineServer:
         taken only from the router when the engine has keys."""
         raw = await request.read()
         body = decode_request(raw, KVReleaseRequest)
-        self.serving.verify_router(request, raw)
+        self.serving.gate.verify_router(request, raw)
         request_id = body.kv_transfer_params.remote_request_id
         await self.client.abort([request_id])
         return json_response(KVReleaseResponse(released=request_id))
@@ -166,7 +166,7 @@ class EngineServer:
                 "v1",
                 server="engine",
                 limits=limits,
-                kv_transfer=self.serving.kv_transfer,
+                kv_transfer=self.serving.gate.kv_transfer,
                 api_key=self.api_key is not None,
             )
             self._openapi = msgspec.json.encode(document)
@@ -197,7 +197,7 @@ class RunningServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and client.alive:
             stats = client.stats
-            if client.num_in_flight == 0 and (stats is None or stats.num_blocks_held_for_remote == 0):
+            if client.num_in_flight == 0 and (stats is None or stats.remote_kv.num_blocks_held_for_remote == 0):
                 return True
             await asyncio.sleep(0.1)
         return not client.alive

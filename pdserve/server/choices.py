@@ -11,7 +11,6 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any
 
 from pdserve.api.protocol import ProtocolError
 from pdserve.engine.sampling_params import SamplingParams
@@ -19,6 +18,7 @@ from pdserve.server.core_client import EngineCoreClient, RequestRejectedError
 from pdserve.server.detokenizer import IncrementalDetokenizer
 from pdserve.server.input_processor import InputProcessor
 from pdserve.server.metrics import EngineMetrics
+from pdserve.server.pd_gate import PDLeg
 from pdserve.server.responses import Children, ChoiceDelta, ChoiceResult
 
 
@@ -36,14 +36,20 @@ class ChoiceRunner:
         child_id: str,
         prompt: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None,
+        leg: PDLeg,
         cache_salt: str | None,
         result: ChoiceResult,
     ) -> AsyncGenerator[ChoiceDelta, None]:
         """Run one choice, updating ``result`` and yielding what it produced at each output."""
         arrival = result.arrival_time = time.monotonic()
         queue = await self.client.add_request(
-            child_id, prompt, params, self.processor.eos_token_id, kv_transfer_params, cache_salt
+            child_id,
+            prompt,
+            params,
+            self.processor.eos_token_id,
+            cache_salt,
+            leg.remote_prefill,
+            leg.remote_decode,
         )
         detokenizer = IncrementalDetokenizer(
             self.processor.tokenizer.backend_tokenizer,
@@ -112,7 +118,7 @@ class ChoiceRunner:
         request_id: str,
         children: Children,
         params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None,
+        leg: PDLeg,
         cache_salt: str | None,
         results: list[ChoiceResult],
     ) -> AsyncGenerator[ChoiceDelta, None]:
@@ -129,7 +135,7 @@ class ChoiceRunner:
                     child_ids[position],
                     prompt,
                     per_choice[index % params.n],
-                    kv_transfer_params,
+                    leg,
                     cache_salt,
                     results[position],
                 ):
@@ -165,13 +171,11 @@ class ChoiceRunner:
         request_id: str,
         children: Children,
         params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None,
+        leg: PDLeg,
         cache_salt: str | None,
     ) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in children]
-        async with aclosing(
-            self.stream(request_id, children, params, kv_transfer_params, cache_salt, results)
-        ) as deltas:
+        async with aclosing(self.stream(request_id, children, params, leg, cache_salt, results)) as deltas:
             async for _ in deltas:
                 pass
         return results

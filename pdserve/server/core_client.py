@@ -17,7 +17,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import zmq
@@ -40,6 +39,7 @@ from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerStats
+from pdserve.kvtransfer.params import RemotePrefill
 
 
 class EngineDeadError(RuntimeError):
@@ -130,10 +130,12 @@ class EngineCoreClient:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_id: int | None,
-        kv_transfer_params: dict[str, Any] | None = None,
         cache_salt: str | None = None,
+        remote_prefill: RemotePrefill | None = None,
+        remote_decode: bool = False,
     ) -> asyncio.Queue[EngineCoreOutput | Exception]:
-        """Send a request; its outputs (then possibly an exception) arrive on the returned queue."""
+        """Send a request; its outputs (then possibly an exception) arrive on the returned queue.
+        ``remote_prefill``, ``remote_decode``: its P/D leg, as the P/D gate parsed and screened it."""
         if self._dead is not None:
             raise self._dead
         if request_id in self._queues:
@@ -148,8 +150,9 @@ class EngineCoreClient:
                     sampling_params,
                     eos_token_id,
                     time.monotonic(),
-                    kv_transfer_params,
                     cache_salt,
+                    remote_prefill,
+                    remote_decode,
                 )
             )
         )
@@ -162,11 +165,11 @@ class EngineCoreClient:
         if self._dead is None and request_ids:
             await self._inputs.send(self._encode(AbortRequests(list(request_ids))))
 
-    async def release_remote_blocks(self, kv_transfer_params: dict[str, Any]) -> None:
-        """Tell the remote prefill engine named in these params to free the blocks (the request
-        they belong to was refused before reaching the core)."""
+    async def release_remote_blocks(self, remote: RemotePrefill) -> None:
+        """Tell the prefill engine holding ``remote`` to free the blocks (the decode leg they belong to was
+        refused before reaching the core)."""
         if self._dead is None:
-            await self._inputs.send(self._encode(ReleaseRemoteBlocks(kv_transfer_params)))
+            await self._inputs.send(self._encode(ReleaseRemoteBlocks(remote)))
 
     async def cached_blocks(self, timeout: float = 10.0) -> list[bytes]:
         """Every block hash in the core's prefix cache, now."""

@@ -34,6 +34,7 @@ class _SchedulerCollector:
         stats = self._stats()
         if stats is None:
             return
+        remote_kv = stats.remote_kv
         gauges = {
             "pdserve_num_requests_running": ("Requests being computed", stats.num_running),
             "pdserve_num_requests_waiting": ("Requests queued", stats.num_waiting),
@@ -45,14 +46,17 @@ class _SchedulerCollector:
                 "Fraction of KV blocks owned (cached free blocks count as free)",
                 stats.kv_cache_usage,
             ),
-            "pdserve_kv_blocks_held_for_remote": ("KV blocks held for remote decode", stats.num_blocks_held_for_remote),
+            "pdserve_kv_blocks_held_for_remote": (
+                "KV blocks held for remote decode",
+                remote_kv.num_blocks_held_for_remote,
+            ),
             "pdserve_num_requests_waiting_for_grammar": (
                 "Requests whose structured-output grammar is compiling",
                 stats.num_waiting_for_grammar,
             ),
             "pdserve_kv_blocks_quarantined": (
                 "KV blocks of abandoned loads kept out of use until no write into them can land",
-                stats.num_blocks_quarantined,
+                remote_kv.num_blocks_quarantined,
             ),
             "pdserve_state_slots_used": (
                 "Linear-attention state slots owned by requests (hybrid models; 0 otherwise)",
@@ -60,7 +64,7 @@ class _SchedulerCollector:
             ),
             "pdserve_state_slots_held_for_remote": (
                 "State slots of finished prefill legs held for remote decode (hybrid models)",
-                stats.num_state_slots_held_for_remote,
+                remote_kv.num_state_slots_held_for_remote,
             ),
             "vllm:num_requests_running": ("Requests being computed (vLLM name)", stats.num_running),
             "vllm:num_requests_waiting": ("Requests queued (vLLM name)", stats.num_waiting),
@@ -72,22 +76,22 @@ class _SchedulerCollector:
             "pdserve_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
             "pdserve_prefix_cache_hits": ("Prompt tokens served from the prefix cache", stats.prefix_cache_hits),
             "pdserve_preemptions": ("Requests preempted (recomputed later)", stats.num_preemptions),
-            "pdserve_kv_transfer_bytes": ("KV bytes pulled from remote engines", stats.kv_transfer_bytes),
+            "pdserve_kv_transfer_bytes": ("KV bytes pulled from remote engines", remote_kv.kv_transfer_bytes),
             "pdserve_kv_transfer_failures": (
                 "KV pulls that failed (handshake, transfer, stale or expired blocks)",
-                stats.kv_transfer_failures,
+                remote_kv.kv_transfer_failures,
             ),
             "pdserve_kv_lease_expirations": (
                 "Held KV blocks freed because no decode engine took them in time",
-                stats.kv_lease_expirations,
+                remote_kv.kv_lease_expirations,
             ),
             "pdserve_kv_release_failures": (
                 "Release notifications to prefill engines that could not be sent (their leases free the blocks)",
-                stats.kv_release_failures,
+                remote_kv.kv_release_failures,
             ),
             "pdserve_kv_holds_refused": (
                 "Finished prefill legs whose blocks were not held (the held share was at --kv-max-held-fraction)",
-                stats.kv_holds_refused,
+                remote_kv.kv_holds_refused,
             ),
             "pdserve_grammar_compile_failures": (
                 "Structured-output grammars that failed to compile or ran out of time (their requests got a 400)",
@@ -95,12 +99,12 @@ class _SchedulerCollector:
             ),
             "pdserve_kv_loads_abandoned": (
                 "KV loads the scheduler's watchdog failed because the transfer agent never reported them",
-                stats.kv_loads_abandoned,
+                remote_kv.kv_loads_abandoned,
             ),
             "pdserve_kv_quarantines_overdue": (
                 "Quarantines of abandoned KV loads still unreported past 3 x --kv-transfer-timeout: their blocks stay "
                 "out of use (leaked) until the transfer agent reports the load, since a late write may still land",
-                stats.kv_quarantines_overdue,
+                remote_kv.kv_quarantines_overdue,
             ),
         }
         for name, (documentation, value) in counters.items():
@@ -111,7 +115,7 @@ class _SchedulerCollector:
             "unexpected), by reason",
             labels=["reason"],
         )
-        for reason, count in sorted(stats.kv_side_channel_rejected.items()):
+        for reason, count in sorted(remote_kv.kv_side_channel_rejected.items()):
             rejected.add_metric([reason], count)
         yield rejected
         yield InfoMetricFamily("vllm:cache_config", "KV cache configuration (vLLM name)", value=self._cache_config)
@@ -195,7 +199,7 @@ class EngineMetrics:
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         """Called with every stats snapshot from the core: records what happened since the last one."""
-        for seconds in stats.kv_transfer_seconds:
+        for seconds in stats.remote_kv.kv_transfer_seconds:
             self.kv_transfer_seconds.observe(seconds)
         for seconds in stats.grammar_compile_seconds:
             self.grammar_compile_seconds.observe(seconds)

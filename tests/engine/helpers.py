@@ -93,8 +93,9 @@ def check_invariants(scheduler: Scheduler, max_placeholders: int = 0) -> None:
         assert len(set(taken)) == len(taken), f"a state slot has two owners: {slots.req_to_slot}"
         assert slots.num_free_slots + len(taken) == slots.num_slots
 
-    held = sum(kv.num_owned_blocks(request_id) for request_id in scheduler.held_for_remote)
-    assert scheduler._num_held_blocks == held <= scheduler.max_held_blocks
+    remote_kv = scheduler.remote_kv
+    held = sum(kv.num_owned_blocks(request_id) for request_id in remote_kv.held_for_remote)
+    assert remote_kv._num_held_blocks == held <= remote_kv.max_held_blocks
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
     for request in scheduler.running:
         assert request.status == RequestStatus.RUNNING
@@ -111,11 +112,11 @@ def check_invariants(scheduler: Scheduler, max_placeholders: int = 0) -> None:
             assert owned_tokens == 0, request
         elif request.status == RequestStatus.WAITING:
             # Only a request whose remote KV has landed waits while owning blocks.
-            loaded = request.kv_transfer_params is not None and "do_remote_prefill" in request.kv_transfer_params
+            loaded = "do_remote_prefill" in script_of(request)
             assert owned_tokens == 0 or (loaded and owned_tokens >= request.num_computed_tokens), request
         elif request.is_finished:
             assert (
-                request.request_id in scheduler.held_for_remote or request.request_id in scheduler.aborted_while_loading
+                request.request_id in remote_kv.held_for_remote or request.request_id in remote_kv.aborted_while_loading
             ), request
 
 
@@ -176,12 +177,25 @@ class FakeRemoteWorker:
         return output
 
 
+class ScriptedRequest(Request):
+    """A request with a script for FakeRemoteConnector: {"do_remote_prefill": True, "delay": k}: the prompt's
+    uncached tokens are loaded asynchronously, landing k steps later (with "fail": True, the load writes wrong
+    KV and fails; with "late_write": j, it fails while still in flight and writes wrong KV j steps later).
+    {"do_remote_decode": True, "delay": k} (a prefill leg): on a length-capped finish the blocks are held for
+    k steps, then released."""
+
+    def __init__(self, *args: Any, script: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(*args, remote_decode=bool(script.get("do_remote_decode")), **kwargs)
+        self.script = dict(script)
+
+
+def script_of(request: ConnectorRequest) -> dict[str, Any]:
+    """A request's script (nothing for a plain request)."""
+    return getattr(request, "script", {})
+
+
 class FakeRemoteConnector(KVConnectorScheduler):
-    """kv_transfer_params {"do_remote_prefill": True, "delay": k}: the prompt's uncached tokens
-    are loaded asynchronously, landing k steps later (with "fail": True, the load writes wrong KV
-    and fails; with "late_write": j, it fails while still in flight and writes wrong KV j steps
-    later). {"do_remote_decode": True, "delay": k}: on a length-capped finish the blocks are
-    held for k steps, then released."""
+    """Plays each request's script (``ScriptedRequest``)."""
 
     def __init__(self, recompute_failed_loads: bool = True) -> None:
         self.recompute_failed_loads = recompute_failed_loads
@@ -190,19 +204,18 @@ class FakeRemoteConnector(KVConnectorScheduler):
         self.num_loads = 0
 
     def hands_over(self, request: ConnectorRequest) -> bool:
-        return bool(request.kv_transfer_params and request.kv_transfer_params.get("do_remote_decode"))
+        return request.remote_decode
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not script_of(request).get("do_remote_prefill"):
             return 0, False
         return request.num_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        params = script_of(request)
+        if not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request, even if it is preempted later
         if num_external_tokens:
@@ -228,8 +241,8 @@ class FakeRemoteConnector(KVConnectorScheduler):
     def request_finished(
         self, request: ConnectorRequest, block_ids: list[int], finish_reason: str
     ) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and finish_reason == "length":
+        params = script_of(request)
+        if request.remote_decode and finish_reason == "length":
             self._pending.append(_Transfer("hold", request.request_id, params.get("delay", 0)))
             return True, {"remote_block_ids": list(block_ids)}
         return False, None
@@ -238,20 +251,16 @@ class FakeRemoteConnector(KVConnectorScheduler):
 def make_request(
     request_id: str,
     prompt: list[int],
-    kv_transfer_params: dict | None = None,
+    script: dict[str, Any] | None = None,
     cache_salt: str | None = None,
     **sampling: Any,
 ) -> Request:
+    """A request for the fake runner; with ``script``, one FakeRemoteConnector plays (``ScriptedRequest``)."""
     from pdserve.engine.sampling_params import SamplingParams
 
-    return Request(
-        request_id,
-        prompt,
-        SamplingParams(**sampling),
-        EOS,
-        kv_transfer_params=kv_transfer_params,
-        cache_salt=cache_salt,
-    )
+    if script is None:
+        return Request(request_id, prompt, SamplingParams(**sampling), EOS, cache_salt=cache_salt)
+    return ScriptedRequest(request_id, prompt, SamplingParams(**sampling), EOS, cache_salt=cache_salt, script=script)
 
 
 def prompt_of(length: int, seed: int) -> list[int]:

@@ -55,7 +55,7 @@ def test_an_unreported_load_is_recomputed_and_its_blocks_stay_quarantined_counte
     quarantined = set(engine.scheduler.kv_cache_manager.get_block_ids("r"))
     time.sleep(0.06)
     engine.step()  # the watchdog fires: the request recomputes, its old blocks stay out of use
-    stats = engine.make_stats()
+    stats = engine.make_stats().remote_kv
     assert stats.num_blocks_quarantined == 3 and stats.kv_loads_abandoned == 1 and stats.kv_transfer_failures == 1
     assert _run(engine, until=lambda reasons: "r" in reasons) == {"r": expected_output(request)[1]}
     assert request.output_token_ids == expected_output(request)[0]
@@ -67,7 +67,7 @@ def test_an_unreported_load_is_recomputed_and_its_blocks_stay_quarantined_counte
         engine.step()
         assert not quarantined & set(engine.scheduler.kv_cache_manager.get_block_ids(other.request_id))
         _run(engine, until=lambda reasons, rid=other.request_id: rid in reasons)
-    stats = engine.make_stats()
+    stats = engine.make_stats().remote_kv
     assert stats.num_blocks_quarantined == 3 and stats.kv_quarantines_overdue == 1
     check_invariants(engine.scheduler)
 
@@ -82,7 +82,7 @@ def test_a_late_report_ends_the_quarantine_and_never_lands_in_the_recomputed_req
     engine.step()
     time.sleep(0.06)
     engine.step()
-    assert engine.make_stats().num_blocks_quarantined == 3
+    assert engine.make_stats().remote_kv.num_blocks_quarantined == 3
     _run(engine)  # would take the whole 60 s quarantine if the late report did not end it
     assert request.output_token_ids == expected_output(request)[0]
     assert_nothing_leaks(engine.scheduler)
@@ -95,7 +95,7 @@ def test_under_the_fail_policy_an_unreported_load_ends_the_request_with_an_error
     engine.step()
     time.sleep(0.06)
     assert _run(engine, until=lambda reasons: "r" in reasons) == {"r": "error"}
-    assert engine.make_stats().num_blocks_quarantined == 3  # never reported: kept out of use
+    assert engine.make_stats().remote_kv.num_blocks_quarantined == 3  # never reported: kept out of use
     check_invariants(engine.scheduler)
 
 
@@ -110,7 +110,7 @@ def test_a_request_aborted_while_its_load_is_lost_keeps_its_blocks_quarantined_u
     engine.abort_requests(["r"])
     assert engine.scheduler.kv_cache_manager.num_owned_blocks("r") == 3
     _run(engine)
-    assert engine.make_stats().kv_quarantines_overdue == 1
+    assert engine.make_stats().remote_kv.kv_quarantines_overdue == 1
     assert_nothing_leaks(engine.scheduler)
 
 
@@ -119,7 +119,7 @@ def test_reported_loads_are_not_watched_any_more():
     request = make_request("r", prompt_of(10, seed=7), {"do_remote_prefill": True, "delay": 1}, max_tokens=30)
     engine.add_request(request)
     _run(engine)
-    stats = engine.make_stats()
+    stats = engine.make_stats().remote_kv
     assert stats.kv_loads_abandoned == 0 and stats.kv_transfer_failures == 0
     assert request.output_token_ids == expected_output(request)[0]
 
@@ -139,7 +139,7 @@ def test_a_load_failed_while_still_writing_is_recomputed_and_its_late_write_land
     engine.add_request(request)
     for _ in range(3):
         engine.step()
-    stats = engine.make_stats()
+    stats = engine.make_stats().remote_kv
     assert stats.num_blocks_quarantined == 3 and stats.kv_loads_abandoned == 0
     assert request.status != RequestStatus.WAITING_FOR_REMOTE_KVS  # recomputing, not waiting for the watchdog
     _run(engine)  # would take the 60 s quarantine if the drained report did not end it
@@ -164,5 +164,5 @@ def test_a_quarantine_past_its_alarm_ends_at_the_late_report_and_changes_nothing
     time.sleep(0.02)
     assert _run(engine) == {"r": "length"}
     assert request.output_token_ids == expected_output(request)[0]
-    assert engine.make_stats().kv_quarantines_overdue == 1
+    assert engine.make_stats().remote_kv.kv_quarantines_overdue == 1
     assert_nothing_leaks(engine.scheduler)

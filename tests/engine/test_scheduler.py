@@ -192,11 +192,11 @@ def test_finished_prefill_holds_its_blocks_until_the_send_finishes():
     assert outputs[0].finish_reason == "length"
     assert outputs[0].kv_transfer_params == {"remote_block_ids": [0, 1, 2]}
     scheduler = engine.scheduler
-    assert scheduler.make_stats().num_blocks_held_for_remote == 3
+    assert scheduler.make_stats().remote_kv.num_blocks_held_for_remote == 3
     _step(engine)
-    assert scheduler.make_stats().num_blocks_held_for_remote == 3
+    assert scheduler.make_stats().remote_kv.num_blocks_held_for_remote == 3
     run_to_completion(engine)
-    assert scheduler.make_stats().num_blocks_held_for_remote == 0
+    assert scheduler.make_stats().remote_kv.num_blocks_held_for_remote == 0
     assert_nothing_leaks(scheduler)
 
 
@@ -205,10 +205,10 @@ def test_aborting_a_finished_held_request_frees_its_blocks_at_once():
     engine = make_engine(FakeRemoteConnector(), num_blocks=8, block_size=4, max_model_len=32)
     engine.add_request(make_request("p", prompt_of(9, seed=1), {"do_remote_decode": True, "delay": 50}, max_tokens=1))
     _step(engine)
-    assert engine.scheduler.make_stats().num_blocks_held_for_remote == 3
+    assert engine.scheduler.make_stats().remote_kv.num_blocks_held_for_remote == 3
     generations = engine.scheduler.kv_cache_manager.block_generations.copy()
     engine.abort_requests(["p"])
-    assert engine.scheduler.make_stats().num_blocks_held_for_remote == 0
+    assert engine.scheduler.make_stats().remote_kv.num_blocks_held_for_remote == 0
     assert (engine.scheduler.kv_cache_manager.block_generations[:3] == generations[:3] + 1).all()
     assert_nothing_leaks(engine.scheduler)
 
@@ -224,7 +224,7 @@ def test_holds_beyond_the_held_share_are_refused_and_their_blocks_freed():
     engine.add_request(make_request("b", prompt_of(9, seed=2), {"do_remote_decode": True, "delay": 50}, max_tokens=1))
     _, _, outputs = _step(engine)
     assert outputs[0].finish_reason == "length" and outputs[0].kv_transfer_params is None
-    stats = engine.scheduler.make_stats()
+    stats = engine.scheduler.make_stats().remote_kv
     assert stats.num_blocks_held_for_remote == 3 and stats.kv_holds_refused == 1
     assert engine.scheduler.kv_cache_manager.num_owned_blocks("b") == 0  # freed at once, not held
     run_to_completion(engine)

@@ -15,6 +15,7 @@ from tests.engine.helpers import (
     EOS,
     VOCAB,
     FakeRemoteConnector,
+    ScriptedRequest,
     assert_nothing_leaks,
     check_invariants,
     expected_output,
@@ -75,8 +76,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         request_id = f"r{self.next_id}"
         self.next_id += 1
-        kv_transfer_params = {remote: True, "delay": delay, "fail": fail} if remote else None
-        request = Request(request_id, prompt, params, eos_token_id=EOS, kv_transfer_params=kv_transfer_params)
+        script = {remote: True, "delay": delay, "fail": fail} if remote else {}
+        request = ScriptedRequest(request_id, prompt, params, EOS, script=script)
         self.engine.add_request(request)
         self.requests[request_id] = request
 
@@ -197,10 +198,8 @@ def test_random_workload_keeps_invariants_and_outputs(workload):
             request_id = f"r{index}"
             if spec["arrival"] == step:
                 params = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
-                kv_params = (
-                    {spec["remote"]: True, "delay": spec["delay"], "fail": spec["fail"]} if spec["remote"] else None
-                )
-                requests[request_id] = Request(request_id, spec["prompt"], params, EOS, kv_transfer_params=kv_params)
+                script = {spec["remote"]: True, "delay": spec["delay"], "fail": spec["fail"]} if spec["remote"] else {}
+                requests[request_id] = ScriptedRequest(request_id, spec["prompt"], params, EOS, script=script)
                 engine.add_request(requests[request_id])
             if spec["abort"] == step and request_id in requests:
                 engine.abort_requests([request_id])

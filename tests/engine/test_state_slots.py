@@ -153,7 +153,7 @@ def test_a_prefill_leg_hands_over_its_state_as_of_the_token_before_its_last():
         outputs += engine.step()
         scheduled.append(leg.num_computed_tokens)
         check_invariants(engine.scheduler)
-        if leg.is_finished and engine.scheduler.held_for_remote:
+        if leg.is_finished and engine.scheduler.remote_kv.held_for_remote:
             runner = engine.model_executor
             slot = engine.scheduler.kv_cache_manager.state_slots.slot_of("leg")
             assert runner.state[slot, 1] == 18  # held: the state after 18 of the 19 tokens
@@ -186,7 +186,7 @@ def test_holds_past_the_held_share_of_slots_are_refused():
             if output.finish_reason is not None:
                 params[output.request_id] = output.kv_transfer_params
     assert sorted(params) == ["leg0", "leg1"]
-    assert sum(value is not None for value in params.values()) == 1 and engine.scheduler.kv_holds_refused == 1
+    assert sum(value is not None for value in params.values()) == 1 and engine.scheduler.remote_kv.kv_holds_refused == 1
     run_to_completion(engine)
     assert_nothing_leaks(engine.scheduler)
 

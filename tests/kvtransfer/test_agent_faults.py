@@ -4,11 +4,11 @@ ZMQ ROUTER this test drives by hand) where a peer must misbehave on cue."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 
 import blake3
+import msgspec
 import numpy as np
 import zmq
 
@@ -178,7 +178,7 @@ def test_renewals_of_many_requests_go_in_frames_the_prefill_accepts():
     with engines({"filled": True, "lease_seconds": 3.0}, {"filled": False}) as (prefill, decode):
         ids = [f"request-{n:08d}-{'x' * 24}" for n in range(30_000)]
         remote = prefill.remote(ids[-1], [1], lease_seconds=3.0)
-        tracks = [(rid, dataclasses.replace(remote, request_id=rid)) for rid in ids]
+        tracks = [(rid, msgspec.structs.replace(remote, request_id=rid)) for rid in ids]
         prefill.agent.submit(TransferWork(holds=[(ids[-1], [1], token_of(ids[-1]))]))
         decode.agent.submit(TransferWork(tracks=tracks))
         seen = prefill.quiet_for(4.5)

@@ -12,12 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.api.kv_events import decode_batch
-from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.agent import TransferAgent
 from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.connector import PDConnectorScheduler
+from pdserve.kvtransfer.decode_side import unusable_reason
 from pdserve.kvtransfer.params import RemotePrefill, parse_remote_prefill, prompt_hash
 from pdserve.kvtransfer.work import LoadSpec, TransferWork
 
@@ -77,20 +75,18 @@ def _decode_leg(prompt: list[int]) -> dict:
     }
 
 
-def test_params_for_another_prompt_or_engine_are_never_pulled():
-    connector = PDConnectorScheduler(KVTransferConfig(transport="tcp"), "ours", 16, [5000], np.zeros(8, dtype=np.int64))
+def test_params_for_another_prompt_or_engine_are_unusable():
+    # The P/D gate (pdserve/server/pd_gate.py) never lets them reach the core: it computes the prompt and
+    # tells prefill to free.
     prompt = list(range(40))
     base = _decode_leg(prompt)
-    for name, params in (
-        ("other text", base | {"remote_prompt_hash": prompt_hash(prompt[::-1])}),
-        ("other length", base | {"remote_num_tokens": 39}),
-        ("other layout", base | {"kv_compat_hash": "theirs"}),
+    for params, reason in (
+        (base | {"remote_prompt_hash": prompt_hash(prompt[::-1])}, "prompt"),
+        (base | {"remote_num_tokens": 39}, "prompt"),
+        (base | {"kv_compat_hash": "theirs"}, "kv_compat_hash"),
     ):
-        request = Request(name, prompt, SamplingParams(), None, kv_transfer_params=params)
-        connector.request_added(request)
-        assert connector.get_num_new_matched_tokens(request, 0) == (0, False), name
-    work = connector.build_connector_meta()
-    assert len(work.releases) == 3 and not work.tracks and not work.loads  # prefill is still told to free
+        remote = parse_remote_prefill(params)
+        assert remote is not None and unusable_reason(remote, prompt, "ours", wants_prompt_logprobs=False) == reason
 
 
 def test_every_prefill_rank_port_is_parsed_and_malformed_ones_are_refused():

@@ -3,10 +3,11 @@
 for the transfer agent (``build_connector_meta``).
 
 The prefill role: a prefill leg that ends by length holds exactly its prompt's blocks and says
-where they are; any other ending holds nothing. The decode role: params are checked when the
-request is queued, the load covers only the blocks past the local prefix-cache hit, and every
-tracked remote ends in exactly one load or one release (a cancel only follows a load). A
-stateful property test drives random sequences of the scheduler's calls to check the last point.
+where they are; any other ending holds nothing. The decode role: requests come as the API process's
+P/D gate hands them on (params parsed, unusable ones already dropped: ``unusable_reason``), the load
+covers only the blocks past the local prefix-cache hit, and every tracked remote ends in exactly one
+load or one release (a cancel only follows a load). A stateful property test drives random sequences
+of the scheduler's calls to check the last point.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.config import KVFaults, KVTransferConfig
 from pdserve.kvtransfer.connector import PDConnectorScheduler
-from pdserve.kvtransfer.params import parse_remote_prefill, prompt_hash
+from pdserve.kvtransfer.decode_side import unusable_reason
+from pdserve.kvtransfer.params import parse_remote_prefill, prompt_hash, wants_remote_decode
 from pdserve.kvtransfer.work import LoadSpec, TransferWork
 
 COMPAT = "compat-ours"
@@ -44,7 +46,15 @@ def _connector(generations: np.ndarray | None = None, block_size: int = BLOCK_SI
 
 
 def _request(request_id: str, prompt: list[int], params: dict[str, Any] | None = None) -> Request:
-    return Request(request_id, prompt, SamplingParams(), None, kv_transfer_params=params)
+    """A request with these ``kv_transfer_params``, as the P/D gate hands it to the core (parsed)."""
+    return Request(
+        request_id,
+        prompt,
+        SamplingParams(),
+        None,
+        remote_prefill=parse_remote_prefill(params),
+        remote_decode=wants_remote_decode(params),
+    )
 
 
 def _remote_params(prompt: list[int], block_size: int = BLOCK_SIZE, **overrides: Any) -> dict[str, Any]:
@@ -219,56 +229,52 @@ def test_a_request_with_matching_params_is_tracked():
     ],
     ids=["compat", "prompt-hash", "shorter", "longer"],
 )
-def test_mismatched_params_release_at_once_and_never_load(overrides):
-    connector = _connector()
+def test_mismatched_params_are_unusable(overrides):
+    # The P/D gate (pdserve/server/pd_gate.py) computes such a request's prompt and releases the blocks.
     prompt = list(range(40))
-    params = _remote_params(prompt, **overrides)
-    request = _request("dec", prompt, params)
-
-    connector.request_added(request)
-
-    work = _take(connector)
-    assert work.releases == [("dec", parse_remote_prefill(params))] and not work.tracks
-    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
-    connector.update_state_after_alloc(request, [1, 2, 3], 0)
-    _assert_empty(connector)
-    # Released once: ending the request does not release again.
-    connector.request_finished(request, [1, 2, 3], "abort")
-    _assert_empty(connector)
+    remote = parse_remote_prefill(_remote_params(prompt, **overrides))
+    assert remote is not None
+    expected = "kv_compat_hash" if "kv_compat_hash" in overrides else "prompt"
+    assert unusable_reason(remote, prompt, COMPAT, wants_prompt_logprobs=False) == expected
+    assert unusable_reason(parse_remote_prefill(_remote_params(prompt)), prompt, COMPAT, False) is None
 
 
-def test_a_request_asking_for_prompt_logprobs_computes_its_prompt_and_releases_the_remote_blocks():
+def test_params_for_a_request_asking_for_prompt_logprobs_are_unusable():
     # Prompt logprobs need the prompt's logits: pulled KV has none (a decode leg with echo and
     # logprobs answered 500 before).
-    connector = _connector()
     prompt = list(range(40))
-    params = _remote_params(prompt)
-    request = Request("dec", prompt, SamplingParams(prompt_logprobs=2), None, kv_transfer_params=params)
-
-    connector.request_added(request)
-
-    work = _take(connector)
-    assert work.releases == [("dec", parse_remote_prefill(params))] and not work.tracks
-    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    remote = parse_remote_prefill(_remote_params(prompt))
+    assert remote is not None
+    assert unusable_reason(remote, prompt, COMPAT, wants_prompt_logprobs=True) == "prompt_logprobs"
 
 
 @pytest.mark.parametrize(
     "params",
     [
-        None,
-        {},
-        {"do_remote_prefill": False},
-        {"do_remote_decode": True},
         {"do_remote_prefill": True},  # every other field missing
         _remote_params(list(range(40)), remote_port=0),
         _remote_params(list(range(40)), remote_block_ids=[1, 2]),  # three generations for two blocks
         _remote_params(list(range(40)), remote_block_ids=[1, -2, 3]),
         _remote_params(list(range(40)), remote_lease_seconds=0),
         _remote_params(list(range(40)), remote_num_tokens=True),
+        _remote_params(list(range(40)), remote_port=70000),
+        _remote_params(list(range(40)), remote_block_generations=[0]),
+        _remote_params(list(range(40)), remote_host=None),
     ],
-    ids=["none", "empty", "false", "prefill-leg", "bare", "port", "lengths", "negative", "lease", "bool"],
+    ids=["bare", "port", "lengths", "negative", "lease", "bool", "port-range", "generations", "host"],
 )
-def test_requests_without_usable_params_neither_track_nor_release(params):
+def test_malformed_params_do_not_parse(params):
+    # The P/D gate answers them 400, naming the field: they never reach the core.
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        parse_remote_prefill(params)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [None, {}, {"do_remote_prefill": False}, {"do_remote_prefill": "yes"}, {"do_remote_decode": True}],
+    ids=["none", "empty", "false", "string", "prefill-leg"],
+)
+def test_requests_without_a_decode_leg_neither_track_nor_release(params):
     connector = _connector()
     request = _request("dec", list(range(40)), params)
     connector.request_added(request)
@@ -428,31 +434,17 @@ def test_many_requests_share_one_work_order_in_call_order():
 # ----- refused at the door ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        None,
-        {},
-        {"do_remote_prefill": False},
-        {"do_remote_prefill": "yes"},
-        {"do_remote_prefill": True},
-        _remote_params(list(range(40)), remote_port=70000),
-        _remote_params(list(range(40)), remote_block_generations=[0]),
-        _remote_params(list(range(40)), remote_host=None),
-    ],
-    ids=["none", "empty", "false", "string", "bare", "port", "generations", "host"],
-)
-def test_releasing_absent_or_malformed_params_does_nothing(params):
+def test_releasing_nothing_does_nothing():
     connector = _connector()
-    connector.release_remote(params)
+    connector.release_remote(None)
     _assert_empty(connector)
 
 
-def test_releasing_well_formed_params_tells_their_engine_to_free():
+def test_releasing_remote_blocks_tells_their_engine_to_free():
     connector = _connector()
-    params = _remote_params(list(range(40)), kv_compat_hash="another-model")  # released whatever the model
-    connector.release_remote(params)
-    assert _take(connector).releases == [("prefill-request", parse_remote_prefill(params))]
+    remote = parse_remote_prefill(_remote_params(list(range(40)), kv_compat_hash="another-model"))
+    connector.release_remote(remote)  # released whatever the model
+    assert _take(connector).releases == [("prefill-request", remote)]
 
 
 def test_an_empty_outbox_builds_no_work_order():
@@ -479,8 +471,8 @@ class DecodeLifecycle(RuleBasedStateMachine):
     and its cancel together.
 
     The record of every order taken must show: a tracked remote ends in exactly one load or one
-    release, never both; mismatched params are released once and never tracked; unusable params
-    produce nothing; a cancel follows its request's own load, once, and only for an abort."""
+    release, never both; a request without remote blocks produces nothing; a cancel follows its
+    request's own load, once, and only for an abort."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -498,7 +490,7 @@ class DecodeLifecycle(RuleBasedStateMachine):
     # -- between two steps
 
     @rule(
-        kind=st.sampled_from(["good", "good", "mismatch", "plain", "malformed"]),
+        kind=st.sampled_from(["good", "good", "plain"]),
         prompt_len=st.integers(1, 4 * SMALL_BLOCK + 3),
     )
     def add(self, kind, prompt_len):
@@ -506,12 +498,7 @@ class DecodeLifecycle(RuleBasedStateMachine):
         request_id = f"r{number}"
         prompt = [number * 100 + i for i in range(prompt_len)]
         remote_id = f"p-{request_id}"
-        params = {
-            "good": _remote_params(prompt, SMALL_BLOCK, remote_request_id=remote_id),
-            "mismatch": _remote_params(prompt, SMALL_BLOCK, remote_request_id=remote_id, kv_compat_hash="x"),
-            "plain": None,
-            "malformed": _remote_params(prompt, SMALL_BLOCK, remote_request_id=remote_id, remote_port=-1),
-        }[kind]
+        params = _remote_params(prompt, SMALL_BLOCK, remote_request_id=remote_id) if kind == "good" else None
         request = _request(request_id, prompt, params)
         self.requests[request_id] = request
         self.kind[request_id] = kind
@@ -603,8 +590,6 @@ class DecodeLifecycle(RuleBasedStateMachine):
                 assert tracks == 1 and loads + releases <= 1
                 if self.phase[request_id] == "finished":
                     assert loads + releases == 1, "a tracked remote was neither loaded nor released"
-            elif kind == "mismatch":
-                assert (tracks, loads, releases) == (0, 0, 1)
             else:
                 assert (tracks, loads, releases) == (0, 0, 0)
             assert cancels == (1 if loads and self.finish_reason.get(request_id) == "abort" else 0)

@@ -78,6 +78,27 @@ def test_completions_legs_rewritten_and_params_passed_unchanged(loop, pd):
     assert metric(text, "pdserve_router_request_latency_seconds_count") == 1
 
 
+def test_the_prefill_leg_drops_what_the_prefill_engine_would_drop(loop, pd):
+    # The prefill-leg field contract (pdserve/api/prefill_leg.py): the fields that could end a leg before its one
+    # token by length leave the leg at the router too, so a prefill engine of any kind hands the prompt over.
+    from pdserve.api.prefill_leg import ENDING_FIELDS
+    from pdserve.engine.sampling_params import SamplingParams
+
+    prefill, decode, router = pd
+    ending = {"stop": ["."], "stop_token_ids": [7], "min_tokens": 2}
+    assert set(ending) == set(ENDING_FIELDS) <= set(SamplingParams.__dataclass_fields__)
+    body = {"prompt": "hi", "max_tokens": 5, **ending}
+    status, _, _ = loop.run(post(router.url + "/v1/completions", body))
+    assert status == 200
+    assert prefill.seen[0].body == {
+        "prompt": "hi",
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    assert decode.seen[0].body == {**body, "kv_transfer_params": KV_PARAMS}
+
+
 def test_chat_legs_and_generated_request_id(loop, pd):
     prefill, decode, router = pd
     body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9, "stream": False}
@@ -193,7 +214,7 @@ def test_a_decode_pod_hung_before_its_first_byte_loses_the_request_to_another_on
 def test_the_default_prefill_timeout_follows_the_prompt_and_the_pods_measured_speed():
     from pdserve.router.config import RouterConfig
     from pdserve.router.pods import Pod
-    from pdserve.router.proxy import prefill_timeout
+    from pdserve.router.prefill_leg import prefill_timeout
 
     config = RouterConfig([], ["http://d"])
     pod = Pod("http://p", "prefill")

@@ -1,0 +1,44 @@
+"""Exchange: one client request as it goes through the router, the record its path choice and both legs share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from pdserve.router.policy import Choice
+from pdserve.router.prompt import Prompt
+
+REQUEST_ID = "X-Request-Id"
+REQUEST_ID_KEY = web.RequestKey("request_id", str)  # where the error middleware finds it for error answers
+
+
+@dataclass
+class Exchange:
+    request: web.Request
+    headers: dict[str, str]  # sent on both legs
+    request_id: str
+    response: web.StreamResponse | None = None  # set once the answer to the client has started
+    prompt: Prompt | None = None  # known when pod choice or the decider uses it
+    session: str | None = None  # session affinity key
+    decode: Choice | None = None  # the decode pod holding the request (counted in its in_flight)
+    stream_usage: bool = False  # the decode stream ends with a usage event worth reading
+    # Sent with a prefill leg's params: counted "disagg" once decode's answer shows it used them.
+    disagg_pending: bool = False
+    decode_answered: bool = False  # a decode pod has answered (so it has the request, and its params)
+    started: float = 0.0  # time.perf_counter() at its arrival
+    decode_sent: float = 0.0  # ... when the decode leg that answered was sent
+
+    def hold(self, choice: Choice | None) -> None:
+        """Make ``choice`` the request's decode pod (counted in flight there), instead of any previous one."""
+        if self.decode is not None:
+            self.decode.pod.in_flight -= 1
+        self.decode = choice
+        if choice is not None:
+            choice.pod.in_flight += 1
+
+    def cut(self) -> None:
+        """End the client's connection: a cut answer must not pass for a whole one."""
+        transport = self.request.transport
+        if transport is not None:
+            transport.close()

@@ -1,0 +1,179 @@
+"""The prefill leg of a request: a prefill pod whose KV the chosen decode pod can use, the leg's body as the
+prefill-leg field contract makes it (``pdserve.api.prefill_leg``), a deadline from the prompt's size and the
+pod's measured speed, and what its answer means (``PrefillResult``: params, a failure to fall back from, or a
+4xx for the client). Held blocks that no decode leg will pull (the client left between the legs) are
+released from here, best effort: the lease frees them otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from pdserve.api.prefill_leg import leg_body
+from pdserve.router.config import RouterConfig
+from pdserve.router.exchange import REQUEST_ID, Exchange
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pods import Pod, PodSet
+from pdserve.router.policy import Chooser
+from pdserve.router.upstream import Upstream, Usage
+
+logger = logging.getLogger(__name__)
+
+# The prefill-leg timeout without --prefill-timeout: floor + margin x (prompt tokens / pod speed).
+PREFILL_TIMEOUT_FLOOR_S = 2.0
+PREFILL_TIMEOUT_MARGIN = 4.0
+ASSUMED_PREFILL_TOKENS_PER_S = 500.0  # until a pod's legs have been measured (a slow CPU engine's order)
+# Where a prefill engine frees a leg's held blocks that no decode will pull (pdserve/server/app.py).
+RELEASE_PATH = "/v1/kv_transfer/release"
+RELEASE_TIMEOUT_S = 5.0
+
+
+def prefill_timeout(config: RouterConfig, pod: Pod, prompt_tokens: int) -> float:
+    """How long a prefill leg may take on ``pod``: ``--prefill-timeout``, else a floor plus a margin
+    over what the pod's measured speed says the prompt needs (an assumed speed until measured), so a
+    short prompt on a hung pod costs a few seconds, not the request timeout."""
+    if config.prefill_timeout is not None:
+        return config.prefill_timeout
+    speed = pod.prefill_speed or ASSUMED_PREFILL_TOKENS_PER_S
+    return min(PREFILL_TIMEOUT_FLOOR_S + PREFILL_TIMEOUT_MARGIN * prompt_tokens / speed, config.request_timeout)
+
+
+class _PrefillAnswer(msgspec.Struct):
+    # Only the params are read; the dict keeps every field, known or not, to pass on unchanged.
+    kv_transfer_params: dict[str, Any] | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class PrefillResult:
+    params: dict[str, Any] | None = None
+    pod: Pod | None = None  # the prefill pod holding the blocks the params name
+    failed: bool = False
+    rejection: web.Response | None = None  # a prefill 4xx, returned to the client as is
+
+
+class PrefillLegs:
+    def __init__(
+        self, upstream: Upstream, config: RouterConfig, pods: PodSet, chooser: Chooser, metrics: RouterMetrics
+    ) -> None:
+        self.upstream = upstream
+        self.config = config
+        self.pods = pods
+        self.chooser = chooser
+        self.metrics = metrics
+        self._background: set[asyncio.Task[None]] = set()  # releases sent after their request ended
+
+    async def run(self, exchange: Exchange, body: dict[str, Any], chat: bool) -> PrefillResult:
+        """Send ``body``'s prefill leg and read its answer."""
+        # No healthy prefill pod: decode can prefill at once, which beats waiting on a pod known to be down.
+        # Only a prefill engine whose KV the chosen decode engine can use: same compatibility hash.
+        decode_hash = exchange.decode.pod.compat_hash if exchange.decode is not None else None
+        incompatible = [pod for pod in self.pods.pods if pod.compat_hash != decode_hash]
+        choice = self.chooser.choose(
+            self.pods, exchange.prompt, exchange.session, exclude=incompatible, healthy_only=True
+        )
+        if choice is None and len(incompatible) == len(self.pods.pods):
+            # Nothing failed: no prefill engine runs this decode engine's model (mid-rollout, say).
+            self.metrics.errors["no_compatible_prefill"].inc()
+            return PrefillResult()
+        if choice is None:
+            self.metrics.errors["no_prefill"].inc()
+            return PrefillResult(failed=True)
+        pod = choice.pod
+        self.metrics.chose("prefill", pod.url, choice.policy)
+        encoded = msgspec.json.encode(leg_body(body, chat))
+        # Without the tokens (no tokenizer), the body's size bounds the prompt's token count from above.
+        prompt_tokens = len(exchange.prompt.token_ids) if exchange.prompt is not None else len(encoded) // 2
+        timeout = prefill_timeout(self.config, pod, prompt_tokens)
+        started = time.perf_counter()
+        pod.in_flight += 1
+        try:
+            async with asyncio.timeout(timeout):
+                async with await self.upstream.post(pod, exchange.request.path, encoded, exchange.headers) as answer:
+                    payload = await answer.read()
+                    status = answer.status
+                    content_type = answer.headers.get("Content-Type", "application/json")
+        except TimeoutError:
+            # A hung pod (stopped, wedged) answers nothing: decode computes the prompt, and the pod
+            # stays out of rotation until its health probe answers again. Leaving the leg closes its
+            # connection, so the engine (if it ever runs again) aborts it and frees its blocks.
+            logger.warning(
+                "request %s: prefill pod %s took over %.1f s; decode prefills", exchange.request_id, pod.url, timeout
+            )
+            self.metrics.errors["prefill_timeout"].inc()
+            self.upstream.eject(self.pods, pod, f"a prefill leg took over {timeout:.1f} s")
+            return PrefillResult(failed=True)
+        except aiohttp.ClientError as error:
+            logger.debug("request %s: prefill pod %s failed (%r); decode prefills", exchange.request_id, pod.url, error)
+            self.metrics.errors["prefill_unreachable"].inc()
+            if isinstance(error, aiohttp.ClientConnectorError):  # nothing listens there: out at once
+                self.upstream.eject(self.pods, pod, f"connection failed: {error}")
+            else:
+                self.upstream.failed(self.pods, pod, f"{type(error).__name__}: {error}")
+            return PrefillResult(failed=True)
+        finally:
+            pod.in_flight -= 1
+        if 400 <= status < 500:
+            pod.failures = 0
+            return PrefillResult(
+                rejection=web.Response(
+                    body=payload, status=status, headers={"Content-Type": content_type, REQUEST_ID: exchange.request_id}
+                )
+            )
+        if status != 200:
+            self.metrics.errors["prefill_5xx"].inc()
+            if status != 503:  # 503: busy or draining, which its health check tells
+                self.upstream.failed(self.pods, pod, f"answered {status}")
+            return PrefillResult(failed=True)
+        pod.failures = 0
+        try:
+            answer_body = msgspec.json.decode(payload, type=_PrefillAnswer)
+        except msgspec.MsgspecError:
+            self.metrics.errors["prefill_bad_answer"].inc()
+            return PrefillResult(failed=True)
+        self.upstream.observe("prefill", choice, answer_body.usage)
+        usage = answer_body.usage
+        if usage is not None and usage.prompt_tokens:
+            computed = usage.prompt_tokens - (
+                usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+            )
+            speed = max(computed, 1) / max(time.perf_counter() - started, 1e-3)
+            pod.prefill_speed = speed if pod.prefill_speed is None else 0.8 * pod.prefill_speed + 0.2 * speed
+        return PrefillResult(params=answer_body.kv_transfer_params, pod=pod)
+
+    def release_abandoned(self, leg: asyncio.Future[PrefillResult], headers: dict[str, str]) -> None:
+        """A prefill leg whose client left before it ended: free what it holds, if anything."""
+        if leg.cancelled() or leg.exception() is not None:
+            return
+        result = leg.result()
+        if result.params is not None and result.pod is not None:
+            self.release_later(result.pod, result.params, headers)
+
+    def release_later(self, pod: Pod, params: dict[str, Any], headers: dict[str, str]) -> None:
+        """Tell ``pod`` to free the blocks ``params`` name, in the background."""
+        task = asyncio.get_running_loop().create_task(self._release(pod, params, headers))
+        self._background.add(task)  # referenced until done: the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, pod: Pod, params: dict[str, Any], headers: dict[str, str]) -> None:
+        try:
+            async with await self.upstream.post(
+                pod,
+                RELEASE_PATH,
+                msgspec.json.encode({"kv_transfer_params": params}),
+                headers,
+                timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S),
+            ) as answer:
+                await answer.read()
+                released = answer.status == 200
+        except (aiohttp.ClientError, TimeoutError, RuntimeError):  # RuntimeError: the router is closing
+            released = False
+        self.metrics.prefill_releases.labels("sent" if released else "failed").inc()
