@@ -23,7 +23,8 @@ from plots import add_plot_argument, bar_chart
 
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_config import SchedulerConfig
 from pdserve.testing.fake_runner import FakeModelRunner
 
 BLOCK_SIZE = 16

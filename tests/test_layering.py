@@ -110,6 +110,7 @@ CORE_MAY_IMPORT = {
     "pdserve.kvtransfer.base",  # the connector interface
     "pdserve.kvtransfer.config",  # the KV transfer's settings
     "pdserve.kvtransfer.connectors",  # the connectors' table
+    "pdserve.kvtransfer.params",  # the P/D params' wire format (RemotePrefill), plain data
 }
 
 

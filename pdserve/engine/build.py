@@ -18,7 +18,8 @@ from pdserve.api.tokenizer import load_tokenizer
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.reasoning import ReasoningMarkers, blank_token_test, reasoning_parser
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_config import SchedulerConfig
 from pdserve.engine.structured_outputs import StructuredOutputManager
 from pdserve.kvtransfer.base import KVConnectorScheduler
 from pdserve.kvtransfer.connectors import ConnectorContext, make_connector

@@ -30,7 +30,7 @@ from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import SchedulerStats
+from pdserve.engine.stats import SchedulerStats
 from pdserve.kvtransfer.params import RemotePrefill
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pdserve.engine.block_hash import BlockHash
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_config import SchedulerConfig
+from pdserve.engine.stats import SchedulerStats
 from pdserve.engine.structured_outputs import StructuredOutputManager
 from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.worker.interface import ModelExecutor, PipelinedModelExecutor, SchedulerOutput, StepGrammar

@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,8 +33,10 @@ import numpy as np
 from pdserve.engine.block_pool import KVCacheBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.outputs import EngineCoreOutput
-from pdserve.engine.remote_kv import RemoteKV, RemoteKVStats, Settled
+from pdserve.engine.remote_kv import RemoteKV, Settled
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_config import SchedulerConfig
+from pdserve.engine.stats import SchedulerStats
 from pdserve.kvtransfer.base import KVConnectorScheduler, NoKVConnector
 from pdserve.worker.interface import ModelRunnerOutput, SchedulerOutput, StepGrammar
 
@@ -43,52 +44,6 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
-
-
-@dataclass
-class SchedulerConfig:
-    num_blocks: int
-    block_size: int = 16
-    max_model_len: int = 4096
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    num_state_slots: int = 0  # hybrid models: linear-attention state slots (one per running request)
-    rows_per_state_slot: int = 0  # cache rows each slot takes, after the pool's blocks
-
-    def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        capacity = self.num_blocks * self.block_size
-        if capacity < self.max_model_len:
-            # Otherwise one long request could need more blocks than exist and never finish.
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of {self.block_size}), "
-                f"less than max_model_len={self.max_model_len}: give the cache more memory or lower "
-                "max_model_len"
-            )
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_waiting_for_remote_kvs: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    remote_kv: RemoteKVStats = field(default_factory=RemoteKVStats)  # KV transfer (holds, loads, quarantines)
-    # Hybrid models: state slots owned by requests (running, loading, held or quarantined).
-    num_state_slots_used: int = 0
-    # Structured outputs (set by the engine core): grammars compiling now, compiles failed (cumulative),
-    # and since the last stats the compile time of each grammar and the bitmask fill time of each step.
-    num_waiting_for_grammar: int = 0
-    grammar_compile_failures: int = 0
-    grammar_compile_seconds: list[float] = field(default_factory=list)
-    grammar_bitmask_seconds: list[float] = field(default_factory=list)
 
 
 def _before_last_prompt_token(request: Request, num_computed: int, num_new: int) -> int:

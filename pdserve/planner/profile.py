@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.engine.scheduler_config import SchedulerConfig
 
 SEQUENCE_KNOTS = (2, 4, 8, 16, 32, 64)
 TOKEN_KNOTS = (32, 128, 512, 2048, 8192)

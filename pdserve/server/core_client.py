@@ -38,7 +38,7 @@ from pdserve.engine.core_process import (
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import SchedulerStats
+from pdserve.engine.stats import SchedulerStats
 from pdserve.kvtransfer.params import RemotePrefill
 
 

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from pdserve.api.report import LATENCY_BUCKETS, TOKEN_BUCKETS
-from pdserve.engine.scheduler import SchedulerStats
+from pdserve.engine.stats import SchedulerStats
 
 # 1, 2, 5, 10, 20, 50, ... up to a million tokens.
 _VLLM_TOKEN_BUCKETS = tuple(float(mantissa * 10**exponent) for exponent in range(7) for mantissa in (1, 2, 5))[:-2]

@@ -15,7 +15,8 @@ from typing import Any
 
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_config import SchedulerConfig
 from pdserve.kvtransfer.base import ConnectorRequest, KVConnectorOutput, KVConnectorScheduler
 from pdserve.testing.deferred import DeferredExecutor
 from pdserve.testing.fake_runner import FakeModelRunner, reference_generate

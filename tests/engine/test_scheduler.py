@@ -4,7 +4,7 @@ conditions, aborts in every state, held and loaded blocks, and input validation.
 import pytest
 
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.engine.scheduler_config import SchedulerConfig
 from pdserve.testing.fake_runner import reference_generate
 from tests.engine.helpers import (
     EOS,

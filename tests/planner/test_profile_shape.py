@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.engine.scheduler_config import SchedulerConfig
 from pdserve.planner.profile import EngineShape
 
 
