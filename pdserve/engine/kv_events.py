@@ -13,7 +13,7 @@ import time
 import zmq
 
 from pdserve.api.keys import KeyRing
-from pdserve.api.kv_events import SNAPSHOT_INTERVAL_S, EngineLoad, EventSigner, KVEventBatch, encode_batch
+from pdserve.api.kv_events import SNAPSHOT_INTERVAL_S, EventSigner, KVEventBatch, encode_batch
 from pdserve.engine.engine_core import EngineCore
 
 IDLE_PUBLISH_INTERVAL_S = 1.0
@@ -51,14 +51,8 @@ class KVEventPublisher:
         snapshot_due = now - self._last_snapshot >= SNAPSHOT_INTERVAL_S
         if not (stored or removed or snapshot_due or now - self._last_publish >= IDLE_PUBLISH_INTERVAL_S):
             return
-        stats = self.core.make_stats()
-        load = EngineLoad(
-            stats.num_running,
-            stats.num_waiting,
-            stats.num_waiting_for_remote_kvs,
-            stats.kv_cache_usage,
-            stats.remote_kv.num_blocks_held_for_remote,
-        )
+        # Not make_stats: that hands the metrics' samples (pull and grammar timings) over to its caller.
+        load = self.core.scheduler.load()
         batch = KVEventBatch(
             self.engine_id,
             self._seq,

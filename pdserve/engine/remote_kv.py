@@ -248,11 +248,16 @@ class RemoteKV:
         """Blocks still waiting on the worker side (held, draining, quarantined)."""
         return bool(self.held_for_remote or self.aborted_while_loading or self._quarantine_alarms)
 
+    @property
+    def num_blocks_held_for_remote(self) -> int:
+        return self._num_held_blocks
+
     def stats(self) -> RemoteKVStats:
+        """The counters, and the transfer durations since the last call (handed over: each is counted once)."""
         transfer_seconds, self._kv_transfer_seconds = self._kv_transfer_seconds, []
         slots = self.kv.state_slots
         return RemoteKVStats(
-            num_blocks_held_for_remote=self._num_held_blocks,
+            num_blocks_held_for_remote=self.num_blocks_held_for_remote,
             num_blocks_quarantined=self.kv.num_quarantined_blocks,
             num_state_slots_held_for_remote=(
                 0 if slots is None else sum(1 for request_id in self.held_for_remote if slots.has_slot(request_id))

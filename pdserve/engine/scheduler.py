@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.api.kv_events import EngineLoad
 from pdserve.engine.block_pool import KVCacheBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.outputs import EngineCoreOutput
@@ -466,6 +467,17 @@ class Scheduler:
         return outputs
 
     # ----- observation ----------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        """The queues and cache usage now (what KV-event batches tell routers), read without handing over the
+        samples ``make_stats`` collects for the metrics."""
+        return EngineLoad(
+            len(self.running),
+            len(self.waiting),
+            sum(1 for r in self.waiting if r.status == _WAITING_FOR_REMOTE_KVS),
+            self.kv_cache_manager.usage,
+            self.remote_kv.num_blocks_held_for_remote,
+        )
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
