@@ -1,4 +1,6 @@
-"""The OpenAI-facing protocol layer shared by engines and router: request/response schemas,
-errors and SSE framing (``protocol``), tokenizer / chat-template helpers (``tokenizer``) so
-the router tokenizes exactly as engines do, and the prefill-leg field contract (``prefill_leg``).
-No engine code here: every layer may import this one."""
+"""The bottom layer, shared by engines, router, operator and CLI: request/response schemas, errors
+and SSE framing (``protocol``), the HTTP toolkit (``http``), tokenizer / chat-template helpers
+(``tokenizer``, ``chat``) so the router tokenizes exactly as engines do, the prefill-leg field contract
+(``prefill_leg``), the roles (``roles``), flags declared by settings (``flags``), registry rows
+(``registry``), the deployment's keys and signatures (``keys``, ``auth``), and the KV-event, frame,
+report and OpenAPI formats. No engine code here: every layer may import this one."""

@@ -5,7 +5,7 @@ A prefill leg computes the prompt and samples one token nobody reads. It must en
 only then does the prefill engine hold the prompt's blocks, and it must answer in one JSON body, whose
 ``kv_transfer_params`` name them. So the router sends the leg as ``leg_body`` makes it
 (``pdserve.router.prefill_leg``), and the prefill engine runs whatever leg it gets, from this router or
-another proxy, with ``leg_sampling``'s parameters (``pdserve.server.pd_gate``).
+another proxy, with ``leg_sampling``'s parameters (``pdserve.server.serving``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Registry rows: ``"module:attribute"`` strings that name an implementation without importing it.
 
-A table of implementations (transports, KV connectors, executors, model families) maps each name to such a
+A table of implementations (transports, KV connectors, executors) maps each name to such a
 row, so settings and the CLI read the names (their choices) without importing what the rows name (NIXL,
 torch, model code); the one place that builds the thing resolves its row then.
 """

@@ -21,7 +21,7 @@ def add_server_flags(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
-        help="require 'Authorization: Bearer KEY' on /v1 (default: env PDSERVE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1 and /debug (default: env PDSERVE_API_KEY)",
     )
     add_log_level(parser)
 

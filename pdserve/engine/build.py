@@ -2,9 +2,11 @@
 
 The one module of the core that imports concrete parts (torch, the model stack, the executors, the KV
 connectors and transfer agents; ``tests/test_layering.py`` keeps it so): everything else in the core
-works through the step contract (``worker.interface``) and the connector interface
-(``kvtransfer.base``). The offline ``LLM`` and the engine-core process of the servers build here, so an
-engine is put together one way wherever it runs.
+works through the step contract (``worker.interface``), the connector interface (``kvtransfer.base``), the
+P/D params' wire format (``kvtransfer.params``) and the torch-free settings and tables that name
+implementations (``kvtransfer.config``, ``kvtransfer.connectors``, ``worker.executors``). The offline
+``LLM``, the engine-core process of the servers and ``pdserve profile`` build here, so an engine is put
+together one way wherever it runs.
 """
 
 from __future__ import annotations

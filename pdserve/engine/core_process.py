@@ -1,5 +1,6 @@
-"""The EngineCore process: owns the scheduler, the KV cache and the model, and runs the step loop
-where nothing else can block it. The API process talks to it over two ZMQ sockets with msgpack
+"""The EngineCore process: owns the scheduler and the model executor (the model and its KV cache in this
+process, or, with ``--distributed-executor-backend mp``, in worker processes it drives), and runs the step
+loop where nothing else can block it. The API process talks to it over two ZMQ sockets with msgpack
 (msgspec) messages; only token ids, parameters and statistics cross, never tensors.
 
     API process --(AddRequest | AbortRequests | ReleaseRemoteBlocks | DumpCachedBlocks | Shutdown)--> core

@@ -1,7 +1,7 @@
 """KV transfer between engines (prefill/decode disaggregation).
 
 - ``base``: the connector interfaces: the scheduler side's hooks, the worker side's protocol, and
-  what the worker side reports each step;
+  what the worker side reports each step; ``connectors``: the connectors by name (``--kv-connector``);
 - ``connector``: the P/D connector's scheduler side, routing each hook to ``prefill_side`` (hold a
   finished prefill leg's blocks for a decode engine) or ``decode_side`` (pull a prompt's blocks
   from a prefill engine); each reads top to bottom as the life of a request in that role;

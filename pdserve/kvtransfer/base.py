@@ -1,8 +1,10 @@
 """The scheduler side of a KV connector: the hooks through which a core loads KV from elsewhere
 and hands its own KV to others.
 
-The scheduler asks the connector at three moments, and nothing else in the core knows about
-KV transfer, so the prefill, decode and colocated roles differ only in the connector they use:
+The scheduler asks the connector at three moments; beyond them the core only keeps the ledger of
+what blocks owe to or await from other engines (``engine.remote_kv``). So the colocated role differs
+from the P/D roles in the connector it uses (``NoKVConnector``), and the prefill and decode roles run the same
+connector and differ only in whether the engine hands its blocks to peers (``serves_blocks``):
 
 1. ``get_num_new_matched_tokens``: before allocating a waiting request, how many of its tokens
    beyond the local prefix-cache hit can be loaded from elsewhere, and whether that load is

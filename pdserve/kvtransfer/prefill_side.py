@@ -2,9 +2,10 @@
 
 1. The router sends the client's request with ``kv_transfer_params={"do_remote_decode": true}``
    and ``stream=false``. The API process's P/D gate (pdserve/server/pd_gate.py) takes it as a prefill
-   leg (``remote_decode``: a streamed one is a 400) and rewrites its sampling as the prefill-leg field
-   contract says (``pdserve.api.prefill_leg.leg_sampling``): one token, EOS, stop strings, stop tokens
-   and ``min_tokens`` off, so the leg always ends by length and its blocks are always handed over.
+   leg (``remote_decode``: a streamed one is a 400), and its serving layer (pdserve/server/serving.py)
+   rewrites its sampling as the prefill-leg field contract says (``pdserve.api.prefill_leg.leg_sampling``):
+   one token, EOS, stop strings, stop tokens and ``min_tokens`` off, so the leg always ends by length and
+   its blocks are always handed over.
 2. The scheduler runs the prompt like any other (prefix-cache hits, chunked prefill) and samples
    the one token.
    A hybrid model's leg runs its last prompt token as a step of its own that leaves the request's

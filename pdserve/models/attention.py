@@ -1,5 +1,6 @@
 """Which attention implementation a device uses: Triton kernels on CUDA; on CPU the torch
-reference with the fused C++ ops (decodes, rotary + KV write) where they could be built."""
+reference with the fused C++ ops (decodes, rotary + KV write) where they could be built. Chosen once,
+when the loader builds the model (``attention_backend``); each step's layers call the backend's ops."""
 
 from __future__ import annotations
 

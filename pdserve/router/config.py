@@ -59,7 +59,7 @@ class RouterConfig:
         metadata=flag("keep a session (X-Session-Id header, else the body's user) on one pod per role"),
     )
     failure_threshold: int = 3  # consecutive failed requests that take a pod out until its health probe passes
-    # None: from the prompt's length and the pod's measured prefill speed (pdserve/router/proxy.py).
+    # None: from the prompt's length and the pod's measured prefill speed (pdserve/router/prefill_leg.py).
     prefill_timeout: float | None = field(
         default=None,
         metadata=flag(

@@ -11,5 +11,6 @@ touches a tensor or blocks its event loop on the model.
 - ``responses``: OpenAI response shapes (usage, logprobs, SSE);
 - ``tools``, ``tool_parsers``, ``reasoning``, ``chat_output``: tool calling and reasoning output
   (a chat answer read into reasoning_content, content and tool_calls);
+- ``settings``: the API process's own settings and their flags (``ServerSettings``);
 - ``core_client``, ``detokenizer``, ``metrics``.
 """

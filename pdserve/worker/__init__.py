@@ -1,7 +1,8 @@
 """What runs on one device: the model runner (forward pass over the scheduled tokens), the
 sampler, the KV-cache tensors and their sizing, and the KV connector's data plane beside them.
 
-Today the worker runs inside the EngineCore process (one device). ``interface`` is everything
-that crosses between core and worker each step, so moving workers into processes of their own
-changes the transport, not these modules.
+Where the worker runs is the executor's choice, by name (``executors``): ``uniproc`` runs it inside the
+EngineCore process; ``multiproc`` runs it in worker processes of its own (``process``, one per
+tensor-parallel rank), sending each step's changes over ZMQ (``step``). ``interface`` is everything that
+crosses between core and worker each step, whichever executor carries it.
 """

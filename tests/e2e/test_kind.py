@@ -1,4 +1,4 @@
-"""End to end on a real cluster: kind + helm + kubectl + docker (docs/kubernetes.md, "End-to-end test").
+"""End to end on a real cluster: kind + helm + kubectl + docker (docs/kubernetes.md, "Tests").
 
 Builds the CPU image, loads it into a kind cluster, installs the chart (helm install --wait, then
 helm test), writes the demo model onto a PVC and serves it with the CPU example PDService, waits
