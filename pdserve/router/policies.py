@@ -17,6 +17,7 @@ plus one row here. Session affinity and health come first, in ``policy.Chooser``
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,8 +38,8 @@ class Choice:
     block_size: int = 0  # the pod's block size; 0 when no prediction was made
 
 
-class RoutingPolicy:
-    """Picks a pod by the pods' own counts; subclasses that read the KV index set ``prefix_aware``."""
+class RoutingPolicy(ABC):
+    """Picks one of a role's pods; subclasses that read the KV index set ``matches_prefixes``."""
 
     name = ""
     matches_prefixes = False  # whether it matches prompts against the KV index: it needs their token ids
@@ -47,10 +48,12 @@ class RoutingPolicy:
     def __init__(self, config: RouterConfig, index: KVIndex) -> None:
         self.index = index
 
+    @abstractmethod
     def choose(
         self, podset: PodSet, prompt: Prompt | None, exclude: Collection[Pod], healthy_only: bool
     ) -> Choice | None:
-        raise NotImplementedError
+        """The pod for a request (None: none left), ``exclude`` aside, healthy ones first (only, with
+        ``healthy_only``)."""
 
 
 class RoundRobin(RoutingPolicy):
