@@ -41,6 +41,20 @@ class EngineLoad(msgspec.Struct):
     num_blocks_held_for_remote: int
 
 
+# Where a block is held, from fastest to slowest to reach (vLLM's events name the medium too): the engine's own
+# pool ("engine", the batch's ``stored``/``removed``), then its tiers (``KVEventBatch.tiers``).
+MEDIA = ("engine", "host", "disk", "shared")
+
+
+class TierEvents(msgspec.Struct):
+    """What entered and left one of the engine's KV tiers since the previous batch."""
+
+    medium: str  # one of MEDIA, not "engine"
+    stored: list[bytes]
+    removed: list[bytes]  # evicted, aged out, deleted, or found corrupt
+    snapshot: list[bytes] | None = None  # when set: every hash the tier holds (applied after stored/removed)
+
+
 class KVEventBatch(msgspec.Struct, tag="kv_events"):
     engine_id: str
     seq: int  # consecutive per publisher: a gap means batches were missed (wait for the next snapshot)
@@ -49,6 +63,9 @@ class KVEventBatch(msgspec.Struct, tag="kv_events"):
     removed: list[bytes]  # hashes that left it (their blocks were reused)
     load: EngineLoad
     snapshot: list[bytes] | None = None  # when set: every cached hash (applied after stored/removed)
+    # The tiers below the pool (one entry per tier the engine keeps; none without tiers). A tier's snapshot
+    # comes with the pool's.
+    tiers: list[TierEvents] = []
 
 
 encode_batch = msgspec.msgpack.Encoder().encode

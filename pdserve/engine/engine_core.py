@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+from pdserve.api.kv_events import TierEvents
 from pdserve.engine.block_hash import BlockHash
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
@@ -181,3 +182,7 @@ class EngineCore:
     def take_cache_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
         """(stored, removed) prefix-cache hashes since the last call, once recording started."""
         return self.scheduler.kv_cache_manager.take_cache_events()
+
+    def take_tier_events(self, snapshot: bool) -> list[TierEvents]:
+        """What entered and left each KV tier since the last call (every held hash too when ``snapshot``)."""
+        return self.scheduler.connector.take_tier_events(snapshot)

@@ -49,7 +49,11 @@ class KVEventPublisher:
         now = time.monotonic() if now is None else now
         stored, removed = self.core.take_cache_events()
         snapshot_due = now - self._last_snapshot >= SNAPSHOT_INTERVAL_S
-        if not (stored or removed or snapshot_due or now - self._last_publish >= IDLE_PUBLISH_INTERVAL_S):
+        tiers = self.core.take_tier_events(snapshot_due)
+        tiers_changed = any(tier.stored or tier.removed for tier in tiers)
+        if not (
+            stored or removed or tiers_changed or snapshot_due or now - self._last_publish >= IDLE_PUBLISH_INTERVAL_S
+        ):
             return
         # Not make_stats: that hands the metrics' samples (pull and grammar timings) over to its caller.
         load = self.core.scheduler.load()
@@ -61,6 +65,7 @@ class KVEventPublisher:
             removed,
             load,
             self.core.cached_block_hashes() if snapshot_due else None,
+            tiers,
         )
         frame = encode_batch(batch)
         # PUB drops, never blocks, at a full subscriber: it resyncs.

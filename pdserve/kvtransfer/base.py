@@ -13,6 +13,13 @@ connector and differ only in whether the engine hands its blocks to peers (``ser
 3. ``request_finished``: a request ended; should its blocks be held for someone to read
    (delay freeing), and what transfer parameters go back to the caller.
 
+The store side (the KV tiers, ``kvtransfer.tiers``) has two moments, both with no-op defaults:
+``blocks_cached`` (blocks became full and hashed this step: a write-through tier stores them) and
+``blocks_evicted`` (free cached blocks are being taken for new data this step: a write-back tier saves them
+first). The worker side carries each out in the step it was ordered: a store after that step's forward has
+written the blocks, a save before that step's forward overwrites them. ``take_tier_events`` reports what
+entered and left the tiers, for the KV-event stream.
+
 More moments have default no-op hooks: ``request_added`` (a decode connector starts renewing
 the remote lease of a request as soon as it is queued), ``release_remote`` (a request refused at
 the door still frees its remote blocks), and ``hold_cancelled`` (held blocks nobody can read any
@@ -33,6 +40,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdserve.api.kv_events import TierEvents
 from pdserve.kvtransfer.params import RemotePrefill
 
 
@@ -41,6 +49,7 @@ class ConnectorRequest(Protocol):
 
     request_id: str
     prompt_token_ids: list[int]
+    block_hashes: list[bytes]  # of the request's full blocks so far (the prefix cache's chained hashes)
     # A P/D decode leg's remote blocks, screened by the API process (usable for this engine and prompt).
     remote_prefill: RemotePrefill | None
     remote_decode: bool  # a P/D prefill leg: its prompt's KV is to be held for a decode engine
@@ -130,6 +139,24 @@ class KVConnectorScheduler(ABC):
     def has_pending_work(self) -> bool:
         """Work for the worker side that needs a step even when nothing is scheduled."""
         return False
+
+    # Whether the scheduler reports ``blocks_cached`` / ``blocks_evicted`` (collecting them costs a list per step).
+    wants_cached_blocks: bool = False
+    wants_evicted_blocks: bool = False
+
+    def blocks_cached(self, blocks: list[tuple[int, bytes]]) -> None:
+        """(block id, hash) of blocks that became full and hashed this step; their KV is written by this
+        step's forward."""
+        return None
+
+    def blocks_evicted(self, blocks: list[tuple[int, bytes]]) -> None:
+        """(block id, hash) of free cached blocks taken for new data this step, before this step's forward
+        overwrites them."""
+        return None
+
+    def take_tier_events(self, snapshot: bool) -> list[TierEvents]:
+        """What entered and left each KV tier since the last call (with every held hash when ``snapshot``)."""
+        return []
 
     def hands_over(self, request: ConnectorRequest) -> bool:
         """The request's KV is to be held for a remote reader when it finishes (a P/D prefill leg)."""
