@@ -121,9 +121,11 @@ def run_disaggregated(
     engine_argv: list[str],
     router_argv: list[str],
     tp_sizes: dict[str, int] | None = None,
+    disk_tier: str | None = None,
 ) -> int:
     """Start everything, serve until a signal or a child's death; returns the exit code. ``tp_sizes``:
-    each role's tensor-parallel size (default 1)."""
+    each role's tensor-parallel size (default 1); ``disk_tier``: a folder in which each engine keeps its
+    local disk tier, in a subfolder of its name."""
     sizes = {PREFILL.name: 1, DECODE.name: 1, **(tp_sizes or {})}
     stopping = [False]
 
@@ -143,6 +145,8 @@ def run_disaggregated(
             counts[role] += 1
             tp = ["--tensor-parallel-size", str(sizes[role])] if sizes[role] > 1 else []
             command = [role, "--host", host, "--port", str(engine_port), *engine_argv, *tp]
+            if disk_tier is not None:
+                command += ["--kv-tier-disk", os.path.join(disk_tier, name)]
             children.append(_start(name, command, cores, base_url(host, engine_port), sizes[role]))
         _wait_healthy(children, time.monotonic() + STARTUP_TIMEOUT_S, stopping)
         urls = {role: [c.url for c in children if c.name.startswith(role)] for role in counts}

@@ -24,6 +24,7 @@ from pdserve.engine.outputs import EngineCoreOutput, TokenLogprobs
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
+from pdserve.kvtransfer.tiers.config import KVTierConfig
 from pdserve.server.input_processor import InputProcessor, Prompt, PromptInput
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class LLM:
         structured_outputs_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S,
         structured_outputs_any_whitespace: bool = False,
         reasoning_parser: str | None = None,
+        kv_tiers: KVTierConfig | None = None,
     ) -> None:
         args = EngineArgs(
             model=model,
@@ -113,6 +115,7 @@ class LLM:
             structured_outputs_compile_timeout=structured_outputs_compile_timeout,
             structured_outputs_any_whitespace=structured_outputs_any_whitespace,
             reasoning_parser=reasoning_parser,
+            kv_tiers=kv_tiers,
         )
         self.engine, self.model_config = build_engine_core(args)
         self.tokenizer = load_tokenizer(tokenizer or model_folder(args))

@@ -109,6 +109,7 @@ CORE_MAY_IMPORT = {
     "pdserve.worker.executors",  # the executors' table
     "pdserve.kvtransfer.base",  # the connector interface
     "pdserve.kvtransfer.config",  # the KV transfer's settings
+    "pdserve.kvtransfer.tiers.config",  # the KV tiers' settings
     "pdserve.kvtransfer.connectors",  # the connectors' table
     "pdserve.kvtransfer.params",  # the P/D params' wire format (RemotePrefill), plain data
 }

@@ -1,6 +1,7 @@
 """The engine commands: ``pdserve prefill`` and ``pdserve decode`` (one engine, as a pod runs it), and the
 colocated engine of ``pdserve serve --mode colocated``. Their flags are declared by the settings they set:
-``EngineArgs``, ``ServerSettings`` and ``KVTransferConfig``; the addresses and keys are the process's."""
+``EngineArgs``, ``ServerSettings``, ``KVTierConfig`` and ``KVTransferConfig``; the addresses and keys are the
+process's."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ from pdserve.api.roles import Role, engine_role
 from pdserve.cli.common import add_key_flags, deployment_keys, set_log_level, wait_for_signal
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.tiers.config import KVTierConfig
 from pdserve.server.settings import ServerSettings
 
 # The settings whose declared flags every engine command takes, in the order its help lists them.
-ENGINE_SETTINGS = (EngineArgs, ServerSettings, KVTransferConfig)
+ENGINE_SETTINGS = (EngineArgs, ServerSettings, KVTierConfig, KVTransferConfig)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, kv_transfer: bool = True) -> None:
     EngineArgs.add_cli_args(parser)
     ServerSettings.add_cli_args(parser)
+    KVTierConfig.add_cli_args(parser)
     if kv_transfer:
         KVTransferConfig.add_cli_args(parser)
         parser.add_argument(
@@ -38,7 +41,7 @@ def engine_args(args: argparse.Namespace, role: Role, keys_dir: str | None) -> E
     """The engine's settings from the parsed flags; a role without KV transfer ignores the KV flags."""
     host = args.kv_side_channel_host or args.host
     kv_transfer = KVTransferConfig.from_cli_args(args, host, keys_dir) if role.kv_transfer else None
-    return EngineArgs.from_cli_args(args, role.name, kv_transfer, host)
+    return EngineArgs.from_cli_args(args, role.name, kv_transfer, host, KVTierConfig.from_cli_args(args))
 
 
 async def _run_engine(args: argparse.Namespace, role: Role) -> None:

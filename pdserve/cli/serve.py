@@ -28,6 +28,8 @@ PER_CHILD = {
     "tensor_parallel_size": "each role's size (--prefill-tp, --decode-tp, default -tp), given by the launcher",
     "side_channel_port": "engines on one host cannot share a port: each child takes free ones",
     "kv_events_port": "engines on one host cannot share a port: each child takes a free one (or none, with -1)",
+    "disk_path": "each engine keeps its own local disk tier, as each pod has its own disk: a subfolder named after "
+    "the child (prefill-0, decode-0)",
 }
 
 
@@ -97,7 +99,9 @@ def _serve(args: argparse.Namespace) -> int:
         if router_keys is not None and engine_keys is not None:
             router_argv += ["--kv-keys", router_keys]
             engine_argv += ["--kv-keys", engine_keys]
-        return run_disaggregated(args.host, args.port, args.prefill, args.decode, engine_argv, router_argv, sizes)
+        return run_disaggregated(
+            args.host, args.port, args.prefill, args.decode, engine_argv, router_argv, sizes, args.disk_path
+        )
 
 
 @contextlib.contextmanager

@@ -60,10 +60,27 @@ class BlockPool:
         # (None: nobody publishes, nothing is recorded).
         self.stored_log: list[BlockHash] | None = None
         self.removed_log: list[BlockHash] | None = None
+        # (block id, hash) of blocks cached / evicted since the scheduler last handed them to a KV connector that
+        # stores blocks in tiers (None: no connector wants them).
+        self.cached_log: list[tuple[int, BlockHash]] | None = None
+        self.evicted_log: list[tuple[int, BlockHash]] | None = None
 
     def record_events(self) -> None:
         """Start recording cache changes for a KV-event publisher (pdserve/engine/kv_events.py)."""
         self.stored_log, self.removed_log = [], []
+
+    def record_for_connector(self, cached: bool, evicted: bool) -> None:
+        """Start recording cached and/or evicted blocks for a KV connector's store side."""
+        self.cached_log = [] if cached else None
+        self.evicted_log = [] if evicted else None
+
+    def take_cached(self) -> list[tuple[int, BlockHash]]:
+        taken, self.cached_log = self.cached_log or [], [] if self.cached_log is not None else None
+        return taken
+
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        taken, self.evicted_log = self.evicted_log or [], [] if self.evicted_log is not None else None
+        return taken
 
     def take_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
         """The hashes stored and removed since the last call (both empty unless recording)."""
@@ -96,6 +113,8 @@ class BlockPool:
                 del self.cached_blocks[block.block_hash]
                 if self.removed_log is not None:
                     self.removed_log.append(block.block_hash)
+                if self.evicted_log is not None:
+                    self.evicted_log.append((block.block_id, block.block_hash))
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -135,6 +154,8 @@ class BlockPool:
             self.cached_blocks[block_hash] = block
             if self.stored_log is not None:
                 self.stored_log.append(block_hash)
+            if self.cached_log is not None:
+                self.cached_log.append((block.block_id, block_hash))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is owned (returns False otherwise)."""

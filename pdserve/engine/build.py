@@ -70,8 +70,10 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig]:
         max_num_seqs=args.max_num_seqs,
         tp_size=args.tensor_parallel_size,
     )
+    if args.kv_tiers is not None:
+        _check_tiers(args, model_config, device)
     compat_hash = ""
-    if args.kv_transfer is not None:
+    if args.kv_transfer is not None or args.kv_tiers is not None:
         compat_hash = model_compat_hash(
             model_config,
             weights_fingerprint(folder),
@@ -82,7 +84,7 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig]:
             STATE_SLOT_LAYOUT,
         )
     heads = head_ranges(model_config.num_kv_heads, args.tensor_parallel_size)  # per rank
-    spec = WorkerSpec(model_config, runner_config, args.kv_transfer, compat_hash, heads)
+    spec = WorkerSpec(model_config, runner_config, args.kv_transfer, args.kv_tiers, compat_hash, heads)
     start = resolve(EXECUTORS, args.distributed_executor_backend, "distributed executor backend")
     loaded: LoadedExecutor = start(spec, _runner_class(args.model_runner_cls))
     logger.info(
@@ -100,17 +102,20 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig]:
             model_config.architecture,
         )
     connector: KVConnectorScheduler | None = None
-    if args.kv_transfer is not None:
-        assert loaded.generations is not None  # the transfer agent made them
+    names = ([args.kv_connector] if args.kv_transfer is not None else []) + (["tiers"] if args.kv_tiers else [])
+    if names:
         context = ConnectorContext(
-            args.kv_transfer,
             compat_hash,
             args.block_size,
+            args.block_size * model_config.kv_bytes_per_token(dtype),
+            args.tensor_parallel_size,
+            args.kv_transfer,
+            args.kv_tiers,
             loaded.agent_ports,
             loaded.generations,
             loaded.cache_size.rows_per_state_slot,
         )
-        connector = make_connector(args.kv_connector, context)
+        connector = make_connector(names, context)
     cache_size = loaded.cache_size
     scheduler = Scheduler(
         SchedulerConfig(
@@ -140,6 +145,23 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig]:
         reasoning,
     )
     return EngineCore(scheduler, loaded.executor, args.async_scheduling, structured_outputs), model_config
+
+
+def _check_tiers(args: EngineArgs, model_config: ModelConfig, device: torch.device) -> None:
+    """KV tiers are keyed by the prefix cache's block hashes, and a host tier needs a device cache."""
+    assert args.kv_tiers is not None
+    if model_config.is_hybrid:
+        raise ValueError(
+            f"KV tiers are not supported for {model_config.architecture}: its linear-attention state at a block "
+            "boundary is not kept, so its blocks cannot be cached (docs/kv-cache.md)"
+        )
+    if not args.enable_prefix_caching:
+        raise ValueError("KV tiers need prefix caching (their blocks are found by the prefix cache's hashes)")
+    if args.kv_tiers.host_bytes and device.type == "cpu":
+        raise ValueError(
+            "--kv-tier-host-bytes: this engine's KV cache is in host memory already (it runs on the CPU), so a "
+            "host tier would only copy blocks within the same memory; grow --kv-cache-memory or use --kv-tier-disk"
+        )
 
 
 def _runner_class(path: str | None) -> type[ModelRunner] | None:

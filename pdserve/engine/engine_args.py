@@ -19,6 +19,7 @@ from pdserve.engine.reasoning import REASONING_PARSERS
 from pdserve.engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connectors import KV_CONNECTORS
+from pdserve.kvtransfer.tiers.config import KVTierConfig
 from pdserve.worker.executors import EXECUTORS
 
 # llguidance would be the second; it has not earned its place (xgrammar covers every kind asked for).
@@ -48,6 +49,7 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the KV of prompts' cached prefixes"))
     role: str = COLOCATED.name  # colocated | prefill | decode (the command, not a flag)
     kv_transfer: KVTransferConfig | None = None  # P/D roles: how blocks move (default settings when None)
+    kv_tiers: KVTierConfig | None = None  # the KV tiers below the pool (None: none)
     # The KV connector of a P/D role (pdserve/kvtransfer/connectors.py).
     kv_connector: str = field(
         default="pd", metadata=flag("the KV connector of a P/D engine", choices=tuple(KV_CONNECTORS))
@@ -134,9 +136,16 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(
-        cls, args: argparse.Namespace, role: str, kv_transfer: KVTransferConfig | None, events_host: str
+        cls,
+        args: argparse.Namespace,
+        role: str,
+        kv_transfer: KVTransferConfig | None,
+        events_host: str,
+        kv_tiers: KVTierConfig | None = None,
     ) -> EngineArgs:
-        return cls(**flag_values(args, cls), role=role, kv_transfer=kv_transfer, kv_events_host=events_host)
+        return cls(
+            **flag_values(args, cls), role=role, kv_transfer=kv_transfer, kv_tiers=kv_tiers, kv_events_host=events_host
+        )
 
 
 def _check_choice(what: str, value: str, table: Collection[str]) -> None:

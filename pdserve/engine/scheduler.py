@@ -80,6 +80,9 @@ class Scheduler:
             config.rows_per_state_slot,
         )
         self.remote_kv = RemoteKV(self.connector, self.kv_cache_manager, config.num_blocks, config.num_state_slots)
+        self.kv_cache_manager.block_pool.record_for_connector(
+            self.connector.wants_cached_blocks, self.connector.wants_evicted_blocks
+        )
         # Every request the scheduler still knows: unfinished ones, and finished ones whose blocks
         # are still held (for a remote reader, or until an in-flight load into them drains).
         self.requests: dict[str, Request] = {}
@@ -225,6 +228,13 @@ class Scheduler:
 
         finished_ids = self._finished_since_last_step
         self._finished_since_last_step = set()
+        connector = self.connector
+        pool = kv.block_pool
+        if pool.evicted_log:
+            connector.blocks_evicted(pool.take_evicted())
+        if pool.cached_log:
+            connector.blocks_cached(pool.take_cached())
+        connector.note_step(config.max_num_batched_tokens - budget)
         state_slots = restores = None
         if kv.state_slots is not None:
             slot_of = kv.state_slots.slot_of
@@ -243,7 +253,7 @@ class Scheduler:
             total_num_scheduled_tokens=config.max_num_batched_tokens - budget,
             preempted_req_ids=preempted_ids,
             finished_req_ids=finished_ids,
-            kv_connector_metadata=self.connector.build_connector_meta(),
+            kv_connector_metadata=connector.build_connector_meta(),
             grammar=StepGrammar(grammar_rows) if grammar_rows else None,
             state_slots=state_slots,
             state_restores=restores or None,
@@ -307,11 +317,11 @@ class Scheduler:
             num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
             if request.request_id in self.remote_kv.hands_over:
                 num_new = _before_last_prompt_token(request, num_computed, num_new)
+            # A request that waits for a load takes blocks for its whole prompt now: were it to take only the
+            # loaded part, requests whose loads landed could fill the pool between them with none able to go on.
+            num_slots = num_external + (request.num_tokens - num_computed if load_async else num_new)
 
-            if (
-                kv.allocate_slots(request, num_new + num_external, hit_blocks, num_local, delay_cache_blocks=load_async)
-                is None
-            ):
+            if kv.allocate_slots(request, num_slots, hit_blocks, num_local, delay_cache_blocks=load_async) is None:
                 break  # first come, first served: nobody overtakes a request that does not fit
             waiting.popleft()
             if request.num_cached_tokens < 0:
@@ -420,6 +430,7 @@ class Scheduler:
         if any_finished:
             self.running = [request for request in self.running if request.status == _RUNNING]
         if runner_output.kv_connector_output is not None:
+            self.connector.worker_reported(runner_output.kv_connector_output)
             self._settle(self.remote_kv.update(runner_output.kv_connector_output, time.monotonic()), outputs)
         return outputs
 
@@ -439,7 +450,7 @@ class Scheduler:
         leave half-written KV reachable through the prefix cache.
         """
         request.num_computed_tokens = 0
-        if self.connector.recompute_failed_loads:
+        if self.connector.recompute_failed_load(request):
             self.kv_cache_manager.free(request)
             request.status = _waiting_status(request)  # keeps its place; admitted again as a new request
             return
@@ -492,4 +503,5 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             remote_kv=self.remote_kv.stats(),
             num_state_slots_used=0 if slots is None else slots.num_slots - slots.num_free_slots,
+            kv_tiers=self.connector.tier_stats(),
         )

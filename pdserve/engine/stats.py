@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.remote_kv import RemoteKVStats
+from pdserve.kvtransfer.base import TierStats
 
 
 @dataclass
@@ -21,6 +22,7 @@ class SchedulerStats:
     remote_kv: RemoteKVStats = field(default_factory=RemoteKVStats)  # KV transfer (holds, loads, quarantines)
     # Hybrid models: state slots owned by requests (running, loading, held or quarantined).
     num_state_slots_used: int = 0
+    kv_tiers: dict[str, TierStats] = field(default_factory=dict)  # each KV tier's numbers, by medium
     # Structured outputs (set by the engine core): grammars compiling now, compiles failed (cumulative),
     # and since the last stats the compile time of each grammar and the bitmask fill time of each step.
     num_waiting_for_grammar: int = 0

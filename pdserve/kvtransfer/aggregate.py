@@ -9,7 +9,8 @@ Each rank holds the same block ids, so a request's blocks change hands only once
   once as failed in flight (the scheduler quarantines the blocks and moves on), then as failed once
   no rank can write into them any more.
 
-Counters add up, and each rank's transfers are listed (a load at TP m is m transfers). A TP-1
+A KV tier holds a block once every rank stored its part (a failure on any rank is the block's). Counters
+add up, and each rank's transfers are listed (a load at TP m is m transfers). A TP-1
 engine needs none of this: its one agent's reports are the engine's.
 """
 
@@ -33,6 +34,7 @@ class RankReports:
         self.num_ranks = num_ranks
         self._sent: dict[str, set[int]] = {}  # request id -> ranks whose hold ended
         self._loads: dict[str, _Load] = {}
+        self._stored: dict[tuple[str, bytes], int] = {}  # (medium, hash) -> ranks that stored their part
 
     def join(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput | None:
         """One step's reports, one per rank (None: nothing new), as the engine's; None when nothing."""
@@ -65,6 +67,20 @@ class RankReports:
             joined.num_failed_releases += output.num_failed_releases
             for reason, count in output.rejected_messages.items():
                 joined.rejected_messages[reason] = joined.rejected_messages.get(reason, 0) + count
+            for stored in output.tier_stored:
+                count = self._stored.get(stored, 0) + 1
+                if count == self.num_ranks:
+                    del self._stored[stored]
+                    joined.tier_stored.append(stored)
+                else:
+                    self._stored[stored] = count
+            for medium, block_hash, reason in output.tier_store_failures:
+                self._stored.pop((medium, block_hash), None)
+                joined.tier_store_failures.append((medium, block_hash, reason))
+            joined.tier_load_failures += output.tier_load_failures
+            joined.tier_loads += output.tier_loads
+            if rank == 0:  # every rank times the same forwards
+                joined.step_times += output.step_times
         for request_id in touched:
             load = self._loads[request_id]
             if len(load.ended) == self.num_ranks and not load.writing:

@@ -37,11 +37,14 @@ small protocol below rather than by the engine's Request class.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.api.kv_events import TierEvents
 from pdserve.kvtransfer.params import RemotePrefill
+
+if TYPE_CHECKING:
+    from pdserve.kvtransfer.connectors import ConnectorContext
 
 
 class ConnectorRequest(Protocol):
@@ -78,6 +81,28 @@ class KVConnectorOutput:
     num_failed_releases: int = 0  # "free these blocks" messages that could not be sent (the lease frees them)
     # Side-channel frames refused (unauthenticated, replayed, from an old incarnation, malformed), by reason.
     rejected_messages: dict[str, int] = field(default_factory=dict)
+    # KV tiers: (medium, hash) of blocks now stored; (medium, hash, reason) of stores and block loads that
+    # failed (a failed block load fails its request's load, which is recomputed); (medium, bytes, seconds) of
+    # each tier's part of a landed load; (tokens, seconds) of timed forwards.
+    tier_stored: list[tuple[str, bytes]] = field(default_factory=list)
+    tier_store_failures: list[tuple[str, bytes, str]] = field(default_factory=list)
+    tier_load_failures: list[tuple[str, bytes, str]] = field(default_factory=list)
+    tier_loads: list[tuple[str, int, float]] = field(default_factory=list)
+    step_times: list[tuple[int, float]] = field(default_factory=list)
+
+    def merge(self, other: KVConnectorOutput) -> None:
+        """Add ``other``'s reports to these (two worker sides of one rank: the multi-connector's parts)."""
+        for item in fields(self):
+            mine, theirs = getattr(self, item.name), getattr(other, item.name)
+            if isinstance(mine, int):
+                setattr(self, item.name, mine + theirs)
+            elif isinstance(mine, dict):
+                for key, count in theirs.items():
+                    mine[key] = mine.get(key, 0) + count
+            elif isinstance(mine, set):
+                mine |= theirs
+            else:
+                mine.extend(theirs)
 
     def says_anything(self) -> bool:
         """Whether anything at all is reported."""
@@ -91,7 +116,30 @@ class KVConnectorOutput:
             or self.num_expired_leases
             or self.num_failed_releases
             or self.rejected_messages
+            or self.tier_stored
+            or self.tier_store_failures
+            or self.tier_load_failures
+            or self.tier_loads
+            or self.step_times
         )
+
+
+@dataclass
+class TierStats:
+    """One KV tier's numbers (each a ``pdserve_kv_tier_*`` metric, labelled by medium): gauges of now,
+    cumulative counters, and the durations of the loads finished since the last stats."""
+
+    num_blocks: int = 0
+    num_bytes: int = 0
+    capacity_bytes: int = 0
+    hit_tokens: int = 0  # prompt tokens loaded from the tier instead of computed
+    stored_bytes: int = 0
+    loaded_bytes: int = 0
+    evictions: int = 0  # blocks dropped for room, or past their age
+    skipped: dict[str, int] = field(default_factory=dict)  # blocks not served, by reason (corrupt, truncated, ...)
+    store_failures: dict[str, int] = field(default_factory=dict)  # stores that did not happen, by reason
+    loads_declined: int = 0  # hits not loaded because recomputing was estimated faster
+    load_seconds: list[float] = field(default_factory=list)
 
 
 class KVConnectorWorker(Protocol):
@@ -123,8 +171,21 @@ class KVConnectorScheduler(ABC):
     # refused (the request's answer carries no params, so the decode computes the prompt itself).
     max_held_fraction: float = 1.0
 
+    @classmethod
+    def from_context(cls, context: ConnectorContext) -> KVConnectorScheduler:
+        """The connector an engine with this context runs (``kvtransfer.connectors``)."""
+        raise NotImplementedError(f"{cls.__name__} is not built from a connector context")
+
     def request_added(self, request: ConnectorRequest) -> None:
         """A request entered the scheduler's queue."""
+        return None
+
+    def recompute_failed_load(self, request: ConnectorRequest) -> bool:
+        """Whether the failed load of ``request`` is recomputed here (else the request fails)."""
+        return self.recompute_failed_loads
+
+    def note_step(self, num_tokens: int) -> None:
+        """The step being scheduled computes ``num_tokens`` tokens (called before ``build_connector_meta``)."""
         return None
 
     def release_remote(self, remote: RemotePrefill | None) -> None:
@@ -153,6 +214,14 @@ class KVConnectorScheduler(ABC):
         """(block id, hash) of free cached blocks taken for new data this step, before this step's forward
         overwrites them."""
         return None
+
+    def worker_reported(self, report: KVConnectorOutput) -> None:
+        """What the worker side reported this step, before the scheduler's ledger takes its loads' ends."""
+        return None
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Each KV tier's numbers, by medium (none without tiers); load durations are handed over once."""
+        return {}
 
     def take_tier_events(self, snapshot: bool) -> list[TierEvents]:
         """What entered and left each KV tier since the last call (with every held hash when ``snapshot``)."""

@@ -12,6 +12,7 @@ import numpy as np
 
 from pdserve.kvtransfer.base import ConnectorRequest, KVConnectorScheduler
 from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.connectors import ConnectorContext
 from pdserve.kvtransfer.decode_side import DecodeSide
 from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.kvtransfer.prefill_side import PrefillSide
@@ -46,6 +47,19 @@ class PDConnectorScheduler(KVConnectorScheduler):
             config, compat_hash, block_size, advertised_ports, block_generations, self.outbox, state_rows
         )
         self.decode = DecodeSide(compat_hash, block_size, self.outbox, state_rows)
+
+    @classmethod
+    def from_context(cls, context: ConnectorContext) -> PDConnectorScheduler:
+        if context.config is None or context.block_generations is None:
+            raise ValueError("the P/D connector runs on a P/D role's engine, next to its transfer agents")
+        return cls(
+            context.config,
+            context.compat_hash,
+            context.block_size,
+            context.advertised_ports,
+            context.block_generations,
+            context.state_rows,
+        )
 
     def request_added(self, request: ConnectorRequest) -> None:
         self.decode.request_added(request)

@@ -60,7 +60,8 @@ class MultiprocExecutor:
         self._encoder = StepEncoder()
         self._decode_report = msgspec.msgpack.Decoder(RankReport | WorkerFailed).decode
         # P/D at TP > 1: every rank's transfer agent reports, and a request's blocks change hands once all did.
-        self._reports = RankReports(size) if spec.kv_transfer is not None and size > 1 else None
+        has_connector = spec.kv_transfer is not None or spec.kv_tiers is not None
+        self._reports = RankReports(size) if has_connector and size > 1 else None
         generations_path = None
         if spec.kv_transfer is not None:
             generations_path = generations_file()

@@ -28,6 +28,7 @@ import torch
 import zmq
 
 from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.tiers.config import KVTierConfig
 from pdserve.models.config import ModelConfig
 from pdserve.worker.kv_cache import RunnerConfig
 from pdserve.worker.step import RankReport, StepDecoder, encode_output
@@ -43,6 +44,7 @@ class WorkerSpec:
     model_config: ModelConfig
     runner: RunnerConfig
     kv_transfer: KVTransferConfig | None = None  # P/D roles: the worker runs the transfer agent
+    kv_tiers: KVTierConfig | None = None  # KV tiers on: the worker runs the tiers' worker side
     compat_hash: str = ""
     kv_head_ranges: list[tuple[int, int]] = field(default_factory=list)
     # P/D: the block pool's generations, a file in shared memory every rank's agent maps (and reads,
@@ -89,8 +91,15 @@ def shared_generations(path: str, num_blocks: int) -> np.ndarray:
     return np.memmap(path, dtype=np.int64, mode="r+", shape=(num_blocks,))
 
 
+def _private_generations(rows: int) -> np.ndarray:
+    """No transfer agent shares the generations: the tiers alone never read them."""
+    return np.zeros(rows, dtype=np.int64)
+
+
 def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> None:
-    from pdserve.kvtransfer.agent import TransferAgent, make_transfer_agent
+    from pdserve.kvtransfer.agent import TransferAgent
+    from pdserve.kvtransfer.base import KVConnectorWorker
+    from pdserve.kvtransfer.workers import make_connector_workers
     from pdserve.worker.model_runner import ModelRunner
 
     size = spec.runner.tp_size
@@ -110,25 +119,28 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
     rank = spec.runner.tp_rank
     rank_frame = str(rank).encode()
     try:
-        make_agent = None
-        kv_transfer = spec.kv_transfer
-        if kv_transfer is not None:
-            assert spec.generations_path is not None
+        make_workers = None
+        agents: list[TransferAgent] = []
+        if spec.kv_transfer is not None or spec.kv_tiers is not None:
 
-            def make_agent(kv_cache: torch.Tensor) -> TransferAgent:
-                assert kv_transfer is not None and spec.generations_path is not None
-                generations = functools.partial(shared_generations, spec.generations_path)
-                return make_transfer_agent(
-                    kv_transfer, kv_cache, generations, spec.compat_hash, spec.kv_head_ranges, rank
+            def make_workers(kv_cache: torch.Tensor) -> KVConnectorWorker:
+                generations = (
+                    functools.partial(shared_generations, spec.generations_path)
+                    if spec.generations_path is not None
+                    else _private_generations
                 )
+                workers, agent = make_connector_workers(
+                    spec.kv_transfer, spec.kv_tiers, kv_cache, generations, spec.compat_hash, spec.kv_head_ranges, rank
+                )
+                agents.extend([agent] if agent is not None else [])
+                return workers
 
-        runner = ModelRunner(spec.model_config, spec.runner, make_agent)
-        agent = runner.kv_connector
+        runner = ModelRunner(spec.model_config, spec.runner, make_workers)
         ready = WorkerReady(
             rank,
             runner.num_blocks,
             runner.describe(),
-            getattr(agent, "port", None),
+            agents[0].port if agents else None,
             runner.cache_size.num_state_slots,
             runner.cache_size.rows_per_state_slot,
         )
@@ -136,7 +148,7 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
         decoder = StepDecoder()
         # Every rank runs each step; rank 0's output is the one read, and the other ranks of a P/D
         # engine add what their own transfer agents reported.
-        reports = rank > 0 and agent is not None
+        reports = rank > 0 and runner.kv_connector is not None
         while True:
             work = decoder.decode(steps.recv(), steps.recv)
             if work is None:
