@@ -544,13 +544,20 @@ def _debug_index(responses: _Responses) -> dict[str, Any]:
             "engine_id": _STRING,
             "block_size": {"type": "integer"},
             "num_blocks": {"type": "integer", "minimum": 0},
+            "media": {
+                "type": "object",
+                "description": "Blocks per medium the pod reports: engine (its pool) and its KV tiers (host, disk, "
+                "shared)",
+                "additionalProperties": {"type": "integer", "minimum": 0},
+            },
             "stale": {"type": "boolean"},
             "seq": {"type": "integer"},
             "age_s": {"type": "number"},
             "load": {"anyOf": [load, {"type": "null"}]},
             "block_hashes": {"type": "array", "items": _STRING},
+            "tier_block_hashes": {"type": "object", "additionalProperties": {"type": "array", "items": _STRING}},
         },
-        "required": ["engine_id", "block_size", "num_blocks", "stale", "seq", "age_s", "load"],
+        "required": ["engine_id", "block_size", "num_blocks", "media", "stale", "seq", "age_s", "load"],
     }
     return {
         "summary": "What the router believes each pod has cached, and its load",

@@ -1,5 +1,5 @@
 """Router settings: the one place that names what the CLI can set for a router, with the flags that set
-them (``pdserve.api.flags``)."""
+them (``pdserve.api.flags``), and the reading of the per-medium weights ``--tier-weights`` gives."""
 
 from __future__ import annotations
 
@@ -7,9 +7,59 @@ import argparse
 from dataclasses import dataclass, field
 
 from pdserve.api.flags import add_flags, flag, flag_values
+from pdserve.api.kv_events import MEDIA
 from pdserve.router.policies import ROUTING_POLICIES
 
 DISCOVERIES = ("static", "kubernetes")
+# What a matched prompt block is worth by the fastest medium holding it (llm-d's per-tier scorer weights): a block
+# in the engine's pool costs nothing to use, one in a tier must be loaded first, the slower the tier the longer.
+DEFAULT_TIER_WEIGHTS = "engine=1,host=0.8,disk=0.5,shared=0.4"
+
+
+def parse_tier_weights(text: str) -> dict[str, float]:
+    """Per-medium weights (every medium of ``MEDIA``) from ``--tier-weights`` text, ``medium=weight`` pairs
+    separated by commas; a medium the text leaves out keeps its default. ValueError, saying why, for an unknown
+    medium, one given twice, a weight that is not a number in [0, 1], or a tier weighing more than the engine's
+    pool (a block a tier must load first cannot be worth more than one already in the pool)."""
+    weights = _pairs(DEFAULT_TIER_WEIGHTS)
+    weights.update(_pairs(text))
+    if weights["engine"] <= 0:
+        raise ValueError("--tier-weights: engine must weigh more than 0 (its blocks are what prefix scores count)")
+    heavier = [medium for medium in MEDIA[1:] if weights[medium] > weights["engine"]]
+    if heavier:
+        raise ValueError(
+            f"--tier-weights: engine must weigh the most, got {', '.join(heavier)} above engine={weights['engine']}"
+        )
+    return weights
+
+
+def _pairs(text: str) -> dict[str, float]:
+    weights: dict[str, float] = {}
+    for pair in text.split(","):
+        medium, equals, number = (part.strip() for part in pair.partition("="))
+        if not equals:
+            raise ValueError(f"--tier-weights: {pair.strip()!r} is not medium=weight (e.g. {DEFAULT_TIER_WEIGHTS})")
+        if medium not in MEDIA:
+            raise ValueError(f"--tier-weights: unknown medium {medium!r} (media: {', '.join(MEDIA)})")
+        if medium in weights:
+            raise ValueError(f"--tier-weights: {medium} is given twice")
+        try:
+            weight = float(number)
+        except ValueError:
+            raise ValueError(f"--tier-weights: {medium}'s weight {number!r} is not a number") from None
+        if not 0.0 <= weight <= 1.0:  # NaN fails this too
+            raise ValueError(f"--tier-weights: {medium}'s weight must be in [0, 1], got {number}")
+        weights[medium] = weight
+    return weights
+
+
+def _checked_tier_weights(text: str) -> str:
+    """The flag's text, once it reads as weights; else the reason, which argparse prints after the flag's name."""
+    try:
+        parse_tier_weights(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--tier-weights: ")) from None
+    return text
 
 
 @dataclass
@@ -50,6 +100,17 @@ class RouterConfig:
     load_weight: float = field(
         default=4.0, metadata=flag("prefix-load: score lost per request running or queued on the pod")
     )
+    tier_weights: str = field(
+        default=DEFAULT_TIER_WEIGHTS,
+        metadata=flag(
+            "prefix policies: what a matched block is worth by the fastest medium holding it (engine: the pool; "
+            "host, disk, shared: its KV tiers), in [0, 1], engine the most; media left out keep their default "
+            f"({DEFAULT_TIER_WEIGHTS})",
+            parse=_checked_tier_weights,
+            metavar="MEDIUM=W,...",
+        ),
+    )
+    medium_weights: dict[str, float] = field(init=False, repr=False)  # tier_weights read: medium -> weight
     pd_min_prefill_tokens: int = field(
         default=256,
         metadata=flag("skip the prefill leg when the decode pod lacks fewer prompt tokens (0: never skip)"),
@@ -68,6 +129,9 @@ class RouterConfig:
             "needs)"
         ),
     )
+
+    def __post_init__(self) -> None:
+        self.medium_weights = parse_tier_weights(self.tier_weights)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ engine reported (``usage.prompt_tokens_details.cached_tokens`` / block size; dec
 streamed ones that asked for ``include_usage``); ``pdserve_router_prefill_skipped_total``: requests sent
 decode-only because the decode pod had nearly all the prompt cached; ``pdserve_router_retries_total``: decode
 legs sent to another pod; KV-event health: batches, gaps, malformed frames, and per pod (at scrape time) the
-index's size and stale flag.
+index's size (the engine's pool, and each medium the pod reports: its KV tiers too) and stale flag.
 """
 
 from __future__ import annotations
@@ -187,7 +187,12 @@ class _IndexCollector(Collector):
         )
         gaps.add_metric([], index.num_gaps)
         blocks = GaugeMetricFamily(
-            "pdserve_router_kv_index_blocks", "Block hashes the index holds per pod", labels=["pod"]
+            "pdserve_router_kv_index_blocks", "Block hashes the index holds per pod (its engine's pool)", labels=["pod"]
+        )
+        medium_blocks = GaugeMetricFamily(
+            "pdserve_router_kv_index_medium_blocks",
+            "Block hashes the index holds per pod and medium (engine: the pool; host, disk, shared: its KV tiers)",
+            labels=["pod", "medium"],
         )
         stale = GaugeMetricFamily(
             "pdserve_router_kv_index_stale",
@@ -196,5 +201,7 @@ class _IndexCollector(Collector):
         )
         for url, pod in list(index.pods.items()):
             blocks.add_metric([url], len(pod.hashes))
+            for medium, held in pod.held().items():
+                medium_blocks.add_metric([url, medium], len(held))
             stale.add_metric([url], 1.0 if pod.stale else 0.0)
-        yield from (batches, gaps, blocks, stale)
+        yield from (batches, gaps, blocks, medium_blocks, stale)

@@ -2,12 +2,16 @@
 row per policy in ``ROUTING_POLICIES``.
 
 - ``round-robin``: the next pod in turn; ``least-load``: fewest requests this router has in flight there.
-- ``prefix``: the pod with the longest cached prefix of the prompt (from the KV index); ties go to the
+- ``prefix``: the pod with the best-weighted cached prefix of the prompt (from the KV index); ties go to the
   least-loaded, then round-robin. For a prefill pod that is the one computing the least; for a decode pod the
   one pulling the fewest blocks (or, decode-only, computing the least).
-- ``prefix-load``: score = prefix_weight × matched blocks − load_weight × load, where load is the larger of
-  this router's in-flight count and the engine's own queue (running + waiting + waiting for KV: it sees other
-  router replicas' requests too), plus its KV-cache usage (0..1). Ties as for ``prefix``.
+- ``prefix-load``: score = prefix_weight × weighted matched blocks − load_weight × load, where load is the
+  larger of this router's in-flight count and the engine's own queue (running + waiting + waiting for KV: it
+  sees other router replicas' requests too), plus its KV-cache usage (0..1). Ties as for ``prefix``.
+
+The matched blocks are the prompt's leading blocks a pod holds in any medium, its pool or a KV tier; each
+weighs what ``--tier-weights`` gives the fastest medium holding it (engine 1, host 0.8, disk 0.5, shared 0.4 by
+default), since a block in a tier must be loaded before it saves any compute.
 
 The prefix policies need the prompt's token ids (``--tokenizer``); without them, or for a request whose prompt
 is not known (several prompts), they choose least-load. A policy is built with the router's settings and its
@@ -34,7 +38,7 @@ if TYPE_CHECKING:
 class Choice:
     pod: Pod
     policy: str  # what decided: a routing name, or "affinity"
-    matched: int = 0  # leading prompt blocks the pod has cached, as predicted from the index
+    matched: int = 0  # leading prompt blocks the pod holds in any medium, as predicted from the index
     block_size: int = 0  # the pod's block size; 0 when no prediction was made
 
 
@@ -85,6 +89,7 @@ class PrefixLoad(LeastLoad):
         self.prefix_aware = config.tokenizer is not None
         self.prefix_weight = config.prefix_weight
         self.load_weight = config.load_weight
+        self.medium_weights = config.medium_weights
 
     def choose(
         self, podset: PodSet, prompt: Prompt | None, exclude: Collection[Pod], healthy_only: bool
@@ -93,14 +98,14 @@ class PrefixLoad(LeastLoad):
             return super().choose(podset, prompt, exclude, healthy_only)
         matched: dict[Pod, int] = {}
         index = self.index
-        prefix_weight, load_weight = self.prefix_weight, self.load_weight
+        prefix_weight, load_weight, medium_weights = self.prefix_weight, self.load_weight, self.medium_weights
 
         def score(pod: Pod) -> float:
             known = index.pods.get(pod.url)
-            hits = 0
+            hits = 0.0
             if known is not None and known.block_size:
-                hits = index.match(pod.url, prompt.hashes(known.block_size))
-            matched[pod] = hits
+                match = index.match(pod.url, prompt.hashes(known.block_size), medium_weights)
+                matched[pod], hits = match.blocks, match.score
             if not load_weight:
                 return hits
             load = None if known is None else known.load
@@ -117,7 +122,7 @@ class PrefixLoad(LeastLoad):
 
 
 class Prefix(PrefixLoad):
-    """prefix-load without the load term: the longest cached prefix wins, load only breaks ties."""
+    """prefix-load without the load term: the best-weighted cached prefix wins, load only breaks ties."""
 
     name = "prefix"
 

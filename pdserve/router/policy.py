@@ -26,6 +26,7 @@ class Chooser:
         if policy_cls is None:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {config.routing!r}")
         self.index = index
+        self.medium_weights = config.medium_weights
         self.policy = policy_cls(config, index)
         self.prefix_aware = self.policy.prefix_aware
 
@@ -49,7 +50,9 @@ class Chooser:
             known = self.index.pods.get(choice.pod.url)
             if known is not None and known.block_size:
                 choice.block_size = known.block_size
-                choice.matched = self.index.match(choice.pod.url, prompt.hashes(known.block_size))
+                choice.matched = self.index.match(
+                    choice.pod.url, prompt.hashes(known.block_size), self.medium_weights
+                ).blocks
         return choice
 
 

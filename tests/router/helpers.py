@@ -20,7 +20,7 @@ import zmq.asyncio
 from aiohttp import web
 from multidict import CIMultiDict
 
-from pdserve.api.kv_events import EngineLoad, EventSigner, KVEventBatch, encode_batch
+from pdserve.api.kv_events import EngineLoad, EventSigner, KVEventBatch, TierEvents, encode_batch
 from pdserve.launcher import free_port
 from pdserve.router import RouterConfig, RunningRouter, start_router
 
@@ -196,6 +196,7 @@ class Stub:
         load: EngineLoad | None = None,
         seq: int | None = None,
         engine_id: str | None = None,
+        tiers: list[TierEvents] = (),
     ) -> None:
         """Publish one batch (consecutive ``seq`` unless given; in the stub's name unless ``engine_id``)."""
         self.seq = self.seq if seq is None else seq
@@ -207,6 +208,7 @@ class Stub:
             list(removed),
             load or EngineLoad(0, 0, 0, 0.0, 0),
             None if snapshot is None else list(snapshot),
+            list(tiers),
         )
         self.seq += 1
         await self.send_raw(encode_batch(batch))

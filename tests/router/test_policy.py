@@ -1,11 +1,13 @@
-"""Pod choice policies, scoring, session affinity (rendezvous) and the P/D decider's arithmetic, on a KV index
-fed by hand."""
+"""Pod choice policies, scoring (blocks weighed by the medium holding them), session affinity (rendezvous) and the
+P/D decider's arithmetic, on a KV index fed by hand."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
-from pdserve.api.kv_events import EngineLoad, KVEventBatch
+from pdserve.api.kv_events import EngineLoad, KVEventBatch, TierEvents
 from pdserve.engine.block_hash import hash_prompt_blocks
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_index import KVIndex
@@ -102,3 +104,50 @@ def test_session_affinity_is_stable_overrides_the_score_and_respects_health():
     assert all(moved[s] == url for s, url in first.items() if url != "a")
     assert all(moved[s] in ("b", "c") for s, url in first.items() if url == "a")
     assert rendezvous([], "x") is None
+
+
+def tier_batch(
+    url: str, seq: int, pool: list[bytes], removed: Sequence[bytes] = (), **tiers: list[bytes]
+) -> KVEventBatch:
+    """A batch of pod ``url``: ``pool`` entered its block pool, ``removed`` left it, each tier's hashes entered it."""
+    stored = [TierEvents(medium, hashes, []) for medium, hashes in tiers.items()]
+    return KVEventBatch("e-" + url, seq, 16, pool, list(removed), IDLE, tiers=stored)
+
+
+@pytest.mark.parametrize("routing", ["prefix", "prefix-load"])
+def test_an_event_stream_with_tier_media_scores_a_disk_hit_above_a_cold_pod_and_below_an_engine_hit(routing):
+    chooser, pods, index = setup(routing)
+    index.apply("a", tier_batch("a", 0, HASHES))  # the whole prompt in a's pool
+    index.apply("b", tier_batch("b", 0, [], disk=HASHES))  # in b's disk tier
+    index.apply("c", tier_batch("c", 0, [], host=[b"elsewhere" * 4]))  # cold for this prompt
+    prompt = Prompt(TOKENS)
+    choice = chooser.choose(pods, prompt)
+    assert (choice.pod.url, choice.matched) == ("a", 9)
+    a, b, _ = pods.pods
+    b.in_flight = 1  # the disk hit outweighs a load tie-break (and prefix-load's load term) over a cold pod
+    choice = chooser.choose(pods, prompt, exclude=[a])
+    assert (choice.pod.url, choice.matched, choice.block_size) == ("b", 9, 16)  # any medium counts as matched
+    assert uncached_tokens(prompt, choice) == 160 - 9 * 16
+    # a's pool evicts the prompt into its host tier: a host hit (0.8 a block) still beats a disk hit (0.5).
+    index.apply("a", tier_batch("a", 1, [], removed=HASHES, host=HASHES))
+    assert chooser.choose(pods, prompt).pod.url == "a"
+    # Weighed, a shorter prefix in the pool beats a longer one on disk: 5 × 1 > 9 × 0.5.
+    index.apply("a", tier_batch("a", 2, HASHES[:5]))
+    index.apply("a", KVEventBatch("e-a", 3, 16, [], [], IDLE, snapshot=HASHES[:5]))  # no tiers listed: host gone
+    assert index.pods["a"].tiers == {}
+    choice = chooser.choose(pods, prompt)
+    assert (choice.pod.url, choice.matched) == ("a", 5)
+    index.apply("a", KVEventBatch("e-a", 4, 16, [], HASHES[:5], IDLE))  # evicted for good
+    assert chooser.choose(pods, prompt).pod.url == "b"
+
+
+def test_tier_weights_set_what_each_medium_is_worth():
+    # Disk weighed as the pool: b's 9 disk blocks beat a's 5 pool blocks; shared weighed 0: c's hit counts nothing,
+    # though it still counts as matched (the decider's figure).
+    chooser, pods, index = setup("prefix", tier_weights="disk=1, shared=0")
+    index.apply("a", tier_batch("a", 0, HASHES[:5]))
+    index.apply("b", tier_batch("b", 0, [], disk=HASHES))
+    index.apply("c", tier_batch("c", 0, [], shared=HASHES))
+    assert chooser.choose(pods, Prompt(TOKENS)).pod.url == "b"
+    assert chooser.choose(pods, Prompt(TOKENS), exclude=[pods.pods[0], pods.pods[1]]).matched == 9
+    assert chooser.choose(pods, Prompt(TOKENS), exclude=[pods.pods[1]]).pod.url == "a"

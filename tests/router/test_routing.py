@@ -1,7 +1,7 @@
 """Smart routing through a real router against stub engines that publish KV events over ZMQ: requests follow the
-cached prefix, predictions are counted against what engines report, the P/D decider, subscriptions that follow
-pods, malformed frames, stale indexes, passive failure counting, retries before the first byte, and session
-affinity."""
+cached prefix (in an engine's pool or its KV tiers), predictions are counted against what engines report, the P/D
+decider, subscriptions that follow pods, malformed frames, stale indexes, passive failure counting, retries before
+the first byte, and session affinity."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import time
 import msgspec
 import pytest
 
-from pdserve.api.kv_events import EventSigner
+from pdserve.api.kv_events import EventSigner, TierEvents
 from pdserve.api.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 from pdserve.engine.block_hash import hash_prompt_blocks
 from pdserve.models.demo import ensure_demo_model
-from pdserve.testing.metrics import metric
+from pdserve.testing.metrics import metric, parse, series
 from tests.router.helpers import get, metrics_text, post, settles, stream_bytes, usage_event
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
@@ -81,6 +81,50 @@ def test_requests_follow_the_cached_prefix_and_predictions_are_counted(loop, clu
     text_metrics = metrics_text(loop, router)
     for name in ("pdserve_router_prefix_blocks_predicted_total", "pdserve_router_prefix_blocks_realised_total"):
         assert metric(text_metrics, name, role="decode") == 48  # only answers that report usage count
+
+
+def test_tier_events_steer_requests_and_show_in_the_debug_index_and_metrics(loop, cluster, model, tokenizer):
+    pool, disk, cold = (cluster.stub("decode", events=True) for _ in range(3))
+    router = cluster.router([], [pool.url, disk.url, cold.url], tokenizer=model, api_key="sk")
+    text = SENTENCE * 10
+    hashes = hash_prompt_blocks(encode_prompt(tokenizer, text), 16)
+    publish_until(loop, pool, router, has(hashes), snapshot=hashes)
+    on_disk = [TierEvents("disk", [], [], hashes), TierEvents("host", [], [], [])]
+    publish_until(loop, disk, router, lambda pod: pod is not None and "disk" in pod.tiers, snapshot=[], tiers=on_disk)
+    publish_until(loop, cold, router, lambda pod: pod is not None, snapshot=[])
+    auth = {"Authorization": "Bearer sk"}
+    body = {"prompt": text, "max_tokens": 2}
+    for _ in range(2):
+        assert loop.run(post(router.url + "/v1/completions", body, auth))[0] == 200
+    assert (len(pool.seen), disk.seen, cold.seen) == (2, [], [])  # the pool hit beats the disk hit
+    publish_until(loop, pool, router, lambda pod: not pod.hashes, removed=hashes)  # evicted
+    for _ in range(2):
+        assert loop.run(post(router.url + "/v1/completions", body, auth))[0] == 200
+    assert (len(pool.seen), len(disk.seen), cold.seen) == (2, 2, [])  # the disk hit beats the cold pods
+
+    status, payload = loop.run(get(router.url + "/debug/index?hashes=1", auth))
+    pods = msgspec.json.decode(payload)["pods"]
+    assert status == 200 and pods[disk.url]["num_blocks"] == 0
+    assert pods[disk.url]["media"] == {"engine": 0, "host": 0, "disk": len(hashes)}
+    assert pods[disk.url]["tier_block_hashes"]["disk"] == sorted(block.hex() for block in hashes)
+    assert pods[pool.url]["media"] == {"engine": 0} and pods[pool.url]["tier_block_hashes"] == {}
+    samples = parse(metrics_text(loop, router))
+    medium_blocks = {
+        (pod, medium): samples.get(series("pdserve_router_kv_index_medium_blocks", pod=pod, medium=medium))
+        for pod in (pool.url, disk.url)
+        for medium in ("engine", "host", "disk", "shared")
+    }
+    assert medium_blocks == {  # only the media a pod reports
+        (pool.url, "engine"): 0,
+        (pool.url, "host"): None,
+        (pool.url, "disk"): None,
+        (pool.url, "shared"): None,
+        (disk.url, "engine"): 0,
+        (disk.url, "host"): 0,
+        (disk.url, "disk"): len(hashes),
+        (disk.url, "shared"): None,
+    }
+    assert metric(samples, "pdserve_router_kv_index_blocks", pod=disk.url) == 0
 
 
 def test_the_decider_skips_the_prefill_leg_when_decode_has_the_prompt(loop, cluster, model, tokenizer):
