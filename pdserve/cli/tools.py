@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
 import sys
 
 from pdserve.api.auth import API_KEY_ENV
+from pdserve.api.flags import parse_size
 from pdserve.api.keys import ENGINE_FILES, ROTATION_STEPS, ROUTER_FILES
 from pdserve.api.roles import COLOCATED
 from pdserve.cli.engine import add_engine_flags, engine_args
@@ -68,6 +70,19 @@ def add_tool_commands(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--output-len", type=float, default=128, help="mean output tokens")
     plan.add_argument("--output-cv", type=float, default=0.5)
     plan.add_argument("--prefix-hit-rate", type=float, default=0.0, help="share of each prompt that is a shared prefix")
+    plan.add_argument(
+        "--tier-hit-rate",
+        type=float,
+        default=0.0,
+        help="share of each prompt, after its shared prefix, that KV tiers hold: loaded instead of computed",
+    )
+    plan.add_argument(
+        "--tier-bandwidth",
+        type=parse_size,
+        default=None,
+        help="bytes/s the KV tiers load into one engine, e.g. 2GiB (needed with --tier-hit-rate; default: the "
+        "profile's tier_bytes_per_s)",
+    )
     plan.add_argument("--duration", type=float, default=600.0, help="seconds of traffic to simulate")
     plan.add_argument("--ttft-ms", type=float, required=True)
     plan.add_argument("--tpot-ms", type=float, required=True)
@@ -198,6 +213,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         profile = Profile.load(args.profile)
+        if args.tier_bandwidth is not None:
+            profile = dataclasses.replace(profile, tier_bytes_per_s=float(args.tier_bandwidth))
         decode_profile = Profile.load(args.decode_profile) if args.decode_profile else None
         slo = SLO(args.ttft_ms / 1000, args.tpot_ms / 1000, args.attainment)
         if args.trace:
@@ -211,6 +228,7 @@ def _plan(args: argparse.Namespace) -> int:
                 duration_s=args.duration,
                 burstiness=args.burstiness,
                 prefix_hit_rate=args.prefix_hit_rate,
+                tier_hit_rate=args.tier_hit_rate,
                 seed=args.seed,
                 max_model_len=profile.engine.max_model_len,
             )

@@ -29,6 +29,9 @@ MODEL_DIR = "/models/model"
 # items their role holds (routers: keys.ROUTER_FILES; engines: keys.ENGINE_FILES).
 KV_KEYS = "kv-keys"
 KV_KEYS_DIR = "/etc/pdserve/kv-keys"
+# Where engine pods mount the KV tiers' volumes (a pool's kvCache.disk and kvCache.shared).
+KV_DISK_DIR = "/var/cache/pdserve/kv-disk"
+KV_SHARED_DIR = "/var/cache/pdserve/kv-shared"
 # The NetworkPolicy on the engine pods: its name suffix and component.
 ENGINES = "engines"
 

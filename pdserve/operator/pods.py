@@ -1,8 +1,8 @@
 """Pod templates of the router and the engine pools of one PDService (pure functions of the spec).
 
 Owns what runs in the pods: the `pdserve router|prefill|decode` command lines (flags: docs/contracts.md),
-environment, ports, probes, resources, the model, KV-keys and /dev/shm volumes, the engine pods'
-tensor-parallel annotation and the security context.
+environment, ports, probes, resources, the model, KV-keys, /dev/shm and KV-tier volumes (a pool's kvCache), the
+engine pods' tensor-parallel annotation and the security context.
 """
 
 import math
@@ -11,8 +11,10 @@ from typing import Any
 from pdserve.api.auth import API_KEY_ENV
 from pdserve.api.keys import ENGINE_FILES, ROUTER_FILES
 from pdserve.operator.names import (
+    KV_DISK_DIR,
     KV_KEYS,
     KV_KEYS_DIR,
+    KV_SHARED_DIR,
     KV_SIDE_CHANNEL_PORT,
     MODEL_DIR,
     PORTS,
@@ -22,6 +24,7 @@ from pdserve.operator.names import (
     labels,
     object_name,
 )
+from pdserve.operator.spec import disk_tier_bytes, duration_seconds, quantity_bytes
 
 # The image's non-root user (its HOME is writable: Triton and CPU kernel caches); /tmp is an
 # emptyDir so scratch files stay off the container's writable layer.
@@ -33,6 +36,10 @@ SCRATCH_DIR = "/tmp"
 # there, of this many GiB per rank unless the pool's shmSize says otherwise.
 SHM_DIR = "/dev/shm"
 SHM_GIB_PER_RANK = 1
+
+# The volumes of a pool's kvCache.disk (an emptyDir) and kvCache.shared (the user's ReadWriteMany claim).
+KV_DISK_VOLUME = "kv-disk"
+KV_SHARED_VOLUME = "kv-shared"
 
 # Model loading can take many minutes (large weights over network storage); the startup probe
 # holds liveness off for up to 30 minutes before the pod counts as failed.
@@ -90,8 +97,48 @@ def engine_command(service: str, role: str, spec: dict[str, Any]) -> list[str]:
         "--kv-keys",
         KV_KEYS_DIR,
         *(["--tensor-parallel-size", str(ranks)] if ranks > 1 else []),
+        *_kv_tier_flags(spec[role].get("kvCache") or {}),
         *spec[role].get("engineArgs", []),
     ]
+
+
+def _kv_tier_flags(cache: dict[str, Any]) -> list[str]:
+    """The engine's --kv-tier-* flags for a pool's kvCache (none for an empty or absent one)."""
+    flags = []
+    if "hostMemory" in cache:
+        flags += ["--kv-tier-host-bytes", str(quantity_bytes(cache["hostMemory"]))]
+    if "disk" in cache:
+        flags += ["--kv-tier-disk", KV_DISK_DIR, "--kv-tier-disk-bytes", str(disk_tier_bytes(cache["disk"]["size"]))]
+    shared = cache.get("shared")
+    if shared is not None:
+        flags += ["--kv-tier-shared", KV_SHARED_DIR]
+        if "size" in shared:
+            flags += ["--kv-tier-shared-bytes", str(quantity_bytes(shared["size"]))]
+        if shared["readOnly"]:
+            flags.append("--kv-tier-shared-read-only")
+    if "maxAge" in cache:
+        flags += ["--kv-tier-max-age", number(duration_seconds(cache["maxAge"]))]
+    return flags
+
+
+def _kv_tier_volumes(cache: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, the engine container's mounts of them) for a pool's kvCache.disk and kvCache.shared.
+
+    A false readOnly is left out rather than written: the API server drops it, and the operator would
+    otherwise see a difference to patch on every pass."""
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    if "disk" in cache:
+        # On the node's ephemeral storage: kept across restarts of the engine container, gone with the pod.
+        volumes.append({"name": KV_DISK_VOLUME, "emptyDir": {"sizeLimit": cache["disk"]["size"]}})
+        mounts.append({"name": KV_DISK_VOLUME, "mountPath": KV_DISK_DIR})
+    shared = cache.get("shared")
+    if shared is not None:
+        read_only = {"readOnly": True} if shared["readOnly"] else {}
+        claim = {"claimName": shared["claimName"], **read_only}
+        volumes.append({"name": KV_SHARED_VOLUME, "persistentVolumeClaim": claim})
+        mounts.append({"name": KV_SHARED_VOLUME, "mountPath": KV_SHARED_DIR, **read_only})
+    return volumes, mounts
 
 
 def router_command(service: str, namespace: str, spec: dict[str, Any]) -> list[str]:
@@ -260,6 +307,9 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
         # the container's memory limit.
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}})
         container["volumeMounts"].append({"name": "shm", "mountPath": SHM_DIR})
+    tier_volumes, tier_mounts = _kv_tier_volumes(spec[role].get("kvCache") or {})
+    volumes += tier_volumes
+    container["volumeMounts"] += tier_mounts
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "initContainers": [_model_download(spec, _container_security())]

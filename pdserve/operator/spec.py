@@ -1,15 +1,18 @@
-"""A PDService spec as the operator reads it: the CRD's defaults, and the checks a schema cannot express.
+"""A PDService spec as the operator reads it: the CRD's defaults, the checks a schema cannot express, and
+the numbers its Kubernetes-style values stand for.
 
 The API server applies the CRD's defaults, but the operator fills them again (`with_defaults`) so
 that it never depends on them (older objects, emulated API servers); tests keep the two in step.
 One default depends on another field, so the CRD cannot hold it: a pool's `gpus` (GPUs per pod)
 defaults to its `tensorParallelSize` (one GPU per rank). `problems` lists what makes a spec
-unusable, before anything is created for it.
+unusable, before anything is created for it. `quantity_bytes` and `duration_seconds` read a
+quantity ("8Gi") and a duration ("12h") as the engine flags want them (a pool's kvCache).
 """
 
 import copy
+import decimal
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pdserve.operator.names import DECODE, ENGINE_ROLES, PREFILL, ROUTER
@@ -44,6 +47,18 @@ DEFAULT_UCX_TRANSPORTS = "rc,cuda_copy,gdr_copy,self"
 # because the pods' GPUs and /dev/shm volume follow it (more than one rank implies the `mp` executor).
 TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--distributed-executor-backend")
 MAX_TENSOR_PARALLEL_SIZE = 64
+# The engine's KV-tier flags: a pool's kvCache sets them, because the volumes they name are the operator's
+# (a path of the user's would name a folder no volume backs; a size of theirs could outgrow the volume).
+KV_TIER_FLAGS = (
+    "--kv-tier-host-bytes",
+    "--kv-tier-disk",
+    "--kv-tier-disk-bytes",
+    "--kv-tier-shared",
+    "--kv-tier-shared-bytes",
+    "--kv-tier-shared-read-only",
+    "--no-kv-tier-shared-read-only",
+    "--kv-tier-max-age",
+)
 RESERVED_ROUTER_FLAGS = (
     "--host",
     "--port",
@@ -62,14 +77,61 @@ _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # A Secret's name: a DNS-1123 subdomain.
 MAX_SECRET_NAME_LENGTH = 253
 _SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_CLAIM_NAME = _SECRET_NAME  # a PersistentVolumeClaim's name is a DNS-1123 subdomain too
 # A Kubernetes quantity of bytes, loosely: a plain or decimal number with an optional binary, decimal
 # or exponent suffix (no sign, no milli: a size). The API server has the last word.
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[kMGTPE]|[eE][0-9]+)?$"
 _QUANTITY = re.compile(QUANTITY_PATTERN)
+_BINARY_SUFFIXES = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
+_DECIMAL_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+# Beyond 10^18 bytes a quantity is a typo, not a size (and the number would only grow).
+_MAX_EXPONENT = 18
+# kvCache.maxAge as a duration: one or more numbers with a unit, e.g. 12h, 1h30m, 7d, 90s.
+_DURATION = re.compile(r"^([0-9]+(\.[0-9]+)?[smhd])+$")
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# An emptyDir that outgrows its sizeLimit gets its pod evicted, so the disk tier's own bound
+# (--kv-tier-disk-bytes) is this share of kvCache.disk.size: the rest is headroom for what the bound
+# does not count (files being written, the file system's own overhead).
+KV_DISK_SHARE = (9, 10)
 _PERCENT = re.compile(r"^[0-9]+%$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 # On a command line every user of the node can read it: the key comes from spec.apiKeySecret.
 API_KEY_FLAG = "--api-key"
+
+
+def quantity_bytes(text: str) -> int:
+    """The bytes of a Kubernetes quantity that `QUANTITY_PATTERN` accepts ("8Gi", "1.5G", "1e9", "4096"),
+    rounded up as the API server rounds them; ValueError for anything else."""
+    match = _QUANTITY.fullmatch(text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"not a quantity of bytes: {text!r}")
+    number, suffix = decimal.Decimal(match.group(1)), match.group(3) or ""
+    if suffix in _BINARY_SUFFIXES:
+        scale = decimal.Decimal(_BINARY_SUFFIXES[suffix])
+    elif suffix in _DECIMAL_SUFFIXES:
+        scale = decimal.Decimal(_DECIMAL_SUFFIXES[suffix])
+    elif int(suffix[1:]) <= _MAX_EXPONENT:  # an exponent: e9, E3
+        scale = decimal.Decimal(10) ** int(suffix[1:])
+    else:
+        raise ValueError(f"too large a quantity: {text!r}")
+    return int((number * scale).to_integral_value(rounding=decimal.ROUND_CEILING))
+
+
+def duration_seconds(value: Any) -> float:
+    """Seconds from a whole number of seconds (3600) or a duration ("12h", "1h30m", "7d", "90s");
+    ValueError for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, str) or not _DURATION.fullmatch(value):
+        raise ValueError(f"not a duration: {value!r}")
+    return sum(float(number) * _DURATION_UNITS[unit] for number, unit in _DURATION_PART.findall(value))
+
+
+def disk_tier_bytes(size: str) -> int:
+    """--kv-tier-disk-bytes for a disk volume of `size` (a quantity): `KV_DISK_SHARE` of it."""
+    share, whole = KV_DISK_SHARE
+    return quantity_bytes(size) * share // whole
 
 
 def plain(value: Any) -> Any:
@@ -105,6 +167,9 @@ def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
         tensor_parallel = pool.setdefault("tensorParallelSize", 1)
         # One GPU per rank; an unusable size (reported by `problems`) falls back to the old default.
         pool.setdefault("gpus", tensor_parallel if _is_tensor_parallel_size(tensor_parallel) else 1)
+        cache = pool.get("kvCache")
+        if isinstance(cache, dict) and isinstance(cache.get("shared"), dict):
+            cache["shared"].setdefault("readOnly", False)
     return full
 
 
@@ -285,9 +350,11 @@ def _pool_problems(where: str, pool: dict[str, Any]) -> list[str]:
     found += _tensor_parallel_problems(where, pool)
     args = pool.get("engineArgs", [])
     found += _args_problems(f"{where}.engineArgs", args, RESERVED_ENGINE_FLAGS)
-    taken = _taken_flags(args, TENSOR_PARALLEL_FLAGS) if _is_string_list(args) else []
-    if taken:
-        found.append(f"{where}.engineArgs must not set {', '.join(taken)} (set {where}.tensorParallelSize instead)")
+    for flags, field in ((TENSOR_PARALLEL_FLAGS, "tensorParallelSize"), (KV_TIER_FLAGS, "kvCache")):
+        taken = _taken_flags(args, flags) if _is_string_list(args) else []
+        if taken:
+            found.append(f"{where}.engineArgs must not set {', '.join(taken)} (set {where}.{field} instead)")
+    found += _kv_cache_problems(where, pool)
     shm = pool.get("shmSize")
     if "shmSize" in pool and (not isinstance(shm, str) or not _QUANTITY.fullmatch(shm)):
         found.append(f"{where}.shmSize must be a Kubernetes quantity of bytes such as 2Gi or 512Mi")
@@ -306,6 +373,66 @@ def _pool_problems(where: str, pool: dict[str, Any]) -> list[str]:
     if not is_count and not (isinstance(unavailable, str) and _PERCENT.fullmatch(unavailable)):
         found.append(f"{where}.maxUnavailable must be an integer >= 0 or a percentage such as 25%")
     return found
+
+
+def _kv_cache_problems(where: str, pool: dict[str, Any]) -> list[str]:
+    """A pool's kvCache: the KV tiers below its engines' block pools (all optional)."""
+    if "kvCache" not in pool:
+        return []
+    cache, where = pool["kvCache"], f"{where}.kvCache"
+    if not isinstance(cache, dict):
+        return [f"{where} must be an object"]
+    found = []
+    if "hostMemory" in cache:
+        found += _size_problems(f"{where}.hostMemory", cache["hostMemory"], quantity_bytes)
+        if pool["gpus"] == 0 and not isinstance(pool["gpus"], bool):
+            found.append(
+                f"{where}.hostMemory needs GPUs: with gpus 0 the engines run on the CPU, whose KV cache already is "
+                "host memory"
+            )
+    if "disk" in cache:
+        disk = cache["disk"]
+        if not isinstance(disk, dict):
+            found.append(f"{where}.disk must be an object with a size")
+        else:
+            found += _size_problems(f"{where}.disk.size", disk.get("size"), disk_tier_bytes)
+    if "shared" in cache:
+        found += _shared_tier_problems(f"{where}.shared", cache["shared"])
+    if "maxAge" in cache:
+        try:
+            positive = duration_seconds(cache["maxAge"]) > 0
+        except ValueError:
+            positive = False
+        if not positive:
+            found.append(f"{where}.maxAge must be whole seconds above 0 or a duration such as 12h, 90m or 7d")
+        elif "disk" not in cache and "shared" not in cache:
+            found.append(f"{where}.maxAge needs disk or shared: it bounds how long their block files are kept")
+    return found
+
+
+def _shared_tier_problems(where: str, shared: Any) -> list[str]:
+    if not isinstance(shared, dict):
+        return [f"{where} must be an object with a claimName"]
+    found = []
+    claim = shared.get("claimName")
+    if not isinstance(claim, str) or not _CLAIM_NAME.fullmatch(claim) or len(claim) > MAX_SECRET_NAME_LENGTH:
+        found.append(f"{where}.claimName must name a PersistentVolumeClaim (a DNS-1123 subdomain)")
+    if not isinstance(shared["readOnly"], bool):
+        found.append(f"{where}.readOnly must be true or false")
+    if "size" in shared:
+        found += _size_problems(f"{where}.size", shared["size"], quantity_bytes)
+    elif shared["readOnly"] is not True:
+        found.append(f"{where}.size is required unless readOnly: the bound of what this pool writes there")
+    return found
+
+
+def _size_problems(where: str, size: Any, to_bytes: Callable[[str], int]) -> list[str]:
+    """A quantity of bytes whose value for the engine (`to_bytes` of it) is at least one byte."""
+    try:
+        usable = to_bytes(size) >= 1
+    except ValueError:
+        usable = False
+    return [] if usable else [f"{where} must be a Kubernetes quantity of bytes such as 8Gi or 512Mi"]
 
 
 def _is_tensor_parallel_size(value: Any) -> bool:

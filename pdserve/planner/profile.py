@@ -3,7 +3,8 @@
 A `Profile` holds the engine's configuration (KV blocks, block size, batch limits), a step-time
 model fitted to measured steps, and a KV-transfer model (fixed latency plus bytes over bandwidth),
 with the raw points kept beside the fits. `pdserve profile` measures one (pdserve/bench/profile.py);
-`pdserve plan` reads it.
+`pdserve plan` reads it. How fast the engine's KV tiers load blocks (`tier_bytes_per_s`) is not
+measured: `pdserve plan --tier-bandwidth` gives it.
 
 The step-time model is linear in features of a scheduled step, each a cost the forward pass pays
 (fitted with non-negative coefficients):
@@ -221,6 +222,15 @@ class Profile:
     cpus_per_pod: float = 1.0
     step_points: list[StepPoint] = field(default_factory=list)
     transfer_points: list[tuple[int, float]] = field(default_factory=list)
+    tier_bytes_per_s: float = 0.0  # KV tiers' load bandwidth into one engine (0: not given)
+
+    def tier_load_seconds(self, tokens: int) -> float:
+        """How long loading `tokens` tokens' KV from the tiers takes."""
+        if not tokens:
+            return 0.0
+        if self.tier_bytes_per_s <= 0:
+            raise ValueError("KV-tier hits need the tiers' load bandwidth (pdserve plan --tier-bandwidth)")
+        return tokens * self.engine.kv_bytes_per_token / self.tier_bytes_per_s
 
     def scaled(self, factor: float) -> Profile:
         """The same engine with every step `factor` times as long (a correction from measured serving);
@@ -252,6 +262,7 @@ class Profile:
                 cpus_per_pod=data.get("cpus_per_pod", 1.0),
                 step_points=[StepPoint(**p) for p in data.get("step_points", [])],
                 transfer_points=[(int(b), float(s)) for b, s in data.get("transfer_points", [])],
+                tier_bytes_per_s=float(data.get("tier_bytes_per_s", 0.0)),
             )
         except (KeyError, TypeError) as error:
             raise ValueError(f"not a pdserve profile: {error}") from None

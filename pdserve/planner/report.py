@@ -4,6 +4,7 @@ alternative, the bounds, the sensitivity to the arrival rate, and optionally a P
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ SENSITIVITY = (0.5, 0.75, 1.25, 1.5, 2.0)
 
 def compressed(arrivals: Sequence[Arrival], factor: float) -> list[Arrival]:
     """The same requests arriving `factor` times as fast (a trace replayed at another rate)."""
-    return [Arrival(a.time / factor, a.prompt, a.output_tokens) for a in arrivals]
+    return [dataclasses.replace(a, time=a.time / factor) for a in arrivals]
 
 
 def make_report(

@@ -1,9 +1,10 @@
 """The cheapest deployment that meets the SLOs: analytic bounds first, then simulation.
 
 Bounds (lower bounds on replicas, from the profile alone):
-- prefill, as a queue: each request's uncached prompt must be computed; an engine computes at
-  most `max_num_batched_tokens` per step of `step(max_num_batched_tokens tokens)` seconds, so
-  P >= rate x mean uncached prompt / that throughput.
+- prefill, as a queue: each request's prompt but what the KV tiers hold must be computed, and that
+  part loaded (the tiers' load seconds); an engine computes at most `max_num_batched_tokens` per
+  step of `step(max_num_batched_tokens tokens)` seconds, so
+  P >= rate x (mean computed prompt / that throughput + mean load seconds).
 - decode, by Little's law: requests in decode = rate x (mean output tokens x TPOT target); one
   engine holds at most min(max_num_seqs, KV blocks / blocks per request) of them, and a step
   with b requests must fit the TPOT target, so D >= in-decode / per-engine capacity.
@@ -42,11 +43,13 @@ def bounds(arrivals: Sequence[Arrival], profile: Profile, slo: SLO, decode_profi
     span = max(arrivals[-1].time, 1e-9)
     rate = len(arrivals) / span
     prompt = statistics.fmean(len(a.prompt) for a in arrivals)
+    computed = statistics.fmean(len(a.prompt) - a.tier_tokens for a in arrivals)
+    loading = statistics.fmean(profile.tier_load_seconds(a.tier_tokens) for a in arrivals)
     output = statistics.fmean(a.output_tokens for a in arrivals)
     shape = profile.engine
     budget = shape.max_num_batched_tokens
     prefill_tokens_per_s = budget / profile.step.seconds([budget], [0])
-    prefill_load = rate * prompt / prefill_tokens_per_s  # engines busy with prompts
+    prefill_load = rate * (computed / prefill_tokens_per_s + loading)  # engines busy with prompts
     # Decode: what one engine can hold at once, and the largest batch whose step meets the TPOT target.
     d_shape = decode_profile.engine
     blocks_per_request = math.ceil((prompt + output) / d_shape.block_size)

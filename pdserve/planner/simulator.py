@@ -15,6 +15,11 @@ all but the last prompt token loaded (it recomputes that one for its logits), an
 engine's hold ends. TTFT is arrival to the first token of the decode (or colocated) engine;
 TPOT is the mean gap between the rest.
 
+KV tiers: the part of a prompt a tier holds (`Arrival.tier_tokens`) that the prefill (or colocated)
+engine's own prefix cache lacks is loaded, not computed. The load is synchronous: the step that first
+schedules the request also lasts `Profile.tier_load_seconds` of it, so the engine's other requests wait
+too (an asynchronous load would cost them less; the plan errs large).
+
 What it does not see: the router's prefix-aware choice (routing here is by load only), network
 contention between concurrent pulls, async scheduling's overlap, and CPU contention in the
 API processes.
@@ -130,7 +135,28 @@ class SimulationResult:
         }
 
 
-class _HoldForDecode(NoKVConnector):
+class _Tiers(NoKVConnector):
+    """Prefill and colocated engines: a prompt's prefix that the KV tiers hold loads where the engine's
+    own cache lacks it; the loads of the requests admitted by a step are counted for its duration."""
+
+    def __init__(self, arrivals: Sequence[Arrival]) -> None:
+        self.arrivals = arrivals
+        self.loaded = 0  # tokens loaded for the requests admitted since `take_loaded`
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        return max(0, self.arrivals[int(request.request_id)].tier_tokens - num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        self.loaded += num_external_tokens
+
+    def take_loaded(self) -> int:
+        loaded, self.loaded = self.loaded, 0
+        return loaded
+
+
+class _HoldForDecode(_Tiers):
     """Prefill side: a finished prompt's blocks are held until the simulated pull has read them."""
 
     def request_finished(
@@ -151,6 +177,7 @@ class _Engine:
     def __init__(self, pool: str, index: int, profile: Profile, connector: KVConnectorScheduler) -> None:
         self.pool, self.index, self.profile = pool, index, profile
         self.scheduler = Scheduler(profile.engine.scheduler_config(), connector)
+        self.tiers = connector if isinstance(connector, _Tiers) else None
         self.busy = False
         self.busy_s = 0.0
         self.in_flight = 0  # requests assigned here and not finished (decode choice, as the router counts)
@@ -189,11 +216,13 @@ def simulate(
     """
     started = time.perf_counter()
     decode_profile = decode_profile or profile
+    if any(a.tier_tokens for a in arrivals):
+        profile.tier_load_seconds(1)  # refuses tier hits without a bandwidth before anything runs
     if deployment.colocated:
-        front = [_Engine("colocated", i, profile, NoKVConnector()) for i in range(deployment.colocated)]
+        front = [_Engine("colocated", i, profile, _Tiers(arrivals)) for i in range(deployment.colocated)]
         back: list[_Engine] = []
     else:
-        front = [_Engine("prefill", i, profile, _HoldForDecode()) for i in range(deployment.prefill)]
+        front = [_Engine("prefill", i, profile, _HoldForDecode(arrivals)) for i in range(deployment.prefill)]
         back = [_Engine("decode", i, decode_profile, _RemotePrompt()) for i in range(deployment.decode)]
     times = [RequestTimes(a.time, a.output_tokens) for a in arrivals]
     decode_of: dict[int, _Engine] = {}
@@ -233,6 +262,8 @@ def simulate(
             return  # nothing it can run now (its queue waits for blocks that a finishing step frees)
         news, starts = output.num_scheduled_tokens, output.start_positions
         duration = engine.profile.step.seconds(news, starts) if output.requests else 0.0
+        if engine.tiers is not None:
+            duration += engine.profile.tier_load_seconds(engine.tiers.take_loaded())
         engine.busy, engine.current = True, output
         engine.busy_s += duration
         steps += 1

@@ -1,12 +1,14 @@
-"""The traffic the planner sizes for: arrivals, prompt and output lengths, prefix sharing.
+"""The traffic the planner sizes for: arrivals, prompt and output lengths, prefix sharing, KV-tier hits.
 
 A `Workload` is either generated from a description (`WorkloadSpec`: a rate with burstiness,
 length distributions - lognormal, or `Buckets` read back from a running service's histograms -
-a prefix-hit rate, a duration; seeded, so a plan is reproducible) or read
+a prefix-hit rate, a tier-hit rate, a duration; seeded, so a plan is reproducible) or read
 from a recorded trace (JSON lines of `{"t": seconds, "prompt_tokens": n, "output_tokens": m}`).
 Prompts are token ids: a share `prefix_hit_rate` of each prompt is one of a few shared prefixes
 (system prompts), the rest unique, so the real prefix cache in the simulator hits as often as
-the workload says.
+the workload says. A further share `tier_hit_rate`, after the shared prefix, is held by the
+engines' KV tiers (host memory, disk, a shared volume: earlier turns of a conversation, a
+document another engine read): the simulator loads that part instead of computing it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class Arrival:
     time: float
     prompt: list[int]
     output_tokens: int
+    # The length of the prompt's prefix that a KV tier holds: loaded rather than computed where the
+    # engine's own prefix cache lacks it.
+    tier_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class WorkloadSpec:
     duration_s: float = 600.0
     burstiness: float = 1.0  # coefficient of variation of the gaps: 1 Poisson, above 1 bursty, 0 regular
     prefix_hit_rate: float = 0.0  # share of each prompt that is a shared prefix
+    tier_hit_rate: float = 0.0  # share of each prompt, after its shared prefix, that KV tiers hold
     seed: int = 0
     # The engines' context length: prompts are kept below it, outputs capped to what fits after them
     # (as the engine caps max_tokens).
@@ -120,6 +126,8 @@ class WorkloadSpec:
             raise ValueError("the arrival rate must be above 0")
         if not 0 <= self.prefix_hit_rate < 1:
             raise ValueError("the prefix-hit rate must be at least 0 and below 1")
+        if not 0 <= self.tier_hit_rate < 1 - self.prefix_hit_rate:
+            raise ValueError("the tier-hit rate must be at least 0, and below 1 with the prefix-hit rate")
         rng = random.Random(self.seed)
         prefixes = [[rng.randrange(VOCAB) for _ in range(1 << 16)] for _ in range(NUM_SHARED_PREFIXES)]
         found: list[Arrival] = []
@@ -131,7 +139,9 @@ class WorkloadSpec:
             length = min(self.prompt.sample(rng), self.max_model_len - 1)
             shared = min(int(length * self.prefix_hit_rate), len(prefixes[0]))
             prompt = rng.choice(prefixes)[:shared] + [rng.randrange(VOCAB) for _ in range(length - shared)]
-            found.append(Arrival(now, prompt, min(self.output.sample(rng), self.max_model_len - length)))
+            # Below the whole prompt: int(a) + int(b) <= a + b < length.
+            tier = shared + int(length * self.tier_hit_rate) if self.tier_hit_rate else 0
+            found.append(Arrival(now, prompt, min(self.output.sample(rng), self.max_model_len - length), tier))
 
 
 def _gap(rng: random.Random, rate: float, burstiness: float) -> float:

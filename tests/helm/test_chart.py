@@ -432,6 +432,40 @@ def test_crd_schema_check_is_not_vacuous() -> None:
     assert unknown_fields(typo, schema) == [".spec.decode.replica"]
 
 
+def test_crd_schema_takes_kv_cache() -> None:
+    """A pool's kvCache (KV tiers) as the example writes it passes the CRD's schema whole; bad values fail it."""
+    schema = crd("pdservices")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    docs = example_docs("pdservice-kv-tiers.yaml")
+    (service,) = [doc for doc in docs if doc["kind"] == "PDService"]
+    jsonschema.validate(service, schema)
+    assert unknown_fields(service, schema) == []  # nothing of kvCache would be pruned
+    prefill, decode = service["spec"]["prefill"]["kvCache"], service["spec"]["decode"]["kvCache"]
+    assert {"hostMemory", "disk", "shared", "maxAge"} <= prefill.keys()
+    assert decode["shared"]["readOnly"] is True
+    for doc in docs:
+        if doc["kind"] != "PDService":
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+    for path, value in (
+        (("hostMemory",), "8GB"),
+        (("disk",), {}),
+        (("disk", "size"), 50),
+        (("shared",), {"readOnly": True}),
+        (("shared", "claimName"), "KV_Cache"),
+        (("shared", "readOnly"), "yes"),
+        (("shared", "size"), "lots"),
+    ):
+        bad = copy.deepcopy(service)
+        parent = bad["spec"]["prefill"]["kvCache"]
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = value
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    typo = copy.deepcopy(service)
+    typo["spec"]["decode"]["kvCache"]["shared"]["readonly"] = True
+    assert unknown_fields(typo, schema) == [".spec.decode.kvCache.shared.readonly"]
+
+
 def test_hpa_example_targets_pdpools() -> None:
     pool_crd = crd("pdpools")
     (version,) = pool_crd["spec"]["versions"]

@@ -72,6 +72,58 @@ def _cpu_example(name: str) -> dict[str, Any]:
     return service
 
 
+def test_kv_tiers_reach_the_deployments(cluster: Cluster, operator: Any) -> None:
+    """A pool's kvCache through the real server: the CRD keeps it (with its default), and the engine
+    Deployments the operator writes, which the server validates, mount the tier volumes and pass the
+    tiers' flags. Every pool at 0 replicas: no pod is needed to see that."""
+    name = "tiers"
+    service = _cpu_example(name)
+    writer = {"disk": {"size": "1Gi"}, "shared": {"claimName": "kv-cache", "size": "2Gi"}, "maxAge": "12h"}
+    service["spec"]["prefill"].update(replicas=0, kvCache=writer)
+    service["spec"]["decode"].update(replicas=0, kvCache={"shared": {"claimName": "kv-cache", "readOnly": True}})
+    service["spec"]["router"]["replicas"] = 0
+    cluster.create(service, namespace=NAMESPACE)
+    deployments = cluster.resource("apps/v1", "Deployment")
+
+    def pod_spec(role: str) -> dict[str, Any] | None:
+        found = deployments.get(namespace=NAMESPACE, label_selector=f"app.kubernetes.io/instance={name}").items
+        return next((d.to_dict()["spec"]["template"]["spec"] for d in found if d.metadata.name.endswith(role)), None)
+
+    try:
+        assert get(cluster, "pdservices", name)["spec"]["prefill"]["kvCache"]["shared"]["readOnly"] is False
+        prefill = wait_for(lambda: pod_spec("prefill"), timeout=30, what="the prefill Deployment")
+        assert prefill["volumes"][3:] == [
+            {"name": "kv-disk", "emptyDir": {"sizeLimit": "1Gi"}},
+            {"name": "kv-shared", "persistentVolumeClaim": {"claimName": "kv-cache"}},
+        ]
+        (engine,) = prefill["containers"]
+        assert engine["volumeMounts"][3:] == [
+            {"name": "kv-disk", "mountPath": "/var/cache/pdserve/kv-disk"},
+            {"name": "kv-shared", "mountPath": "/var/cache/pdserve/kv-shared"},
+        ]
+        command = engine["command"]
+        assert command[command.index("--kv-tier-disk") :][:8] == [
+            "--kv-tier-disk",
+            "/var/cache/pdserve/kv-disk",
+            "--kv-tier-disk-bytes",
+            str((1 << 30) * 9 // 10),
+            "--kv-tier-shared",
+            "/var/cache/pdserve/kv-shared",
+            "--kv-tier-shared-bytes",
+            str(2 << 30),
+        ]
+        decode = wait_for(lambda: pod_spec("decode"), timeout=30, what="the decode Deployment")
+        assert decode["volumes"][3:] == [
+            {"name": "kv-shared", "persistentVolumeClaim": {"claimName": "kv-cache", "readOnly": True}}
+        ]
+        assert decode["containers"][0]["volumeMounts"][3:] == [
+            {"name": "kv-shared", "mountPath": "/var/cache/pdserve/kv-shared", "readOnly": True}
+        ]
+        assert "--kv-tier-shared-read-only" in decode["containers"][0]["command"]
+    finally:
+        cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "pdservices", name)
+
+
 class PodProcesses:
     """Runs each pod's own command (from its spec) at its IP, as the kubelet would run the container;
     a pod's deletion stops its process with SIGTERM. The router runs with its ServiceAccount's token."""

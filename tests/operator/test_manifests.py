@@ -1,6 +1,7 @@
 """The manifest builders: commands, environment, probes, resources, volumes, labels, RBAC, the KV
 Secret and the engines' NetworkPolicy."""
 
+import argparse
 import base64
 import pathlib
 
@@ -10,6 +11,7 @@ import yaml
 
 from pdserve.api.keys import new_bundle
 from pdserve.cli import build_parser
+from pdserve.kvtransfer.tiers.config import KVTierConfig
 from pdserve.operator import manifests
 from pdserve.operator.kube import without_nulls
 from pdserve.operator.pods import engine_pod, router_pod
@@ -386,6 +388,10 @@ def test_objects_pass_the_kubernetes_schemas():
     fields = {"model": model, "prefill": {"nodeSelector": {"a": "b"}, "tolerations": [{"operator": "Exists"}]}}
     secret = manifests.kv_keys("llm", "ns", full(), new_bundle())
     parallel = {"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4, "shmSize": "1.5Gi"}}
+    tiers = {
+        "prefill": {"kvCache": {"hostMemory": "8Gi", "disk": {"size": "1.5Gi"}, "maxAge": "12h"}},
+        "decode": {"kvCache": {"shared": {"claimName": "kv", "readOnly": True}}},
+    }
     placed = {
         "apiKeySecret": {"name": "team-api"},
         "decode": {
@@ -396,7 +402,7 @@ def test_objects_pass_the_kubernetes_schemas():
             ],
         },
     }
-    for obj in [*objects(**fields), *objects(), *objects(**parallel), *objects(**placed), secret]:
+    for obj in [*objects(**fields), *objects(), *objects(**parallel), *objects(**placed), *objects(**tiers), secret]:
         kubernetes_validate.validate(without_nulls(obj), "1.30", strict=True)
 
 
@@ -465,3 +471,85 @@ def test_the_api_key_comes_from_the_users_secret():
     plain = by_kind_name(objects())
     (runs,) = plain["Deployment", "llm-router"]["spec"]["template"]["spec"]["containers"]
     assert all(variable["name"] != "PDSERVE_API_KEY" for variable in runs["env"])
+
+
+TIERS = {
+    "hostMemory": "8Gi",
+    "disk": {"size": "50Gi"},
+    "shared": {"claimName": "kv-cache", "size": "100Gi"},
+    "maxAge": "1h30m",
+}
+
+
+def tier_config(command):
+    """The KVTierConfig the engine builds from a pod's command (its own flags' parser; the rest is left)."""
+    parser = argparse.ArgumentParser()
+    KVTierConfig.add_cli_args(parser)
+    args, _ = parser.parse_known_args(command[2:])
+    return KVTierConfig.from_cli_args(args)
+
+
+def test_without_kv_cache_the_pods_are_as_before():
+    for role in ("prefill", "decode"):
+        assert engine_pod("llm", role, full(**{role: {"kvCache": {}}})) == engine_pod("llm", role, full())
+        assert tier_config(container(engine_pod("llm", role, full()))["command"]) is None
+
+
+def test_kv_tiers_are_mounted_and_passed_to_the_engine():
+    pod = engine_pod("llm", "prefill", full(prefill={"kvCache": TIERS, "engineArgs": ["--max-model-len", "8192"]}))
+    assert pod["spec"]["volumes"][3:] == [
+        {"name": "kv-disk", "emptyDir": {"sizeLimit": "50Gi"}},
+        {"name": "kv-shared", "persistentVolumeClaim": {"claimName": "kv-cache"}},
+    ]
+    assert container(pod)["volumeMounts"][3:] == [
+        {"name": "kv-disk", "mountPath": "/var/cache/pdserve/kv-disk"},
+        {"name": "kv-shared", "mountPath": "/var/cache/pdserve/kv-shared"},
+    ]
+    command = container(pod)["command"]
+    assert command[command.index("--kv-keys") + 2 :] == [
+        "--kv-tier-host-bytes",
+        str(8 << 30),
+        "--kv-tier-disk",
+        "/var/cache/pdserve/kv-disk",
+        "--kv-tier-disk-bytes",
+        str(45 << 30),  # 90% of the emptyDir's sizeLimit: outgrowing it would get the pod evicted
+        "--kv-tier-shared",
+        "/var/cache/pdserve/kv-shared",
+        "--kv-tier-shared-bytes",
+        str(100 << 30),
+        "--kv-tier-max-age",
+        "5400",
+        "--max-model-len",
+        "8192",
+    ]
+    assert tier_config(command) == KVTierConfig(
+        host_bytes=8 << 30,
+        disk_path="/var/cache/pdserve/kv-disk",
+        disk_bytes=45 << 30,
+        shared_path="/var/cache/pdserve/kv-shared",
+        shared_bytes=100 << 30,
+        max_age_s=5400.0,
+    )
+    assert engine_pod("llm", "decode", full(prefill={"kvCache": TIERS})) == engine_pod("llm", "decode", full())
+
+
+def test_a_read_only_shared_tier_is_mounted_read_only():
+    pod = engine_pod("llm", "decode", full(decode={"kvCache": {"shared": {"claimName": "kv", "readOnly": True}}}))
+    assert pod["spec"]["volumes"][3:] == [
+        {"name": "kv-shared", "persistentVolumeClaim": {"claimName": "kv", "readOnly": True}}
+    ]
+    assert container(pod)["volumeMounts"][3:] == [
+        {"name": "kv-shared", "mountPath": "/var/cache/pdserve/kv-shared", "readOnly": True}
+    ]
+    config = tier_config(container(pod)["command"])
+    assert config == KVTierConfig(shared_path="/var/cache/pdserve/kv-shared", shared_read_only=True)
+
+
+def test_each_tier_alone():
+    host = container(engine_pod("llm", "decode", full(decode={"kvCache": {"hostMemory": "1.5Gi"}})))
+    assert tier_config(host["command"]) == KVTierConfig(host_bytes=3 << 29)
+    assert [mount["name"] for mount in host["volumeMounts"]] == ["model", "scratch", "kv-keys"]
+    disk = engine_pod("llm", "decode", full(decode={"gpus": 0, "kvCache": {"disk": {"size": "10G"}, "maxAge": 60}}))
+    assert [volume["name"] for volume in disk["spec"]["volumes"]] == ["model", "scratch", "kv-keys", "kv-disk"]
+    config = tier_config(container(disk)["command"])
+    assert (config.disk_bytes, config.max_age_s, config.host_bytes) == (9 * 10**9, 60.0, 0)

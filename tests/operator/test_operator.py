@@ -354,3 +354,80 @@ def test_deleted_or_edited_objects_are_restored(kube_cluster, kube_namespace, op
     kube_cluster.delete(DEPLOYMENTS, "llm-router", kube_namespace)
     kube_cluster.wait_idle()
     assert kube_cluster.get(DEPLOYMENTS, "llm-router", kube_namespace) is None
+
+
+def test_kv_tiers_mount_their_volumes_and_go_with_the_spec(kube_cluster, kube_namespace, operator):
+    tiers = {
+        "hostMemory": "8Gi",
+        "disk": {"size": "50Gi"},
+        "shared": {"claimName": "kv", "size": "1Ti"},
+        "maxAge": "12h",
+    }
+    reader = {"shared": {"claimName": "kv", "readOnly": True}}
+    deploy(kube_cluster, kube_namespace, prefill={"kvCache": tiers}, decode={"kvCache": reader})
+
+    def pod(role):
+        return kube_cluster.get(DEPLOYMENTS, f"llm-{role}", kube_namespace)["spec"]["template"]["spec"]
+
+    def volumes(role):
+        return [volume["name"] for volume in pod(role)["volumes"]]
+
+    prefill = pod("prefill")
+    assert prefill["volumes"][3:] == [
+        {"name": "kv-disk", "emptyDir": {"sizeLimit": "50Gi"}},
+        {"name": "kv-shared", "persistentVolumeClaim": {"claimName": "kv"}},
+    ]
+    (engine,) = prefill["containers"]
+    assert engine["volumeMounts"][3:] == [
+        {"name": "kv-disk", "mountPath": "/var/cache/pdserve/kv-disk"},
+        {"name": "kv-shared", "mountPath": "/var/cache/pdserve/kv-shared"},
+    ]
+    flags = engine["command"][engine["command"].index("--kv-tier-host-bytes") :]
+    assert flags == [
+        "--kv-tier-host-bytes",
+        str(8 << 30),
+        "--kv-tier-disk",
+        "/var/cache/pdserve/kv-disk",
+        "--kv-tier-disk-bytes",
+        str(45 << 30),
+        "--kv-tier-shared",
+        "/var/cache/pdserve/kv-shared",
+        "--kv-tier-shared-bytes",
+        str(1 << 40),
+        "--kv-tier-max-age",
+        "43200",
+    ]
+    decode = pod("decode")
+    assert decode["volumes"][3:] == [
+        {"name": "kv-shared", "persistentVolumeClaim": {"claimName": "kv", "readOnly": True}}
+    ]
+    (engine,) = decode["containers"]
+    assert engine["volumeMounts"][3:] == [
+        {"name": "kv-shared", "mountPath": "/var/cache/pdserve/kv-shared", "readOnly": True}
+    ]
+    assert engine["command"][-3:] == ["--kv-tier-shared", "/var/cache/pdserve/kv-shared", "--kv-tier-shared-read-only"]
+    # The CRD's default, as the API server applies it.
+    stored = kube_cluster.get(PDSERVICES, "llm", kube_namespace)["spec"]
+    assert stored["prefill"]["kvCache"]["shared"]["readOnly"] is False
+    # Host memory for a CPU pool: InvalidSpec before anything changes.
+    before = kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace)
+    kube_cluster.patch(
+        PDSERVICES, "llm", {"spec": {"decode": {"gpus": 0, "kvCache": {"hostMemory": "8Gi"}}}}, kube_namespace
+    )
+    condition = wait_for(
+        lambda: (
+            (ready_condition(kube_cluster, kube_namespace) or {}).get("reason") == "InvalidSpec"
+            and ready_condition(kube_cluster, kube_namespace)
+        )
+    )
+    assert "spec.decode.kvCache.hostMemory needs GPUs" in condition["message"]
+    kube_cluster.wait_idle()
+    assert kube_cluster.get(DEPLOYMENTS, "llm-decode", kube_namespace) == before
+    # Taken out of the spec: the volumes, mounts and flags go (merge patches replace the lists whole).
+    removed = {"prefill": {"kvCache": None}, "decode": {"gpus": None, "kvCache": None}}
+    kube_cluster.patch(PDSERVICES, "llm", {"spec": removed}, kube_namespace)
+    for role in ("prefill", "decode"):
+        wait_for(lambda: volumes(role) == ["model", "scratch", "kv-keys"])  # noqa: B023
+        (engine,) = pod(role)["containers"]
+        assert [mount["name"] for mount in engine["volumeMounts"]] == ["model", "scratch", "kv-keys"]
+        assert not [arg for arg in engine["command"] if arg.startswith("--kv-tier")]

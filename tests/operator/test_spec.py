@@ -6,7 +6,7 @@ import re
 import pytest
 import yaml
 
-from pdserve.operator.spec import problems, with_defaults
+from pdserve.operator.spec import duration_seconds, problems, quantity_bytes, with_defaults
 from tests.operator.helpers import spec
 from tests.operator.kmock_emulator import apply_defaults
 
@@ -26,6 +26,8 @@ def spec_schema() -> dict:
         {"kvTransfer": {"secretName": "kv"}},
         {"decode": {"tensorParallelSize": 4}},
         {"apiKeySecret": {"name": "team-api"}},
+        {"prefill": {"kvCache": {"disk": {"size": "1Gi"}, "shared": {"claimName": "kv", "size": "2Gi"}}}},
+        {"decode": {"kvCache": {"shared": {"claimName": "kv", "readOnly": True}}}},
     ],
 )
 def test_defaults_are_the_crds(fields):
@@ -67,6 +69,11 @@ def test_a_valid_spec_has_no_problems():
     # CPU pods run their ranks as processes: any size goes with gpus 0.
     assert problems("llm", spec(prefill={"tensorParallelSize": 4, "gpus": 0})) == []
     assert problems("llm", spec(decode={"tensorParallelSize": 64, "gpus": 64})) == []
+    tiers = {"hostMemory": "8Gi", "disk": {"size": "50Gi"}, "shared": {"claimName": "kv", "size": "1Ti"}}
+    assert problems("llm", spec(prefill={"kvCache": {**tiers, "maxAge": "12h"}})) == []
+    assert problems("llm", spec(decode={"kvCache": {"shared": {"claimName": "kv.v2", "readOnly": True}}})) == []
+    assert problems("llm", spec(decode={"gpus": 0, "kvCache": {"disk": {"size": "1Gi"}, "maxAge": 3600}})) == []
+    assert problems("llm", spec(prefill={"kvCache": {}})) == []  # no tier: nothing to check
 
 
 @pytest.mark.parametrize(
@@ -126,6 +133,28 @@ def test_a_valid_spec_has_no_problems():
         ({"apiKeySecret": {"name": "ok", "key": "a/b"}}, "spec.apiKeySecret.key must be a key of a Secret"),
         ({"apiKeySecret": "ok"}, "spec.apiKeySecret must be an object"),
         ({"router": {"args": ["--api-key", "k"]}}, "spec.router.args must not set --api-key (name a Secret"),
+        ({"prefill": {"kvCache": "8Gi"}}, "spec.prefill.kvCache must be an object"),
+        ({"prefill": {"kvCache": {"hostMemory": "lots"}}}, "spec.prefill.kvCache.hostMemory must be a Kubernetes"),
+        ({"prefill": {"kvCache": {"hostMemory": "0"}}}, "spec.prefill.kvCache.hostMemory must be a Kubernetes"),
+        ({"prefill": {"kvCache": {"hostMemory": 8}}}, "spec.prefill.kvCache.hostMemory must be a Kubernetes"),
+        ({"decode": {"gpus": 0, "kvCache": {"hostMemory": "8Gi"}}}, "spec.decode.kvCache.hostMemory needs GPUs"),
+        ({"decode": {"kvCache": {"disk": "50Gi"}}}, "spec.decode.kvCache.disk must be an object with a size"),
+        ({"decode": {"kvCache": {"disk": {}}}}, "spec.decode.kvCache.disk.size must be a Kubernetes quantity"),
+        ({"decode": {"kvCache": {"disk": {"size": "1"}}}}, "spec.decode.kvCache.disk.size"),  # 90% of 1 byte: 0
+        ({"decode": {"kvCache": {"shared": "kv"}}}, "spec.decode.kvCache.shared must be an object with a claimName"),
+        ({"decode": {"kvCache": {"shared": {"size": "1Gi"}}}}, "spec.decode.kvCache.shared.claimName must name"),
+        ({"decode": {"kvCache": {"shared": {"claimName": "KV", "size": "1Gi"}}}}, "shared.claimName must name"),
+        ({"decode": {"kvCache": {"shared": {"claimName": "kv"}}}}, "spec.decode.kvCache.shared.size is required"),
+        ({"decode": {"kvCache": {"shared": {"claimName": "kv", "readOnly": "yes"}}}}, "shared.readOnly must be"),
+        ({"decode": {"kvCache": {"shared": {"claimName": "kv", "size": "-1"}}}}, "spec.decode.kvCache.shared.size"),
+        ({"decode": {"kvCache": {"disk": {"size": "1Gi"}, "maxAge": "a day"}}}, "spec.decode.kvCache.maxAge must be"),
+        ({"decode": {"kvCache": {"disk": {"size": "1Gi"}, "maxAge": 0}}}, "spec.decode.kvCache.maxAge must be"),
+        ({"decode": {"kvCache": {"disk": {"size": "1Gi"}, "maxAge": 1.5}}}, "spec.decode.kvCache.maxAge must be"),
+        ({"decode": {"kvCache": {"hostMemory": "1Gi", "maxAge": "1h"}}}, "kvCache.maxAge needs disk or shared"),
+        ({"decode": {"engineArgs": ["--kv-tier-host-bytes", "1GiB"]}}, "must not set --kv-tier-host-bytes"),
+        ({"decode": {"engineArgs": ["--no-kv-tier-shared-read-only"]}}, "must not set --no-kv-tier-shared-read-only"),
+        ({"decode": {"engineArgs": ["--kv-tier-max-age=60"]}}, "must not set --kv-tier-max-age"),
+        ({"decode": {"engineArgs": ["--kv-tier-sh", "/x"]}}, "must not set --kv-tier-shared"),  # argparse prefix
         ({"decode": {"engineArgs": ["--api-key=k"]}}, "spec.decode.engineArgs must not set --api-key"),
     ],
 )
@@ -234,3 +263,81 @@ def test_a_secret_name_must_be_a_string():
 @pytest.mark.parametrize("name", ["Llm", "llm.v1", "1llm", "x" * 56])
 def test_names_that_cannot_name_services(name):
     assert "DNS-1035" in problems(name, spec())[0]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--kv-tier-disk", "/data"], ["--kv-tier-shared-bytes=1GiB"], ["--kv-tier-shared-read-only"]],
+)
+def test_kv_tier_flags_point_at_the_pools_kv_cache(flags):
+    (found,) = problems("llm", spec(prefill={"engineArgs": ["--max-model-len", "8192", *flags]}))
+    assert found.startswith("spec.prefill.engineArgs must not set --kv-tier-")
+    assert found.endswith("(set spec.prefill.kvCache instead)")
+
+
+def test_a_shared_tier_read_only_needs_no_size():
+    assert problems("llm", spec(decode={"kvCache": {"shared": {"claimName": "kv", "readOnly": True}}})) == []
+    assert with_defaults(spec(decode={"kvCache": {"shared": {"claimName": "kv"}}}))["decode"]["kvCache"] == {
+        "shared": {"claimName": "kv", "readOnly": False}
+    }
+
+
+def test_host_memory_follows_the_pools_gpus():
+    tier = {"kvCache": {"hostMemory": "4Gi"}}
+    assert problems("llm", spec(decode=tier)) == []  # gpus default to the tensor-parallel size: 1
+    assert problems("llm", spec(decode={**tier, "tensorParallelSize": 2})) == []
+    cpu = problems("llm", spec(decode={**tier, "tensorParallelSize": 2, "gpus": 0}))
+    assert cpu == [
+        "spec.decode.kvCache.hostMemory needs GPUs: with gpus 0 the engines run on the CPU, whose KV cache "
+        "already is host memory"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("4096", 4096),
+        ("8Gi", 8 << 30),
+        ("1.5Gi", 3 << 29),
+        (".5Ki", 512),
+        ("2G", 2 * 10**9),
+        ("1k", 1000),
+        ("1E", 10**18),  # exa, not an exponent
+        ("1Ei", 1 << 60),
+        ("1e9", 10**9),
+        ("5E3", 5000),
+        ("0.5", 1),  # rounded up, as the API server does
+        ("1.", 1),
+    ],
+)
+def test_quantities_in_bytes(text, size):
+    assert quantity_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "Gi", "1 Gi", "1gi", "-1Gi", "100m", "1e19", "1e99999999", 5, None])
+def test_what_is_no_quantity(text):
+    with pytest.raises(ValueError):
+        quantity_bytes(text)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(3600, 3600), ("90s", 90), ("30m", 1800), ("12h", 43200), ("7d", 604800), ("1h30m", 5400), ("1.5h", 5400)],
+)
+def test_durations_in_seconds(value, seconds):
+    assert duration_seconds(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["", "12", "h", "1 h", "1w", "-1h", 1.5, True, None])
+def test_what_is_no_duration(value):
+    with pytest.raises(ValueError):
+        duration_seconds(value)
+
+
+@pytest.mark.parametrize(("size", "valid"), [("8Gi", True), ("1.5Gi", True), ("1e9", True), ("8GiB", False)])
+def test_tier_sizes_are_quantities_in_the_crd_and_the_operator(size, valid):
+    fields = {"hostMemory": size, "disk": {"size": size}, "shared": {"claimName": "kv", "size": size}}
+    assert (problems("llm", spec(decode={"kvCache": fields})) == []) is valid
+    tiers = spec_schema()["properties"]["decode"]["properties"]["kvCache"]["properties"]
+    for schema in (tiers["hostMemory"], tiers["disk"]["properties"]["size"], tiers["shared"]["properties"]["size"]):
+        assert (re.search(schema["pattern"], size) is not None) is valid

@@ -68,6 +68,14 @@ def test_plan_refuses_bad_input_clearly(profile_file, tmp_path):
     assert hopeless.returncode == 1 and "nothing within the limits meets it" in hopeless.stdout
 
 
+def test_plan_takes_tier_hits_with_their_bandwidth(profile_file):
+    unpriced = plan(profile_file, "--tier-hit-rate", "0.5")
+    assert unpriced.returncode == 2 and "--tier-bandwidth" in unpriced.stderr and "Traceback" not in unpriced.stderr
+    priced = plan(profile_file, "--tier-hit-rate", "0.5", "--tier-bandwidth", "8GiB", "--output", "json")
+    assert priced.returncode == 0, priced.stderr
+    assert json.loads(priced.stdout)["disaggregated"]["attained"] >= 0.9
+
+
 def test_profile_measures_the_demo_model(tmp_path):
     out = tmp_path / "demo.json"
     run = pdserve(

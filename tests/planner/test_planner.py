@@ -8,6 +8,7 @@ import random
 import pytest
 
 from pdserve.planner.profile import EngineShape, Profile, StepPoint, StepTimeModel, TransferModel, step_features
+from pdserve.planner.report import compressed
 from pdserve.planner.search import bounds, cost, plan_colocated, plan_disaggregated
 from pdserve.planner.simulator import SLO, Deployment, simulate
 from pdserve.planner.workload import Arrival, Lengths, WorkloadSpec, read_trace
@@ -67,7 +68,7 @@ def test_transfer_model_fit():
 
 
 def test_a_profile_survives_json(tmp_path):
-    original = profile(step_points=[StepPoint([5], [0], 0.01)], transfer_points=[(100, 0.5)])
+    original = profile(step_points=[StepPoint([5], [0], 0.01)], transfer_points=[(100, 0.5)], tier_bytes_per_s=2e9)
     original.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == original
     (tmp_path / "bad.json").write_text('{"model": "x"}')
@@ -173,3 +174,35 @@ def test_a_run_that_certainly_misses_stops_early_and_a_good_one_runs_to_the_end(
     watched = simulate(Deployment(prefill=1, decode=1), light, profile(), give_up=slo)
     assert not watched.stopped_early and watched.meets(slo)
     assert [(r.first_token, r.finish) for r in watched.requests] == [(r.first_token, r.finish) for r in whole.requests]
+
+
+def test_tier_hits_are_a_prefix_past_the_shared_one():
+    arrivals = workload(10, prefix_hit_rate=0.25, tier_hit_rate=0.5)
+    for a in arrivals:
+        assert a.tier_tokens == int(len(a.prompt) * 0.25) + int(len(a.prompt) * 0.5) < len(a.prompt)
+    assert [a.prompt for a in arrivals] == [a.prompt for a in workload(10, prefix_hit_rate=0.25)]  # same traffic
+    assert all(a.tier_tokens == 0 for a in workload(10))
+    assert [a.tier_tokens for a in compressed(arrivals, 2.0)] == [a.tier_tokens for a in arrivals]
+    for rates in ((0.5, 0.5), (0.0, 1.0), (0.0, -0.1)):
+        with pytest.raises(ValueError, match="tier-hit rate"):
+            workload(10, prefix_hit_rate=rates[0], tier_hit_rate=rates[1])
+    # Loading needs a bandwidth: none given is refused rather than simulated as free.
+    with pytest.raises(ValueError, match="--tier-bandwidth"):
+        simulate(Deployment(colocated=1), arrivals, profile())
+    assert profile(tier_bytes_per_s=2e9).tier_load_seconds(1000) == pytest.approx(1000 * 16384 / 2e9)
+
+
+def test_kv_tier_hits_change_the_plan():
+    """Prompt tokens the KV tiers hold are loaded, not computed: tiers faster than the compute they replace
+    need fewer prefill engines, slower ones more (the load holds the engine's step)."""
+    slo = SLO(ttft_s=0.3, tpot_s=0.03)
+    prompts, outputs = Lengths(1024, 0.3, 256, 1800), Lengths(16, 0.5, 2, 64)
+
+    def planned(tier_hit_rate: float, bandwidth: float) -> Deployment | None:
+        arrivals = workload(40, duration=10, prompt=prompts, output=outputs, tier_hit_rate=tier_hit_rate)
+        found = plan_disaggregated(arrivals, slo, profile(tier_bytes_per_s=bandwidth), max_prefill=8, max_decode=4)
+        return found.deployment
+
+    without, fast, slow = planned(0.0, 0.0), planned(0.75, 20e9), planned(0.75, 0.2e9)
+    assert without is not None and fast is not None and slow is not None
+    assert fast.prefill < without.prefill < slow.prefill, (fast, without, slow)
