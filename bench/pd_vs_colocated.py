@@ -1,7 +1,7 @@
 """Colocated vs 1P1D on this machine, same offered load: TTFT, TPOT and goodput, and a plot.
 
 Model: a ~85M Llama (hidden 768, 12 layers, 12 heads, intermediate 2048) with the demo model's
-1024-token vocabulary and tokenizer, random seeded weights, fp32. Workload: random prompts of
+1024-token vocabulary, tokenizer and chat template, random seeded weights, fp32. Workload: random prompts of
 512 tokens, 64 output tokens (EOS ignored), Poisson arrivals at --request-rate, through
 `pdserve bench`'s load generator (in this process).
 
@@ -44,16 +44,19 @@ MODEL = {
 ENGINE_FLAGS = cpu_engine_flags("1GiB", max_model_len=1024, served_model_name="bench")
 
 
-def build_model(folder: Path) -> None:
+def build_model(folder: Path, max_position_embeddings: int = MODEL["max_position_embeddings"]) -> None:
+    """The bench model in ``folder``: the seeded weights and the demo model's tokenizer files and chat template.
+    ``max_position_embeddings`` changes no weight (RoPE stores none): a longer one only lets prompts grow."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pdserve.models.demo import ensure_demo_model
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**MODEL)).eval().save_pretrained(str(folder))
+    config = LlamaConfig(**{**MODEL, "max_position_embeddings": max_position_embeddings})
+    LlamaForCausalLM(config).eval().save_pretrained(str(folder))
     demo = ensure_demo_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (demo / name).exists():
             shutil.copy(demo / name, folder / name)
 
