@@ -118,7 +118,57 @@ class _SchedulerCollector:
         for reason, count in sorted(remote_kv.kv_side_channel_rejected.items()):
             rejected.add_metric([reason], count)
         yield rejected
+        yield from _tier_metrics(stats)
         yield InfoMetricFamily("vllm:cache_config", "KV cache configuration (vLLM name)", value=self._cache_config)
+
+
+def _tier_metrics(stats: SchedulerStats) -> Iterator[Metric]:
+    """Each KV tier's series, labelled by medium (none without tiers)."""
+    tiers = sorted(stats.kv_tiers.items())
+    gauges = (
+        ("pdserve_kv_tier_blocks", "KV blocks a tier holds", "num_blocks"),
+        ("pdserve_kv_tier_bytes", "Bytes of KV blocks a tier holds", "num_bytes"),
+        ("pdserve_kv_tier_capacity_bytes", "A tier's size bound", "capacity_bytes"),
+    )
+    for name, documentation, attribute in gauges:
+        gauge = GaugeMetricFamily(name, documentation, labels=["medium"])
+        for medium, tier in tiers:
+            gauge.add_metric([medium], getattr(tier, attribute))
+        yield gauge
+    counters = (
+        ("pdserve_kv_tier_hit_tokens", "Prompt tokens loaded from a tier instead of computed", "hit_tokens"),
+        ("pdserve_kv_tier_stored_bytes", "KV bytes stored into a tier", "stored_bytes"),
+        ("pdserve_kv_tier_loaded_bytes", "KV bytes loaded from a tier", "loaded_bytes"),
+        ("pdserve_kv_tier_evictions", "Blocks a tier dropped for room or past --kv-tier-max-age", "evictions"),
+        (
+            "pdserve_kv_tier_loads_declined",
+            "Tier hits not loaded because recomputing them was estimated faster",
+            "loads_declined",
+        ),
+    )
+    for name, documentation, attribute in counters:
+        counter = CounterMetricFamily(name, documentation, labels=["medium"])
+        for medium, tier in tiers:
+            counter.add_metric([medium], getattr(tier, attribute))
+        yield counter
+    by_reason = (
+        (
+            "pdserve_kv_tier_blocks_skipped",
+            "Tier blocks not served (corrupt, truncated, foreign, missing, io): their requests recomputed",
+            "skipped",
+        ),
+        (
+            "pdserve_kv_tier_store_failures",
+            "Tier stores that did not happen (disk_full, io, backlog)",
+            "store_failures",
+        ),
+    )
+    for name, documentation, attribute in by_reason:
+        counter = CounterMetricFamily(name, documentation, labels=["medium", "reason"])
+        for medium, tier in tiers:
+            for reason, count in sorted(getattr(tier, attribute).items()):
+                counter.add_metric([medium, reason], count)
+        yield counter
 
 
 class EngineMetrics:
@@ -153,6 +203,13 @@ class EngineMetrics:
             "pdserve_kv_transfer_seconds",
             "Duration of one request's KV pull",
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.kv_tier_load_seconds = Histogram(
+            "pdserve_kv_tier_load_seconds",
+            "Time to load one request's blocks from one tier (one rank's share)",
+            ["medium"],
+            buckets=_FAST_BUCKETS + (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
             registry=self.registry,
         )
         self.grammar_compile_seconds = Histogram(
@@ -201,6 +258,9 @@ class EngineMetrics:
         """Called with every stats snapshot from the core: records what happened since the last one."""
         for seconds in stats.remote_kv.kv_transfer_seconds:
             self.kv_transfer_seconds.observe(seconds)
+        for medium, tier in stats.kv_tiers.items():
+            for seconds in tier.load_seconds:
+                self.kv_tier_load_seconds.labels(medium).observe(seconds)
         for seconds in stats.grammar_compile_seconds:
             self.grammar_compile_seconds.observe(seconds)
         for seconds in stats.grammar_bitmask_seconds:

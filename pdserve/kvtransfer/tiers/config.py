@@ -72,6 +72,15 @@ class KVTierConfig:
         ),
     )
 
+    always_load: bool = field(
+        default=False,
+        metadata=flag(
+            "load every tier hit, even where recomputing it was measured faster (tests, and benchmarks of the "
+            "load path)",
+            name="kv-tier-always-load",
+        ),
+    )
+
     def __post_init__(self) -> None:
         if self.host_bytes < 0 or self.disk_bytes <= 0 or self.shared_bytes <= 0:
             raise ValueError("KV tier sizes must be positive")

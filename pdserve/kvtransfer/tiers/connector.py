@@ -71,6 +71,7 @@ class TierConnector(KVConnectorScheduler):
             if not (medium == "shared" and tiers.shared_read_only):
                 self.write_through.append(medium)
         self.outbox = TransferWork()
+        self.always_load = tiers.always_load
         self.cost = LoadOrRecompute(block_bytes // num_ranks)
         self._planned: dict[str, list[tuple[int, str, bytes]]] = {}  # request id -> (block index, medium, hash)
         self._loading: dict[str, list[tuple[str, bytes]]] = {}  # request id -> (medium, hash) of its load
@@ -117,7 +118,7 @@ class TierConnector(KVConnectorScheduler):
         for _, medium, _ in plan:
             by_medium[medium] = by_medium.get(medium, 0) + 1
         tokens = len(plan) * self.block_size
-        if not self.cost.worth_loading(by_medium, tokens):
+        if not (self.always_load or self.cost.worth_loading(by_medium, tokens)):
             for medium in by_medium:
                 self.tiers[medium].stats.loads_declined += 1
             return 0, False
