@@ -100,7 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
             router_argv += ["--kv-keys", router_keys]
             engine_argv += ["--kv-keys", engine_keys]
         return run_disaggregated(
-            args.host, args.port, args.prefill, args.decode, engine_argv, router_argv, sizes, args.disk_path
+            args.host, args.port, args.prefill, args.decode, engine_argv, router_argv, sizes, args.kv_tier_disk
         )
 
 

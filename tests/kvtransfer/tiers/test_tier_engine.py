@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.kvtransfer.base import TierStats
 from pdserve.kvtransfer.tiers.block_file import HEADER_BYTES, SUFFIX
 from pdserve.kvtransfer.tiers.config import KVTierConfig
 
@@ -36,7 +37,7 @@ def generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     return [list(output.outputs[0].token_ids) for output in outputs]
 
 
-def tier(llm: LLM, medium: str):  # noqa: ANN201 - TierStats
+def tier(llm: LLM, medium: str) -> TierStats:
     return llm.engine.scheduler.make_stats().kv_tiers[medium]
 
 
