@@ -17,6 +17,7 @@ from typing import Any, overload
 
 from pdserve.api.chat import conversation
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.tenancy import request_cache_salt
 from pdserve.engine.block_hash import first_block_extra_keys, hash_block_tokens
 
 logger = logging.getLogger(__name__)
@@ -101,17 +102,21 @@ class PromptReader:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def read(self, parsed: CompletionRequest | ChatCompletionRequest, chat: bool) -> Prompt | None:
-        """The request's single prompt; None when there is none to route by (several prompts) or it cannot be
-        tokenized here (the engine will say why)."""
+    async def read(
+        self, parsed: CompletionRequest | ChatCompletionRequest, chat: bool, authorization: str | None = None
+    ) -> Prompt | None:
+        """The request's single prompt, salted as the engines salt it (``api.tenancy``: by its
+        ``authorization`` header and cache_salt); None when there is none to route by (several prompts) or it
+        cannot be tokenized here (the engine will say why)."""
+        salt = request_cache_salt(authorization, parsed.cache_salt)
         try:
             if chat:
-                return Prompt(await self._chat_ids(parsed), parsed.cache_salt)  # type: ignore[arg-type]
+                return Prompt(await self._chat_ids(parsed), salt)  # type: ignore[arg-type]
             ids = await self._completion_ids(parsed.prompt)  # type: ignore[union-attr]
         except Exception as error:  # a bad template argument, an odd prompt: route without the prompt
             logger.debug("prompt not tokenized for routing: %s: %s", type(error).__name__, error)
             return None
-        return None if not ids else Prompt(ids, parsed.cache_salt)
+        return None if not ids else Prompt(ids, salt)
 
     async def _completion_ids(self, prompt: Any) -> Sequence[int] | None:
         if isinstance(prompt, str):

@@ -110,7 +110,7 @@ class Proxy:
             and (self.chooser.prefix_aware or not local)
             and (chat or not _several_prompts(parsed.prompt))
         ):
-            exchange.prompt = await self.prompts.read(parsed, chat)
+            exchange.prompt = await self.prompts.read(parsed, chat, exchange.request.headers.get("Authorization"))
         if self.config.session_affinity:
             exchange.session = exchange.request.headers.get(SESSION_ID) or parsed.user
         exchange.hold(self.chooser.choose(self.decode, exchange.prompt, exchange.session))

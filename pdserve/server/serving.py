@@ -37,6 +37,7 @@ from pdserve.api.protocol import (
     sse_event,
 )
 from pdserve.api.report import REPORT_HEADER, comment, header_value
+from pdserve.api.tenancy import request_cache_salt
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from pdserve.server.chat_output import ChatOutputReader, ChatParsers
@@ -164,7 +165,7 @@ class OpenAIServing:
         leg = await self.gate.screen(request, leg, prompts, params.prompt_logprobs is not None)
         if body.stream:
             return await self._stream_completion(request, body, leg, request_id, children, params)
-        results = await self.choices.gather(request_id, children, params, leg, body.cache_salt)
+        results = await self.choices.gather(request_id, children, params, leg, _cache_salt(request, body))
         choices = []
         for (prompt, index), result in zip(children, results, strict=True):
             text = result.text
@@ -223,7 +224,7 @@ class OpenAIServing:
         readers = [self.chat_parsers.reader(prompt, tools) for _ in children]
         if body.stream:
             return await self._stream_chat(request, body, leg, request_id, children, params, readers)
-        results = await self.choices.gather(request_id, children, params, leg, body.cache_salt)
+        results = await self.choices.gather(request_id, children, params, leg, _cache_salt(request, body))
         choices = []
         for (_, index), result, reader in zip(children, results, readers, strict=True):
             message = ChatResponseMessage(content=result.text)
@@ -332,7 +333,16 @@ class OpenAIServing:
         results = [ChoiceResult() for _ in children]
         created = int(time.time())
         # aclosing: if the client goes away mid-stream, the choices' cleanup (abort) runs right here.
-        async with aclosing(self.choices.stream(request_id, children, params, leg, body.cache_salt, results)) as deltas:
+        async with aclosing(
+            self.choices.stream(
+                request_id,
+                children,
+                params,
+                leg,
+                _cache_salt(request, body),
+                results,
+            )
+        ) as deltas:
             try:
                 async for delta in deltas:
                     logprobs = (
@@ -389,7 +399,16 @@ class OpenAIServing:
 
         for _, index in children:
             await response.write(chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))]))
-        async with aclosing(self.choices.stream(request_id, children, params, leg, body.cache_salt, results)) as deltas:
+        async with aclosing(
+            self.choices.stream(
+                request_id,
+                children,
+                params,
+                leg,
+                _cache_salt(request, body),
+                results,
+            )
+        ) as deltas:
             try:
                 async for delta in deltas:
                     logprobs = self.logprobs.chat(delta.logprobs) if body.logprobs else None
@@ -416,3 +435,8 @@ class OpenAIServing:
             await response.write(chunk([], usage(children, results)))
         await response.write(SSE_DONE)
         return response
+
+
+def _cache_salt(request: web.Request, body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The salt of the request's block hashes: its tenant's (the API key it presents) and its own cache_salt."""
+    return request_cache_salt(request.headers.get("Authorization"), body.cache_salt)

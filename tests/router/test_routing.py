@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from pdserve.api.kv_events import EventSigner, TierEvents
+from pdserve.api.tenancy import request_cache_salt
 from pdserve.api.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 from pdserve.engine.block_hash import hash_prompt_blocks
 from pdserve.models.demo import ensure_demo_model
@@ -87,7 +88,8 @@ def test_tier_events_steer_requests_and_show_in_the_debug_index_and_metrics(loop
     pool, disk, cold = (cluster.stub("decode", events=True) for _ in range(3))
     router = cluster.router([], [pool.url, disk.url, cold.url], tokenizer=model, api_key="sk")
     text = SENTENCE * 10
-    hashes = hash_prompt_blocks(encode_prompt(tokenizer, text), 16)
+    # What an engine caches for a client with this key (its tenant's salt, pdserve/api/tenancy.py).
+    hashes = hash_prompt_blocks(encode_prompt(tokenizer, text), 16, request_cache_salt("Bearer sk", None))
     publish_until(loop, pool, router, has(hashes), snapshot=hashes)
     on_disk = [TierEvents("disk", [], [], hashes), TierEvents("host", [], [], [])]
     publish_until(loop, disk, router, lambda pod: pod is not None and "disk" in pod.tiers, snapshot=[], tiers=on_disk)

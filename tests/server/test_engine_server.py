@@ -251,3 +251,24 @@ def test_openapi_document_describes_the_endpoints(server):
         ref.split("/")[-1] in schemas
         for ref in [part.split('"')[0] for part in json.dumps(document).split("#/components/schemas/")[1:]]
     )
+
+
+def test_api_keys_are_tenants_whose_cached_prefixes_never_cross(server):
+    """Two clients send the same 200-token prompt with different API keys (the engine checks none, as behind a
+    router that does): the second computes everything; the first's key, and its own cache_salt under the same
+    key, find what they cached; another key's cache_salt equal to the first key's salt text finds nothing."""
+    prompt = list(range(100, 300))
+
+    def cached(key: str, cache_salt: str | None = None) -> int:
+        tenant = openai.OpenAI(base_url=server.running.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        extra = {"cache_salt": cache_salt} if cache_salt is not None else {}
+        answer = tenant.completions.create(model="demo", prompt=prompt, max_tokens=1, extra_body=extra)
+        details = answer.usage.prompt_tokens_details
+        return details.cached_tokens if details is not None else 0
+
+    assert cached("alice") == 0
+    assert cached("bob") == 0  # the same text, another tenant
+    assert cached("alice") >= 192
+    assert cached("alice", "session-1") == 0  # a salt of her own splits her cache
+    assert cached("alice", "session-1") >= 192
+    assert cached("bob", "session-1") == 0  # the same salt text under another key is another salt
