@@ -436,6 +436,30 @@ def test_pod_commands_parse_with_the_real_cli():
     args = parser.parse_args(container(router_pod("llm", "ns", full()))["command"][1:])
     assert (args.discovery, args.namespace, args.selector) == ("kubernetes", "ns", "app.kubernetes.io/instance=llm")
     assert args.kv_keys == "/etc/pdserve/kv-keys"
+    # With kvCache: every --kv-tier-* flag the operator writes is one `pdserve prefill|decode` takes, and it
+    # reads back as the tiers the spec asked for (before the user's engineArgs, which still parse after them).
+    tiered = full(
+        prefill={"kvCache": TIERS, "engineArgs": ["--max-model-len", "8192"]},
+        decode={"kvCache": {"shared": {"claimName": "kv-cache", "readOnly": True}, "maxAge": "12h"}},
+    )
+    wanted = {
+        "prefill": KVTierConfig(
+            host_bytes=8 << 30,
+            disk_path="/var/cache/pdserve/kv-disk",
+            disk_bytes=45 << 30,
+            shared_path="/var/cache/pdserve/kv-shared",
+            shared_bytes=100 << 30,
+            max_age_s=5400.0,
+        ),
+        "decode": KVTierConfig(shared_path="/var/cache/pdserve/kv-shared", shared_read_only=True, max_age_s=43200.0),
+    }
+    for role, tiers in wanted.items():
+        command = container(engine_pod("llm", role, tiered))["command"]
+        assert command[1] == role
+        args = parser.parse_args(command[1:])
+        assert KVTierConfig.from_cli_args(args) == tiers
+        assert args.kv_keys == "/etc/pdserve/kv-keys"
+    assert parser.parse_args(container(engine_pod("llm", "prefill", tiered))["command"][1:]).max_model_len == 8192
 
 
 def test_a_disruption_budget_per_engine_pool():
