@@ -119,6 +119,8 @@ class EngineArgs:
             self.distributed_executor_backend = "mp"
         _check_choice("structured outputs backend", self.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)
         _check_choice("KV connector", self.kv_connector, KV_CONNECTORS)
+        if self.kv_connector == "tiers":  # the tiers run on every role, composed with a P/D role's connector
+            raise ValueError("--kv-connector names a P/D role's connector; the KV tiers are turned on by --kv-tier-*")
         if not self.structured_outputs_compile_timeout > 0:
             raise ValueError(
                 f"the structured outputs compile timeout must be > 0 s, got {self.structured_outputs_compile_timeout}"

@@ -61,6 +61,7 @@ class TransferWork:
     tier_stores: list[TierStore] = field(default_factory=list)
     tier_loads: list[TierLoad] = field(default_factory=list)
     tier_deletes: list[tuple[str, bytes]] = field(default_factory=list)  # (medium, hash): files to remove
+    tier_cancels: list[str] = field(default_factory=list)  # loads given up on: dropped if not started (reported)
     # Tokens this step computes (the tiers time the forward, to weigh loading against recomputing).
     step_tokens: int = 0
 
@@ -76,6 +77,7 @@ class TransferWork:
             or self.tier_stores
             or self.tier_loads
             or self.tier_deletes
+            or self.tier_cancels
         )
 
     def merge(self, other: TransferWork) -> None:

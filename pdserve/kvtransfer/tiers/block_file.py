@@ -93,10 +93,11 @@ class BlockFolder:
             block_hash,
             blake3.blake3(payload).digest(),
         )
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         temporary = target.with_name(f"{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
         try:
-            with open(temporary, "wb") as file:
+            # KV is user data: readable by this user only (the engines sharing a folder run as one user).
+            with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
                 file.write(header)
                 file.write(payload)
             os.replace(temporary, target)
@@ -143,8 +144,9 @@ class BlockFolder:
         with contextlib.suppress(FileNotFoundError):
             self.path(block_hash).unlink()
 
-    def scan(self) -> Iterator[FileEntry]:
-        """Every block file of this compatibility hash and rank count (leftover temporaries are removed)."""
+    def scan(self, remove_stale: bool = True) -> Iterator[FileEntry]:
+        """Every block file of this compatibility hash and rank count (with ``remove_stale``, temporaries a
+        writer that died left behind are removed)."""
         if not self.folder.is_dir():
             return
         marker = f"of{self.ranks}{SUFFIX}"
@@ -154,7 +156,8 @@ class BlockFolder:
             for entry in os.scandir(sub.path):
                 name = entry.name
                 if name.endswith(".tmp"):
-                    _remove_stale_temporary(entry)
+                    if remove_stale:
+                        _remove_stale_temporary(entry)
                     continue
                 if not name.endswith(marker):
                     continue

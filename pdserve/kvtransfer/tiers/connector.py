@@ -75,6 +75,7 @@ class TierConnector(KVConnectorScheduler):
         self.cost = LoadOrRecompute(block_bytes // num_ranks)
         self._planned: dict[str, list[tuple[int, str, bytes]]] = {}  # request id -> (block index, medium, hash)
         self._loading: dict[str, list[tuple[str, bytes]]] = {}  # request id -> (medium, hash) of its load
+        self._abandoned: set[str] = set()  # loads still unreported that no request waits for
         self._logged_reasons: set[str] = set()
         now = time.time()
         for medium in self.folders:
@@ -97,13 +98,26 @@ class TierConnector(KVConnectorScheduler):
                 continue
             if block_hash in index:
                 return medium
-            # Another engine's store in the shared folder: known from now on (if there is room in the index).
-            shared = medium == "shared" and self.folders["shared"].exists(block_hash)
-            if shared and index.adopt(block_hash, time.time()):
-                return medium
+            # Another engine's store in the shared folder: known from now on (room made as for a store).
+            if medium == "shared" and self.folders["shared"].exists(block_hash):
+                evicted = index.adopt(block_hash, time.time())
+                if evicted is not None:
+                    self._delete(medium, evicted)
+                    return medium
         return None
 
+    def _delete(self, medium: str, hashes: list[bytes]) -> None:
+        """Remove the files of blocks the tier no longer keeps (never from a read-only folder)."""
+        if medium in self.write_through:
+            self.outbox.tier_deletes.extend((medium, block_hash) for block_hash in hashes)
+
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id in self._loading:
+            # Looked up again while its load is unreported: the scheduler's watchdog gave up on it (a hung read).
+            # Cancelled if it has not started; the request computes this time, since a second load under its id
+            # could not be told apart from the first when that one's report comes in.
+            self._abandon(request.request_id)
+            return 0, False
         hashes = request.block_hashes
         plan: list[tuple[int, str, bytes]] = []
         for position in range(num_computed_tokens // self.block_size, len(hashes)):
@@ -144,6 +158,11 @@ class TierConnector(KVConnectorScheduler):
     def recompute_failed_load(self, request: ConnectorRequest) -> bool:
         return True  # a tier is a cache: whatever it fails to give is computed
 
+    def _abandon(self, request_id: str) -> None:
+        if request_id not in self._abandoned:
+            self._abandoned.add(request_id)
+            self.outbox.tier_cancels.append(request_id)
+
     # ----- the store side ---------------------------------------------------------------------------
 
     def blocks_cached(self, blocks: list[tuple[int, bytes]]) -> None:
@@ -157,7 +176,7 @@ class TierConnector(KVConnectorScheduler):
                 if room is None:
                     continue
                 media.append(medium)
-                self.outbox.tier_deletes.extend((medium, evicted) for evicted, _ in room[1])
+                self._delete(medium, [evicted for evicted, _ in room[1]])
             if media:
                 stores.append(TierStore(block_id, block_hash, media))
 
@@ -181,8 +200,7 @@ class TierConnector(KVConnectorScheduler):
             self._log_once(f"store:{reason}", f"a KV block store to the {medium} tier failed ({reason})")
         for medium, block_hash, reason in report.tier_load_failures:
             self.tiers[medium].drop(block_hash, reason)
-            if medium in self.write_through:  # a file that failed its checks is removed (not from a read-only mount)
-                self.outbox.tier_deletes.append((medium, block_hash))
+            self._delete(medium, [block_hash])  # a file that failed its checks goes (not from a read-only mount)
             self._log_once(
                 f"load:{reason}", f"a KV block from the {medium} tier was not used ({reason}); it is recomputed"
             )
@@ -193,14 +211,14 @@ class TierConnector(KVConnectorScheduler):
             self.cost.note_load(medium, num_bytes, seconds)
         for tokens, seconds in report.step_times:
             self.cost.note_step(tokens, seconds)
-        for request_id in report.finished_recving & self._loading.keys():
+        for request_id in (report.finished_recving | report.failed_recving) & self._loading.keys():
+            served = request_id in report.finished_recving and request_id not in self._abandoned
+            self._abandoned.discard(request_id)
             for medium, block_hash in self._loading.pop(request_id):
                 index = self.tiers[medium]
                 index.unpin(block_hash)
-                index.stats.hit_tokens += self.block_size
-        for request_id in report.failed_recving & self._loading.keys():
-            for medium, block_hash in self._loading.pop(request_id):
-                self.tiers[medium].unpin(block_hash)
+                if served:
+                    index.stats.hit_tokens += self.block_size
 
     def _log_once(self, key: str, message: str) -> None:
         if key not in self._logged_reasons:
@@ -210,33 +228,41 @@ class TierConnector(KVConnectorScheduler):
     # ----- upkeep -----------------------------------------------------------------------------------
 
     def _scan(self, medium: str, now: float) -> None:
-        """Adopt the blocks a folder holds (every rank's file present), oldest first; remove expired ones."""
+        """Take in the blocks a folder holds (every rank's file present): the most recently used ones the
+        tier's bound holds, each aged by its file's mtime (its last use, by any engine); the rest, and those
+        past the maximum age, are removed (unless the folder is read-only)."""
         index, folder = self.tiers[medium], self.folders[medium]
         started = time.monotonic()
         ranks: dict[bytes, int] = {}
         newest: dict[bytes, float] = {}
-        for entry in folder.scan():
+        for entry in folder.scan(remove_stale=medium in self.write_through):
             ranks[entry.block_hash] = ranks.get(entry.block_hash, 0) + 1
             newest[entry.block_hash] = max(newest.get(entry.block_hash, 0.0), entry.mtime)
-        whole = sorted((mtime, h) for h, mtime in newest.items() if ranks[h] == self.num_ranks)
+        found = sorted(((mtime, h) for h, mtime in newest.items() if ranks[h] == self.num_ranks), reverse=True)
         cutoff = now - index.max_age_s
-        adopted = expired = 0
-        for mtime, block_hash in whole:
-            if mtime < cutoff:
-                if medium in self.write_through:
-                    self.outbox.tier_deletes.append((medium, block_hash))
-                expired += 1
-            elif block_hash not in index and index.adopt(block_hash, mtime):
-                adopted += 1
-        if adopted or expired:
-            logger.info(
-                "KV %s tier at %s: %d blocks found, %d past their age removed (%.2f s)",
-                medium,
-                folder.root,
-                adopted,
-                expired,
-                time.monotonic() - started,
-            )
+        room = index.capacity_blocks - len(index.pending)
+        kept = [(mtime, h) for mtime, h in found if mtime >= cutoff][:room]
+        keep = {h for _, h in kept}
+        dropped = [h for _, h in found if h not in keep and h not in index.pinned]
+        for block_hash in dropped:
+            index.drop(block_hash)
+        self._delete(medium, dropped)
+        for mtime, block_hash in reversed(kept):  # oldest first: the LRU order
+            if block_hash in index:
+                index.refresh(block_hash, mtime)
+            else:
+                index.adopt(block_hash, mtime)
+        # Blocks the index held whose files are gone (removed by another engine sharing the folder).
+        for block_hash in [h for h in index.last_used if h not in newest and h not in index.pinned]:
+            index.drop(block_hash)
+        logger.info(
+            "KV %s tier at %s: %d blocks kept, %d past their age or the bound removed (%.2f s)",
+            medium,
+            folder.root,
+            len(kept),
+            len(dropped),
+            time.monotonic() - started,
+        )
 
     def _upkeep(self) -> None:
         now = time.monotonic()
@@ -244,12 +270,30 @@ class TierConnector(KVConnectorScheduler):
             self._next_sweep = now + SWEEP_INTERVAL_S
             wall = time.time()
             for medium, index in self.tiers.items():
-                for block_hash, _ in index.expire(wall):
-                    if medium in self.write_through:
-                        self.outbox.tier_deletes.append((medium, block_hash))
+                expired = [block_hash for block_hash, _ in index.expire(wall)]
+                if medium == "shared":
+                    expired = self._still_used_elsewhere(expired, wall - index.max_age_s)
+                self._delete(medium, expired)
         if "shared" in self.folders and now >= self._next_rescan:
             self._next_rescan = now + SHARED_RESCAN_S
             self._scan("shared", time.time())
+
+    def _still_used_elsewhere(self, expired: list[bytes], cutoff: float) -> list[bytes]:
+        """Of shared blocks this engine has not used within the maximum age, those no other engine has either
+        (their files' mtimes); the others are taken back in."""
+        folder, index = self.folders["shared"], self.tiers["shared"]
+        gone = []
+        for block_hash in expired:
+            try:
+                mtime = folder.path(block_hash).stat().st_mtime
+            except OSError:
+                continue  # removed already
+            evicted = index.adopt(block_hash, mtime) if mtime >= cutoff else None
+            if evicted is None:
+                gone.append(block_hash)
+            else:
+                self._delete("shared", evicted)
+        return gone
 
     def has_pending_work(self) -> bool:
         return bool(self.outbox)
@@ -266,6 +310,8 @@ class TierConnector(KVConnectorScheduler):
         self, request: ConnectorRequest, block_ids: list[int], finish_reason: str
     ) -> tuple[bool, dict[str, Any] | None]:
         self._planned.pop(request.request_id, None)
+        if request.request_id in self._loading:  # finished mid-load (an abort): its load is not wanted any more
+            self._abandon(request.request_id)
         return False, None
 
     # ----- observation ------------------------------------------------------------------------------

@@ -93,20 +93,35 @@ class TierIndex:
         else:
             self.pinned.pop(block_hash, None)
 
-    def adopt(self, block_hash: bytes, mtime: float) -> bool:
-        """A block found in the tier's storage (a scan, or another engine's file in a shared folder); False
-        when there is no room for it in the index (it is then left alone)."""
+    def adopt(self, block_hash: bytes, last_used: float) -> list[bytes] | None:
+        """Take in a block found in the tier's storage (another engine's file in a shared folder), evicting the
+        least recently used for room: the hashes evicted, or None when every block is pinned. It goes to the
+        LRU tail: a scan adopts its files oldest first."""
         if block_hash in self.last_used or block_hash in self.pending:
-            return True
-        if len(self.last_used) + len(self.pending) >= self.capacity_blocks:
-            return False
-        self.last_used[block_hash] = mtime  # at the LRU tail: a scan adopts its files oldest first
+            return []
+        evicted: list[bytes] = []
+        while len(self.last_used) + len(self.pending) >= self.capacity_blocks:
+            victim = next((h for h in self.last_used if h not in self.pinned), None)
+            if victim is None:
+                return None
+            self._forget(victim)
+            evicted.append(victim)
+            self.stats.evictions += 1
+        self.last_used[block_hash] = last_used
         self._stored.append(block_hash)
-        return True
+        return evicted
 
-    def drop(self, block_hash: bytes, reason: str) -> int:
-        """A block that must not be served again (corrupt, missing, foreign); its slot, or -1."""
-        self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
+    def refresh(self, block_hash: bytes, last_used: float) -> None:
+        """Another engine used the block later than this one did (a shared file's mtime)."""
+        if block_hash in self.last_used and last_used > self.last_used[block_hash]:
+            self.last_used[block_hash] = last_used
+            self.last_used.move_to_end(block_hash)
+
+    def drop(self, block_hash: bytes, reason: str | None = None) -> int:
+        """Forget a block: one that must not be served again (``reason``: corrupt, missing, ..., counted), or
+        one gone from storage; its slot, or -1."""
+        if reason is not None:
+            self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
         return self._forget(block_hash) if block_hash in self.last_used else -1
 
     def expire(self, now: float) -> list[tuple[bytes, int]]:

@@ -58,6 +58,8 @@ class TierWorker:
             self.folders["disk"] = BlockFolder(config.disk_path, compat_hash, rank, ranks)
         if config.shared_path is not None:
             self.folders["shared"] = BlockFolder(config.shared_path, compat_hash, rank, ranks)
+        # Folders this engine may write (a read-only shared tier is never changed, not even its mtimes).
+        self._touch = {medium for medium in self.folders if not (medium == "shared" and config.shared_read_only)}
         self._host: torch.Tensor | None = None
         if config.host_bytes:
             if self._on_cpu:
@@ -88,11 +90,19 @@ class TierWorker:
                 with self._lock:
                     self._output.tier_stored.extend(("host", save.block_hash) for save in work.tier_saves)
         self._stores_after_forward.extend((s.block_id, s.block_hash, s.media) for s in work.tier_stores)
-        if work.tier_loads or work.tier_deletes:
+        if work.tier_loads or work.tier_deletes or work.tier_cancels:
             with self._lock:
                 self._loads.extend(work.tier_loads)
                 self._writes.extend(work.tier_deletes)
+                if work.tier_cancels:
+                    self._cancel(set(work.tier_cancels))
                 self._lock.notify()
+
+    def _cancel(self, request_ids: set[str]) -> None:
+        """Drop the queued loads of these requests, reported failed (one being read is reported when done)."""
+        kept = [load for load in self._loads if load.request_id not in request_ids]
+        self._output.failed_recving.update(load.request_id for load in self._loads if load.request_id in request_ids)
+        self._loads = collections.deque(kept)
 
     def collect(self) -> KVConnectorOutput | None:
         if self._step_started is not None and self._step_tokens:
@@ -170,8 +180,8 @@ class TierWorker:
                     break
                 if staging is not None:
                     self._blocks[block_id].copy_(torch.from_numpy(staging))
-                if medium == "shared":
-                    folder.touch(block_hash)  # other engines age the shared folder by its files' mtimes
+                if medium in self._touch:
+                    folder.touch(block_hash)  # its file's mtime is its last use: what scans (ours, others') age by
             spent = by_medium.setdefault(medium, [0, 0])
             spent[0] += self.block_bytes
             spent[1] += int((time.perf_counter() - started) * 1e9)
@@ -193,6 +203,9 @@ class TierWorker:
                 stored.append((medium, store.block_hash))
             except OSError as error:
                 failed.append((medium, store.block_hash, "disk_full" if error.errno == errno.ENOSPC else "io"))
+            except Exception:
+                logger.exception("KV tier store failed")
+                failed.append((medium, store.block_hash, "io"))
         with self._lock:
             self._backlog_bytes -= self.block_bytes
             self._output.tier_stored.extend(stored)
