@@ -190,7 +190,9 @@ class LLM:
 
     def _run(self, pending: list[_Pending]) -> None:
         by_id = {p.request.request_id: p for p in pending}
-        while self.engine.has_work():
+        # Until its requests are answered: blocks that stay out of use longer (a hung load's quarantine) are
+        # released by later steps.
+        while self.engine.has_work() and any(p.finish_reason is None for p in pending):
             for output in self.engine.step():
                 child = by_id.get(output.request_id)
                 if child is not None:

@@ -72,6 +72,14 @@ class KVTierConfig:
         ),
     )
 
+    load_timeout_s: float = field(
+        default=30.0,
+        metadata=flag(
+            "seconds a load from the tiers may take before its request computes the prompt instead (a hung read "
+            "of a slow shared volume); its blocks stay out of use until the read ends",
+            name="kv-tier-load-timeout",
+        ),
+    )
     always_load: bool = field(
         default=False,
         metadata=flag(
@@ -84,6 +92,8 @@ class KVTierConfig:
     def __post_init__(self) -> None:
         if self.host_bytes < 0 or self.disk_bytes <= 0 or self.shared_bytes <= 0:
             raise ValueError("KV tier sizes must be positive")
+        if self.load_timeout_s <= 0:
+            raise ValueError(f"--kv-tier-load-timeout must be positive, got {self.load_timeout_s}")
         if self.max_age_s <= 0:
             raise ValueError(f"--kv-tier-max-age must be positive, got {self.max_age_s}")
         if self.shared_read_only and self.shared_path is None:

@@ -36,22 +36,21 @@ logger = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 60.0
 SHARED_RESCAN_S = 300.0
-# The worker side reports every load it was given; past this a load is failed (a hung read of a slow
-# shared volume: the request recomputes).
-LOAD_REPORT_TIMEOUT_S = 30.0
 LOOKUP_ORDER = ("host", "disk", "shared")
 
 
 class TierConnector(KVConnectorScheduler):
     wants_cached_blocks = True
-    load_report_timeout = LOAD_REPORT_TIMEOUT_S
-    quarantine_alarm_seconds = 2 * LOAD_REPORT_TIMEOUT_S
 
     def __init__(
         self, tiers: KVTierConfig, compat_hash: str, block_size: int, block_bytes: int, num_ranks: int = 1
     ) -> None:
         """``block_bytes``: one block's bytes over every rank (``num_ranks`` of them)."""
         self.compat_hash = compat_hash
+        # The worker side reports every load it was given; past this the scheduler's watchdog fails a load (a hung
+        # read of a slow shared volume: the request computes), and its blocks wait in quarantine for the report.
+        self.load_report_timeout = tiers.load_timeout_s
+        self.quarantine_alarm_seconds = 2 * tiers.load_timeout_s
         self.block_size = block_size
         self.num_ranks = num_ranks
         self.tiers: dict[str, TierIndex] = {}

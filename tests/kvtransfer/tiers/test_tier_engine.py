@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +40,13 @@ def generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
 
 
 def tier(llm: LLM, medium: str) -> TierStats:
+    """The tier's stats once the stores it was given are confirmed (empty steps collect the worker's reports)."""
+    connector = llm.engine.scheduler.connector
+    deadline = time.monotonic() + 30
+    while any(index.pending for index in connector.tiers.values()):
+        assert time.monotonic() < deadline, "stores never confirmed"
+        llm.engine.step()
+        time.sleep(0.01)
     return llm.engine.scheduler.make_stats().kv_tiers[medium]
 
 
@@ -165,3 +174,32 @@ def test_a_full_disk_stores_nothing_and_fails_no_request(tmp_path, oracle):
             assert stats.num_blocks * 66 * 1024 <= 64 * 1024 + 1  # what fits, at most
         finally:
             llm.close()
+
+
+def test_a_hung_read_times_out_into_a_recompute_and_its_blocks_come_back_when_it_ends(tmp_path, oracle):
+    """A block file that is a FIFO with no writer: opening it blocks, as a read of a hung network volume does. The
+    request computes after the load timeout; the blocks of the abandoned load stay out of use until the read ends
+    (the FIFO gets a writer), then return to the pool."""
+    first = engine(KVTierConfig(disk_path=str(tmp_path)))
+    try:
+        generate(first, PROMPTS[:2])
+    finally:
+        first.close()
+    hung = block_files(tmp_path)[0]
+    hung.unlink()
+    os.mkfifo(hung)
+    llm = engine(KVTierConfig(disk_path=str(tmp_path), load_timeout_s=1.0))
+    kv = llm.engine.scheduler.kv_cache_manager
+    try:
+        assert generate(llm, PROMPTS[:2]) == oracle[:2]  # both: one of them waited for the hung file
+        assert kv.num_quarantined_blocks > 0
+        with open(hung, "wb") as writer:  # the read ends (with nothing: a truncated file)
+            writer.write(b"")
+        deadline = time.monotonic() + 30
+        while kv.num_quarantined_blocks:
+            assert time.monotonic() < deadline, "the abandoned load's blocks never came back"
+            generate(llm, PROMPTS[2:3])  # the engine steps, and takes the worker's report
+        assert generate(llm, PROMPTS) == oracle
+        assert kv.block_pool.num_free_blocks == kv.block_pool.num_blocks
+    finally:
+        llm.close()
