@@ -209,7 +209,8 @@ class TierConnector(KVConnectorScheduler):
     # ----- upkeep -----------------------------------------------------------------------------------
 
     def _scan(self, medium: str, now: float) -> None:
-        """Adopt the blocks a folder holds (every rank's file present), oldest first; remove expired ones."""
+        """Adopt the blocks a folder holds (every rank's file present), oldest first; remove expired ones (also
+        those some rank's file is missing from: a store that failed or was cut short on another rank)."""
         index, folder = self.tiers[medium], self.folders[medium]
         started = time.monotonic()
         ranks: dict[bytes, int] = {}
@@ -217,15 +218,19 @@ class TierConnector(KVConnectorScheduler):
         for entry in folder.scan():
             ranks[entry.block_hash] = ranks.get(entry.block_hash, 0) + 1
             newest[entry.block_hash] = max(newest.get(entry.block_hash, 0.0), entry.mtime)
-        whole = sorted((mtime, h) for h, mtime in newest.items() if ranks[h] == self.num_ranks)
+        found = sorted((mtime, h) for h, mtime in newest.items())
         cutoff = now - index.max_age_s
+        # Past the index's bound the most recently used files are the ones adopted (still oldest first).
+        fresh = [h for mtime, h in found if mtime >= cutoff and ranks[h] == self.num_ranks and h not in index]
+        room = index.capacity_blocks - len(index) - len(index.pending)
+        wanted = set(fresh[max(0, len(fresh) - room) :]) if room > 0 else set()
         adopted = expired = 0
-        for mtime, block_hash in whole:
+        for mtime, block_hash in found:
             if mtime < cutoff:
                 if medium in self.write_through:
                     self.outbox.tier_deletes.append((medium, block_hash))
                 expired += 1
-            elif block_hash not in index and index.adopt(block_hash, mtime):
+            elif block_hash in wanted and index.adopt(block_hash, mtime):
                 adopted += 1
         if adopted or expired:
             logger.info(
@@ -251,7 +256,9 @@ class TierConnector(KVConnectorScheduler):
             self._scan("shared", time.time())
 
     def has_pending_work(self) -> bool:
-        return bool(self.outbox)
+        # A due sweep (or shared rescan) needs a step too: an idle engine still removes blocks past their age.
+        now = time.monotonic()
+        return bool(self.outbox) or now >= self._next_sweep or ("shared" in self.folders and now >= self._next_rescan)
 
     def note_step(self, num_tokens: int) -> None:
         self.outbox.step_tokens = num_tokens
