@@ -9,7 +9,8 @@ Each rank holds the same block ids, so a request's blocks change hands only once
   once as failed in flight (the scheduler quarantines the blocks and moves on), then as failed once
   no rank can write into them any more.
 
-A KV tier holds a block once every rank stored its part (a failure on any rank is the block's). Counters
+A KV tier holds a block once every rank stored its part; a failure on any rank is the block's, reported once
+and at once (every rank's word on the store is still awaited, so a late success is not counted). Counters
 add up, and each rank's transfers are listed (a load at TP m is m transfers). A TP-1
 engine needs none of this: its one agent's reports are the engine's.
 """
@@ -29,12 +30,19 @@ class _Load:
     reported_in_flight: bool = False
 
 
+@dataclass
+class _Store:
+    ranks: set[int] = field(default_factory=set)  # ranks that reported their part (stored or failed)
+    failed: bool = False
+
+
 class RankReports:
     def __init__(self, num_ranks: int) -> None:
         self.num_ranks = num_ranks
         self._sent: dict[str, set[int]] = {}  # request id -> ranks whose hold ended
         self._loads: dict[str, _Load] = {}
-        self._stored: dict[tuple[str, bytes], int] = {}  # (medium, hash) -> ranks that stored their part
+        # (medium, hash) -> the ranks that reported their part's store (stored or failed), whether any failed
+        self._stored: dict[tuple[str, bytes], _Store] = {}
 
     def join(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput | None:
         """One step's reports, one per rank (None: nothing new), as the engine's; None when nothing."""
@@ -68,15 +76,9 @@ class RankReports:
             for reason, count in output.rejected_messages.items():
                 joined.rejected_messages[reason] = joined.rejected_messages.get(reason, 0) + count
             for stored in output.tier_stored:
-                count = self._stored.get(stored, 0) + 1
-                if count == self.num_ranks:
-                    del self._stored[stored]
-                    joined.tier_stored.append(stored)
-                else:
-                    self._stored[stored] = count
+                self._store_reported(stored, rank, None, joined)
             for medium, block_hash, reason in output.tier_store_failures:
-                self._stored.pop((medium, block_hash), None)
-                joined.tier_store_failures.append((medium, block_hash, reason))
+                self._store_reported((medium, block_hash), rank, reason, joined)
             joined.tier_load_failures += output.tier_load_failures
             joined.tier_loads += output.tier_loads
             if rank == 0:  # every rank times the same forwards
@@ -90,3 +92,18 @@ class RankReports:
                 load.reported_in_flight = True
                 joined.failed_recving_in_flight.add(request_id)
         return joined if joined.says_anything() else None
+
+    def _store_reported(
+        self, key: tuple[str, bytes], rank: int, failure: str | None, joined: KVConnectorOutput
+    ) -> None:
+        """A rank's word on its part of a store: the block's first failure is reported at once (and only it),
+        a success once every rank has reported and none failed."""
+        store = self._stored.setdefault(key, _Store())
+        store.ranks.add(rank)
+        if failure is not None and not store.failed:
+            store.failed = True
+            joined.tier_store_failures.append((*key, failure))
+        if len(store.ranks) == self.num_ranks:
+            del self._stored[key]
+            if not store.failed:
+                joined.tier_stored.append(key)

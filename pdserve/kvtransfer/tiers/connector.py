@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 60.0
 SHARED_RESCAN_S = 300.0
+PARTIAL_GRACE_S = 600.0
+MAX_REFUSED = 100_000  # shared blocks remembered as refused (oldest forgotten first)
 LOOKUP_ORDER = ("host", "disk", "shared")
 
 
@@ -75,6 +77,7 @@ class TierConnector(KVConnectorScheduler):
         self._planned: dict[str, list[tuple[int, str, bytes]]] = {}  # request id -> (block index, medium, hash)
         self._loading: dict[str, list[tuple[str, bytes]]] = {}  # request id -> (medium, hash) of its load
         self._abandoned: set[str] = set()  # loads still unreported that no request waits for
+        self._refused_shared: dict[bytes, float] = {}  # shared blocks whose files failed a load -> when
         self._logged_reasons: set[str] = set()
         now = time.time()
         for medium in self.folders:
@@ -97,13 +100,26 @@ class TierConnector(KVConnectorScheduler):
                 continue
             if block_hash in index:
                 return medium
-            # Another engine's store in the shared folder: known from now on (room made as for a store).
-            if medium == "shared" and self.folders["shared"].exists(block_hash):
+            # Another engine's store in the shared folder: known from now on (room made as for a store), unless
+            # its file failed a load here and has not been written again since.
+            if medium == "shared" and self.folders["shared"].exists(block_hash) and not self._refused(block_hash):
                 evicted = index.adopt(block_hash, time.time())
                 if evicted is not None:
                     self._delete(medium, evicted)
                     return medium
         return None
+
+    def _refused(self, block_hash: bytes) -> bool:
+        refused_at = self._refused_shared.get(block_hash)
+        if refused_at is None:
+            return False
+        try:
+            rewritten = self.folders["shared"].path(block_hash).stat().st_mtime > refused_at
+        except OSError:
+            rewritten = False
+        if rewritten:
+            del self._refused_shared[block_hash]
+        return not rewritten
 
     def _delete(self, medium: str, hashes: list[bytes]) -> None:
         """Remove the files of blocks the tier no longer keeps (never from a read-only folder)."""
@@ -199,6 +215,10 @@ class TierConnector(KVConnectorScheduler):
             self._log_once(f"store:{reason}", f"a KV block store to the {medium} tier failed ({reason})")
         for medium, block_hash, reason in report.tier_load_failures:
             self.tiers[medium].drop(block_hash, reason)
+            if medium == "shared":  # not found again by a lookup (its file may stay: a read-only folder)
+                self._refused_shared[block_hash] = now
+                if len(self._refused_shared) > MAX_REFUSED:
+                    del self._refused_shared[next(iter(self._refused_shared))]
             self._delete(medium, [block_hash])  # a file that failed its checks goes (not from a read-only mount)
             self._log_once(
                 f"load:{reason}", f"a KV block from the {medium} tier was not used ({reason}); it is recomputed"
@@ -228,8 +248,9 @@ class TierConnector(KVConnectorScheduler):
 
     def _scan(self, medium: str, now: float) -> None:
         """Take in the blocks a folder holds (every rank's file present): the most recently used ones the
-        tier's bound holds, each aged by its file's mtime (its last use, by any engine); the rest, and those
-        past the maximum age, are removed (unless the folder is read-only)."""
+        tier's bound holds, each aged by its file's mtime (its last use, by any engine); the rest, those past the
+        maximum age, and old blocks some rank's file is missing from are removed (unless the folder is
+        read-only)."""
         index, folder = self.tiers[medium], self.folders[medium]
         started = time.monotonic()
         ranks: dict[bytes, int] = {}
@@ -243,9 +264,12 @@ class TierConnector(KVConnectorScheduler):
         kept = [(mtime, h) for mtime, h in found if mtime >= cutoff][:room]
         keep = {h for _, h in kept}
         dropped = [h for _, h in found if h not in keep and h not in index.pinned]
+        # Blocks some rank's file is missing from, well after any store of theirs could still be under way: a store
+        # that failed or was cut short on another rank. Never adopted; removed.
+        partial = [h for h, mtime in newest.items() if ranks[h] < self.num_ranks and mtime < now - PARTIAL_GRACE_S]
         for block_hash in dropped:
             index.drop(block_hash)
-        self._delete(medium, dropped)
+        self._delete(medium, dropped + partial)
         for mtime, block_hash in reversed(kept):  # oldest first: the LRU order
             if block_hash in index:
                 index.refresh(block_hash, mtime)
@@ -286,7 +310,7 @@ class TierConnector(KVConnectorScheduler):
             try:
                 mtime = folder.path(block_hash).stat().st_mtime
             except OSError:
-                continue  # removed already
+                mtime = 0.0  # removed already: the delete finds nothing
             evicted = index.adopt(block_hash, mtime) if mtime >= cutoff else None
             if evicted is None:
                 gone.append(block_hash)
@@ -295,7 +319,9 @@ class TierConnector(KVConnectorScheduler):
         return gone
 
     def has_pending_work(self) -> bool:
-        return bool(self.outbox)
+        # A due sweep (or shared rescan) needs a step too: an idle engine still removes blocks past their age.
+        now = time.monotonic()
+        return bool(self.outbox) or now >= self._next_sweep or ("shared" in self.folders and now >= self._next_rescan)
 
     def note_step(self, num_tokens: int) -> None:
         self.outbox.step_tokens = num_tokens
