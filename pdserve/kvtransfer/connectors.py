@@ -45,7 +45,9 @@ class ConnectorContext:
 
 def make_connector(names: list[str], context: ConnectorContext) -> KVConnectorScheduler:
     """The connector of these names (more than one: a multi-connector of them, in this order)."""
-    parts = [resolve(KV_CONNECTORS, name, "KV connector").from_context(context) for name in names]
+    parts: list[KVConnectorScheduler] = [
+        resolve(KV_CONNECTORS, name, "KV connector").from_context(context) for name in names
+    ]
     if len(parts) == 1:
         return parts[0]
     from pdserve.kvtransfer.multi import MultiConnector

@@ -174,7 +174,7 @@ class TierWorker:
                 folder = self.folders[medium]
                 target = self._blocks[block_id].numpy() if staging is None else staging
                 try:
-                    folder.read_into(block_hash, memoryview(target))
+                    folder.read_into(block_hash, target.data)
                 except BlockFileError as error:
                     failures.append((medium, block_hash, error.reason))
                     break
@@ -199,7 +199,7 @@ class TierWorker:
         failed: list[tuple[str, bytes, str]] = []
         for medium in store.media:
             try:
-                self.folders[medium].write(store.block_hash, memoryview(store.payload))
+                self.folders[medium].write(store.block_hash, store.payload.data)
                 stored.append((medium, store.block_hash))
             except OSError as error:
                 failed.append((medium, store.block_hash, "disk_full" if error.errno == errno.ENOSPC else "io"))
