@@ -109,29 +109,44 @@ class BlockFolder:
 
     def read_into(self, block_hash: bytes, destination: memoryview) -> None:
         """Read this rank's bytes of a block into ``destination`` (exactly its size), checked; raises
-        ``BlockFileError`` (with the reason) for anything but a whole, matching, intact file."""
+        ``BlockFileError`` (with the reason) for anything but a whole, matching, intact file. Header and payload
+        come in one read (one round trip to a cold disk); on a refusal ``destination`` holds junk."""
         path = self.path(block_hash)
+        header = bytearray(HEADER_BYTES)
         try:
-            with open(path, "rb", buffering=0) as file:
-                header = file.read(HEADER_BYTES)
-                if len(header) < HEADER_BYTES:
-                    raise BlockFileError("truncated", f"{path}: {len(header)} header bytes")
-                magic, version, rank, ranks, _, size, compat, stored_hash, checksum = _FIXED.unpack(header)
-                if magic != MAGIC or version != FORMAT_VERSION:
-                    raise BlockFileError("foreign", f"{path}: not a version-{FORMAT_VERSION} block file")
-                if compat.rstrip(b"\0").decode(errors="replace") != self.compat_hash or stored_hash != block_hash:
-                    raise BlockFileError("foreign", f"{path}: another model's or another block's file")
-                if (rank, ranks) != (self.rank, self.ranks) or size != len(destination):
-                    raise BlockFileError("foreign", f"{path}: rank {rank}/{ranks} of {size} bytes")
-                got = file.readinto(destination)
-                if got != size or file.read(1):
-                    raise BlockFileError("truncated", f"{path}: {got} of {size} bytes")
+            descriptor = os.open(path, os.O_RDONLY)
+            try:
+                got = os.preadv(descriptor, [header, destination], 0)
+                beyond = os.pread(descriptor, 1, HEADER_BYTES + len(destination)) if got > HEADER_BYTES else b""
+            finally:
+                os.close(descriptor)
         except FileNotFoundError as error:
             raise BlockFileError("missing", str(path)) from error
         except OSError as error:
             raise BlockFileError("io", f"{path}: {error}") from error
+        if got < HEADER_BYTES:
+            raise BlockFileError("truncated", f"{path}: {got} header bytes")
+        magic, version, rank, ranks, _, size, compat, stored_hash, checksum = _FIXED.unpack(header)
+        if magic != MAGIC or version != FORMAT_VERSION:
+            raise BlockFileError("foreign", f"{path}: not a version-{FORMAT_VERSION} block file")
+        if compat.rstrip(b"\0").decode(errors="replace") != self.compat_hash or stored_hash != block_hash:
+            raise BlockFileError("foreign", f"{path}: another model's or another block's file")
+        if (rank, ranks) != (self.rank, self.ranks) or size != len(destination):
+            raise BlockFileError("foreign", f"{path}: rank {rank}/{ranks} of {size} bytes")
+        if got != HEADER_BYTES + size or beyond:
+            raise BlockFileError("truncated", f"{path}: {got - HEADER_BYTES} of {size} bytes")
         if blake3.blake3(destination).digest() != checksum:
             raise BlockFileError("corrupt", f"{path}: checksum mismatch")
+
+    def prefetch(self, block_hash: bytes) -> None:
+        """Ask the kernel to start reading this rank's file of a block (a load reads its files one by one:
+        their disk reads then overlap)."""
+        with contextlib.suppress(OSError):
+            descriptor = os.open(self.path(block_hash), os.O_RDONLY | os.O_NONBLOCK)  # a hint: never waits
+            try:
+                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(descriptor)
 
     def touch(self, block_hash: bytes) -> None:
         """Mark the block used now (its files' mtime: what other engines sharing the folder age it by)."""

@@ -319,9 +319,15 @@ class TierConnector(KVConnectorScheduler):
         return gone
 
     def has_pending_work(self) -> bool:
-        # A due sweep (or shared rescan) needs a step too: an idle engine still removes blocks past their age.
+        # A due sweep (or shared rescan) needs a step too: an idle engine still removes blocks past their age; and
+        # so do stores not yet confirmed (the worker side's reports are taken in steps).
         now = time.monotonic()
-        return bool(self.outbox) or now >= self._next_sweep or ("shared" in self.folders and now >= self._next_rescan)
+        return (
+            bool(self.outbox)
+            or any(index.pending for index in self.tiers.values())
+            or now >= self._next_sweep
+            or ("shared" in self.folders and now >= self._next_rescan)
+        )
 
     def note_step(self, num_tokens: int) -> None:
         self.outbox.step_tokens = num_tokens

@@ -165,6 +165,9 @@ class TierWorker:
         by_medium: dict[str, list[int]] = {}
         failures: list[tuple[str, bytes, str]] = []
         staging = None if self._on_cpu else np.empty(self.block_bytes, dtype=np.uint8)
+        for _, medium, block_hash, _ in load.blocks:
+            if medium in self.folders:
+                self.folders[medium].prefetch(block_hash)
         for block_id, medium, block_hash, slot in load.blocks:
             started = time.perf_counter()
             if medium == "host":

@@ -148,7 +148,9 @@ def test_each_steps_orders_merge_into_one(tmp_path):
     assert work.tracks == [("dec", request.remote_prefill)]
     assert work.tier_stores == [TierStore(5, H[0], ["disk"])]
     assert work.step_tokens == 16
-    assert not multi.has_pending_work() and multi.build_connector_meta() is None
+    assert multi.has_pending_work() and multi.build_connector_meta() is None  # the store is not confirmed yet
+    multi.worker_reported(KVConnectorOutput(tier_stored=[("disk", H[0])]))
+    assert not multi.has_pending_work()
 
 
 @pytest.mark.parametrize("order", ["pd-first", "tiers-first"])

@@ -43,7 +43,7 @@ def _take(connector: TierConnector) -> TransferWork:
     assert connector.has_pending_work()
     work = connector.build_connector_meta()
     assert isinstance(work, TransferWork) and work
-    assert not connector.has_pending_work()
+    assert not connector.outbox  # (stores it ordered keep it stepping until they are confirmed)
     return work
 
 
@@ -353,6 +353,7 @@ def test_blocks_past_their_age_are_swept_even_on_an_idle_engine(tmp_path, monkey
     connector.blocks_cached([(1, H[0]), (2, H[1])])
     connector.build_connector_meta()
     _stored(connector, ("disk", H[0]), ("shared", H[0]), ("disk", H[1]))
+    connector.worker_reported(KVConnectorOutput(tier_store_failures=[("shared", H[1], "io")]))  # none pending
     request = _request("r", [H[1]])
     connector.get_num_new_matched_tokens(request, 0)
     connector.update_state_after_alloc(request, [5], BLOCK_SIZE)  # H[1] pinned by a load
