@@ -37,7 +37,7 @@ test: lint
 # Long suites: chaos, soak, schemathesis against live servers, the multi-engine P/D scenarios, e2e; then the
 # P/D, offline-engine and structured-output suites again with every engine's model in a worker process, and with
 # async scheduling.
-ENGINE_SUITES := tests/pd tests/test_llm.py tests/test_structured_outputs.py
+ENGINE_SUITES := tests/pd tests/test_llm.py tests/test_structured_outputs.py tests/kvtransfer/tiers/test_tier_engine.py
 test-slow: setup
 	$(BIN)/python -m pytest -m "slow and not k8s" --durations=10
 	PDSERVE_TEST_EXECUTOR=mp $(BIN)/python -m pytest -m "not slow" $(ENGINE_SUITES) --durations=5

@@ -1,7 +1,8 @@
 """KV tiers in a real engine (the offline LLM: scheduler, model runner and the tiers' worker in this process,
 real block files on disk): a pool of 24 blocks that six 100-token prompts overflow, so their second pass finds
 its prefixes only in the tiers. Every output is compared with an engine without tiers (the oracle), and what
-the tiers did is read from the engine's own stats."""
+the tiers did is read from the engine's own stats. make test-slow runs them again with the model in a worker
+process (the tiers' worker there, its reports joined across the process boundary)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.kvtransfer.base import TierStats
 from pdserve.kvtransfer.tiers.block_file import HEADER_BYTES, SUFFIX
 from pdserve.kvtransfer.tiers.config import KVTierConfig
+from pdserve.testing.processes import engine_executor
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 rng = random.Random(0)
@@ -31,7 +33,7 @@ def engine(tiers: KVTierConfig | None) -> LLM:
     # load-or-recompute rule would see (tests/kvtransfer/tiers/test_cost.py tests the rule).
     if tiers is not None:
         tiers = dataclasses.replace(tiers, always_load=True)
-    return LLM(num_kv_blocks=24, max_model_len=256, kv_tiers=tiers)
+    return LLM(num_kv_blocks=24, max_model_len=256, kv_tiers=tiers, **engine_executor())
 
 
 def generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
