@@ -4,12 +4,13 @@ Also throughput, the KV bytes moved from prefill to decode, and whether the answ
 
 Setup: `pdserve serve` (router + 1 prefill + 1 decode engine; on 2 cores the launcher pins each engine to a core
 of its own), fresh processes for each configuration, every address on 127.0.0.1. The engines' KV pools keep
-their default size (no --kv-cache-memory: 2 GiB per engine on CPU; on GPU what --gpu-memory-utilization leaves).
+their default size (2 GiB per engine on CPU; on GPU what --gpu-memory-utilization leaves) unless --kv-cache-memory
+sets it: at the default size a full run takes about an hour per configuration on 2 cores (below).
 Configurations (--configs, in one command, same seed, same workload):
 
 - off: no tier;
-- disk: --kv-tier-disk on a fresh temporary folder. `pdserve serve` gives every engine child the same flags, so
-  on one host the prefill and the decode engine get the same folder;
+- disk: --kv-tier-disk on a fresh temporary folder, in which `pdserve serve` gives each engine a folder of its
+  own (as each pod has its own disk);
 - shared: --kv-tier-shared on a fresh temporary folder (both engines, as a ReadWriteMany volume would be);
 - all: disk + shared, and --kv-tier-host-bytes (--host-bytes) when CUDA is available (the host tier is GPU only).
 
@@ -188,6 +189,8 @@ def deployment(name: str, model: str, folder: Path, scratch: Path, args: argpars
     port = free_port()
     argv = ["serve", "--host", "127.0.0.1", "--port", str(port), "--model", str(folder)]
     argv += ["--served-model-name", model, "--log-level", "warning", *tier_flags(name, config_dir, args.host_bytes)]
+    if args.kv_cache_memory:
+        argv += ["--kv-cache-memory", args.kv_cache_memory]
     process = Process(f"serve-{name}", argv, server_env(), port, config_dir / "serve.log")
     launched: dict[int, list[str]] = {}
     try:
@@ -749,6 +752,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--sessions", type=int, default=None, help="this many sessions (default: from the pools)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="each engine's KV pool (default: the engines' default): smaller pools make a workload of the same "
+        "oversubscription that a 2-core machine runs in minutes, not hours",
+    )
     parser.add_argument("--host-bytes", default="16GiB", help="--kv-tier-host-bytes of `all` (with CUDA only)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds a deployment may take to start")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a stream may stay silent")
