@@ -102,10 +102,13 @@ class KVCacheManager:
             if block is None:
                 break
             hit_blocks.append(block)
-        num_hit_tokens = len(hit_blocks) * block_size
-        self.prefix_cache_queries += request.num_tokens
+        return hit_blocks, len(hit_blocks) * block_size
+
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """A request admitted after a prefix-cache lookup: counted once, however often it was looked up while
+        it waited for room."""
+        self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
-        return hit_blocks, num_hit_tokens
 
     def allocate_slots(
         self,

@@ -298,7 +298,8 @@ class Scheduler:
             hit_blocks: list[KVCacheBlock] = []
             num_external = 0
             load_async = False
-            if not kv.owns_blocks(request.request_id):  # new or preempted: not a landed load
+            looked_up = not kv.owns_blocks(request.request_id)
+            if looked_up:  # new or preempted: not a landed load
                 hit_blocks, num_local = kv.get_computed_blocks(request)
                 num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
                 if not load_async:
@@ -311,7 +312,7 @@ class Scheduler:
             if grammar_pending and not load_async:
                 # Expected remote KV, but nothing is to be pulled (the prompt is cached here): it
                 # would compute and sample now, and its grammar is not ready. Rare; it is looked
-                # up again next step (the prefix-cache counters count each look).
+                # up again next step.
                 parked.append(waiting.popleft())
                 continue
             num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
@@ -324,6 +325,8 @@ class Scheduler:
             if kv.allocate_slots(request, num_slots, hit_blocks, num_local, delay_cache_blocks=load_async) is None:
                 break  # first come, first served: nobody overtakes a request that does not fit
             waiting.popleft()
+            if looked_up:
+                kv.count_lookup(request.num_tokens, num_local)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_local
             block_ids = kv.get_block_ids(request.request_id)
