@@ -16,12 +16,13 @@ from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.kvtransfer.config import KVFaults, KVTransferConfig
 from pdserve.kvtransfer.connector import PDConnectorScheduler
 from pdserve.kvtransfer.multi import MultiConnector, MultiWorker
-from pdserve.kvtransfer.params import parse_remote_prefill, prompt_hash
+from pdserve.kvtransfer.params import parse_remote_prefill
 from pdserve.kvtransfer.tiers.block_file import BlockFolder
 from pdserve.kvtransfer.tiers.config import KVTierConfig
 from pdserve.kvtransfer.tiers.connector import TierConnector
 from pdserve.kvtransfer.tiers.worker import TierWorker
 from pdserve.kvtransfer.work import LoadSpec, TierLoad, TierStore, TransferWork
+from tests.kvtransfer.test_connector import _remote_params
 
 from .helpers import COMPAT, Req, block_hash, collect_until
 
@@ -50,21 +51,7 @@ def _hold(tiers: TierConnector, *hashes: bytes) -> None:
 
 def _decode_leg(request_id: str = "dec") -> Req:
     """A decode leg whose prompt a prefill engine holds (blocks 100, 101, 102)."""
-    params = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": "prefill-engine",
-        "remote_request_id": "prefill-request",
-        "remote_host": "10.0.0.7",
-        "remote_port": 7000,
-        "remote_block_ids": [100, 101, 102],
-        "remote_block_generations": [7, 8, 9],
-        "remote_num_tokens": len(PROMPT),
-        "remote_prompt_hash": prompt_hash(PROMPT),
-        "kv_compat_hash": COMPAT,
-        "remote_lease_seconds": 30,
-        "remote_hold_token": "hold-token",
-    }
+    params = _remote_params(PROMPT, BLOCK_SIZE, kv_compat_hash=COMPAT)
     return Req(request_id, PROMPT, HASHES, remote_prefill=parse_remote_prefill(params))
 
 
