@@ -1,4 +1,5 @@
-"""Multi-turn chat on the P/D deployment, KV tiers off and on: prompt tokens computed, cached, loaded, and TTFT.
+"""Multi-turn chat on the P/D deployment, KV tiers and peer reads off and on: prompt tokens computed, cached, loaded,
+and TTFT.
 
 Also throughput, the KV bytes moved from prefill to decode, and whether the answers stay the same.
 
@@ -8,11 +9,14 @@ their default size (2 GiB per engine on CPU; on GPU what --gpu-memory-utilizatio
 sets it: at the default size a full run takes about an hour per configuration on 2 cores (below).
 Configurations (--configs, in one command, same seed, same workload):
 
-- off: no tier;
+- off: no tier, no peer reads (--kv-peer-hold-seconds 0);
+- peer: peer reads alone (the defaults: the decode engine holds each answered turn for the next turn's prefill);
 - disk: --kv-tier-disk on a fresh temporary folder, in which `pdserve serve` gives each engine a folder of its
-  own (as each pod has its own disk);
-- shared: --kv-tier-shared on a fresh temporary folder (both engines, as a ReadWriteMany volume would be);
-- all: disk + shared, and --kv-tier-host-bytes (--host-bytes) when CUDA is available (the host tier is GPU only).
+  own (as each pod has its own disk); no peer reads;
+- shared: --kv-tier-shared on a fresh temporary folder (both engines, as a ReadWriteMany volume would be); no peer
+  reads;
+- all: disk + shared + peer reads, and --kv-tier-host-bytes (--host-bytes) when CUDA is available (the host tier
+  is GPU only).
 
 A configuration that does not start (e.g. a tier flag `pdserve serve` does not accept yet) or fails during its
 run is reported with the reason, and the next one runs.
@@ -103,7 +107,7 @@ from pdserve.models.dtype import resolve_dtype
 from pdserve.testing.metrics import metric, scrape
 from pdserve.testing.processes import Process, server_env
 
-CONFIGS = ("off", "disk", "shared", "all")
+CONFIGS = ("off", "peer", "disk", "shared", "all")
 PATHS = ("disagg", "decode_only", "fallback")
 BENCH_MODEL_POSITIONS = 8192
 TIER_HITS = "pdserve_kv_tier_hit_tokens_total"
@@ -157,7 +161,7 @@ def engine_urls(launched: dict[int, list[str]]) -> dict[str, str]:
 
 
 def tier_flags(name: str, folder: Path, host_bytes: str | None) -> list[str]:
-    """Configuration ``name``'s tier flags, its tier folders made fresh under ``folder``."""
+    """Configuration ``name``'s tier and peer-read flags, its tier folders made fresh under ``folder``."""
     flags = []
     for configs, flag, sub in (
         ({"disk", "all"}, "--kv-tier-disk", "disk"),
@@ -168,6 +172,8 @@ def tier_flags(name: str, folder: Path, host_bytes: str | None) -> list[str]:
             flags += [flag, str(folder / sub)]
     if name == "all" and host_bytes:
         flags += ["--kv-tier-host-bytes", host_bytes]
+    if name not in ("peer", "all"):
+        flags += ["--kv-peer-hold-seconds", "0"]
     return flags
 
 

@@ -5,6 +5,9 @@
   method, the path, the body's digest, the time, a nonce and the **target engine's id**. An engine checks it
   with the router's public key: it cannot sign a leg itself, and a leg signed for one engine is refused by
   every other (a restarted engine has a new id).
+- Peer reads of held blocks (pdserve/kvtransfer/served.py): a capability the router mints
+  (:meth:`RouterSigner.capability`), an Ed25519 signature over the reading engine's id, the holding engine's
+  id, the hold's handle and an expiry, which the holder checks (:func:`capability_problem`).
 - Side-channel messages between transfer agents (pdserve/kvtransfer/messages.py) and KV-event batches
   (pdserve/api/kv_events.py): HMAC-SHA256 (:class:`Signer`) with ``engine.key`` and ``events.key``, each
   signed value naming its receiver or its publisher.
@@ -42,6 +45,9 @@ NONCE_BYTES = 16
 SIDE_CHANNEL = "side-channel"
 KV_EVENTS = "kv-events"
 ROUTER_LEG = "router-leg"
+PREFIX_READ = "prefix-read"
+# The longest a peer-read capability may be valid for (an older or longer one is refused).
+MAX_CAPABILITY_S = 300.0
 
 ROUTER_AUTH_HEADER = "X-PDServe-Router-Auth"
 # What an engine answers to a leg signed for another engine (or a previous run of itself): 403, the error's
@@ -150,6 +156,42 @@ class RouterSigner:
         nonce = secrets.token_hex(NONCE_BYTES)
         signature = self.keys.current.sign(_leg_message(sent_at, nonce, method, path, target, body))
         return f"{sent_at} {nonce} {target} {signature.hex()}"
+
+    def capability(self, reader: str, holder: str, handle: str, expires_at: float) -> str:
+        """Let engine ``reader`` read what engine ``holder`` holds under ``handle``, until ``expires_at``."""
+        return self.keys.current.sign(_capability_message(reader, holder, handle, expires_at)).hex()
+
+
+def _capability_message(reader: str, holder: str, handle: str, expires_at: float) -> bytes:
+    return _framed(PREFIX_READ.encode(), reader.encode(), holder.encode(), handle.encode(), repr(expires_at).encode())
+
+
+def capability_problem(
+    keys: KeyRing[Ed25519PublicKey] | None,
+    capability: str,
+    reader: str,
+    holder: str,
+    handle: str,
+    expires_at: float,
+    now: float | None = None,
+) -> str | None:
+    """None if the router let ``reader`` read ``holder``'s hold ``handle`` until ``expires_at`` (and that is not
+    past, nor too far ahead), else why not. Without keys (``keys`` None) only the times are checked."""
+    now = time.time() if now is None else now
+    if expires_at + MAX_CLOCK_SKEW_S < now:
+        return "expired"
+    if expires_at > now + MAX_CAPABILITY_S + MAX_CLOCK_SKEW_S:
+        return "valid for too long"
+    if keys is None:
+        return None
+    try:
+        signature = bytes.fromhex(capability)
+    except ValueError:
+        return "malformed"
+    message = _capability_message(reader, holder, handle, expires_at)
+    if not any(_valid(key, signature, message) for key in keys.accepted):
+        return "bad signature"
+    return None
 
 
 class RouterVerifier:

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from pdserve.api.keys import EVENTS_KEY, load_secret
+from pdserve.api.peer_kv import PeerKV
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.outputs import EngineCoreOutput
@@ -54,6 +55,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     # kv_transfer_params: a decode leg's remote blocks, or a prefill leg whose KV is held for a decode engine.
     remote_prefill: RemotePrefill | None = None
     remote_decode: bool = False
+    peer: PeerKV | None = None  # peer reads: hold its blocks for peers when it ends, or read its prefix from one
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -87,6 +89,9 @@ class CoreReady(msgspec.Struct, tag="ready"):
     enable_prefix_caching: bool = True
     kv_compat_hash: str | None = None  # P/D engines pair only with engines of the same hash
     engine_id: str = ""  # this run's identity (routers sign P/D legs for it and match its KV events to it)
+    # Where and how long this engine serves peer reads of finished turns' blocks: its side channel's host, each
+    # rank's port and the hold time (None: it serves none).
+    kv_peer_source: tuple[str, list[int], float] | None = None
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):
@@ -158,6 +163,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                 scheduler_config.enable_prefix_caching,
                 core.kv_compat_hash,
                 engine_id,
+                core.scheduler.connector.peer_source(),
             )
         )
     )
@@ -190,6 +196,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                                 message.cache_salt,
                                 message.remote_prefill,
                                 message.remote_decode,
+                                message.peer,
                             )
                         )
                     except ValueError as error:

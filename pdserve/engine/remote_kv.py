@@ -7,6 +7,10 @@ It owns what a request's blocks owe to, or await from, another engine, apart fro
   ``max_held_fraction`` is refused (its answer then carries no params, and its decode computes the prompt).
   A hybrid model's prefill leg is known from its arrival (``hands_over``): the scheduler runs its last
   prompt token alone, so that the state it hands over is as of the token before;
+- peer holds: finished requests whose blocks are served to peer reads (``kvtransfer.peer_side``) until the
+  worker side says their time is up, at most ``peer_hold_fraction`` of the cache: a new hold first drops the
+  oldest beyond that, and a running request that needs room drops the oldest before anyone is preempted
+  (``drop_peer_hold``); each drop is counted by why;
 - loads in flight: requests waiting for a pull, with the time by which the worker side must report it
   (the watchdog), loads that landed and wait to be promoted, and requests aborted mid-load, whose blocks
   wait for the load to drain (freeing them sooner could let a late write land in another request's KV);
@@ -22,6 +26,7 @@ for them comes back as a :class:`Settled` for the scheduler to apply.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -49,6 +54,11 @@ class RemoteKVStats:
     kv_loads_abandoned: int = 0  # loads the watchdog ended because the worker side never reported them
     kv_quarantines_overdue: int = 0  # their quarantines that outlived the alarm (blocks kept out of use: leaked)
     kv_holds_refused: int = 0  # finished prefill legs not held: the held share of the cache was at its cap
+    num_blocks_held_for_peers: int = 0
+    kv_peer_served_bytes: int = 0  # KV bytes this engine's peer reads served
+    # Peer holds ended before their time: "room" (a running request needed the blocks), "cap" (the held share
+    # was full: the oldest went), "too_large" (one request's blocks alone were over the share: never held).
+    kv_peer_holds_dropped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,6 +82,11 @@ class RemoteKV:
         self._num_held_blocks = 0  # owned by held_for_remote's requests
         self.max_held_blocks = int(connector.max_held_fraction * num_blocks)
         self.max_held_slots = int(connector.max_held_fraction * num_state_slots)
+        self.held_for_peers: OrderedDict[str, Request] = OrderedDict()  # oldest first
+        self._num_peer_held_blocks = 0
+        self.max_peer_held_blocks = int(connector.peer_hold_fraction * num_blocks)
+        self.kv_peer_holds_dropped: dict[str, int] = {}
+        self.kv_peer_served_bytes = 0
         self.loading: dict[str, Request] = {}  # waiting for a load the worker side has not reported
         self.finished_recving: set[str] = set()  # loads landed, their requests not yet promoted
         self.aborted_while_loading: dict[str, Request] = {}
@@ -114,6 +129,53 @@ class RemoteKV:
         self.held_for_remote[request_id] = request
         self._num_held_blocks += num_blocks
         return True
+
+    def hold_for_peers(self, request: Request) -> tuple[bool, list[Request]]:
+        """Keep a finished request's blocks for peer reads: (held, the older holds dropped to make room, whose
+        blocks the scheduler frees). Not held (the connector told) when its blocks alone are over the share."""
+        num_blocks = self.kv.num_owned_blocks(request.request_id)
+        if num_blocks > self.max_peer_held_blocks:
+            self.connector.peer_hold_dropped(request.request_id)
+            self._count_drop("too_large")
+            return False, []
+        dropped = []
+        while self._num_peer_held_blocks + num_blocks > self.max_peer_held_blocks:
+            oldest = self._drop_oldest_peer_hold("cap")
+            assert oldest is not None  # the share holds this request alone
+            dropped.append(oldest)
+        self.held_for_peers[request.request_id] = request
+        self._num_peer_held_blocks += num_blocks
+        return True, dropped
+
+    def num_blocks_only_held_for_peers(self) -> int:
+        """Blocks no one but peer holds owns (a block a running request shares is in use)."""
+        if not self.held_for_peers:
+            return 0
+        blocks = self.kv.req_to_blocks
+        return sum(1 for request_id in self.held_for_peers for block in blocks[request_id] if block.ref_cnt == 1)
+
+    def drop_peer_hold(self) -> Request | None:
+        """The oldest peer hold, ended for a running request that needs room (its blocks are the scheduler's to
+        free); None when there is none."""
+        return self._drop_oldest_peer_hold("room")
+
+    def _drop_oldest_peer_hold(self, reason: str) -> Request | None:
+        if not self.held_for_peers:
+            return None
+        request_id = next(iter(self.held_for_peers))
+        request = self._end_peer_hold(request_id)
+        self.connector.peer_hold_dropped(request_id)
+        self._count_drop(reason)
+        return request
+
+    def _count_drop(self, reason: str) -> None:
+        self.kv_peer_holds_dropped[reason] = self.kv_peer_holds_dropped.get(reason, 0) + 1
+
+    def _end_peer_hold(self, request_id: str) -> Request | None:
+        request = self.held_for_peers.pop(request_id, None)
+        if request is not None:
+            self._num_peer_held_blocks -= self.kv.num_owned_blocks(request_id)
+        return request
 
     def cancel_hold(self, request_id: str) -> Request | None:
         """End a hold nobody will read (its caller left before it could hand the params on): the held
@@ -158,11 +220,12 @@ class RemoteKV:
         self.kv_transfer_failures += report.num_failed_transfers
         self.kv_lease_expirations += report.num_expired_leases
         self.kv_release_failures += report.num_failed_releases
+        self.kv_peer_served_bytes += sum(report.peer_reads_served)
         for reason, count in report.rejected_messages.items():
             self.kv_side_channel_rejected[reason] = self.kv_side_channel_rejected.get(reason, 0) + count
         settled = Settled()
         for request_id in report.finished_sending:
-            held = self._end_hold(request_id)
+            held = self._end_hold(request_id) or self._end_peer_hold(request_id)
             if held is not None:
                 settled.freed.append(held)
         for request_id in report.failed_recving_in_flight:
@@ -271,4 +334,7 @@ class RemoteKV:
             kv_loads_abandoned=self.kv_loads_abandoned,
             kv_quarantines_overdue=self.kv_quarantines_overdue,
             kv_holds_refused=self.kv_holds_refused,
+            num_blocks_held_for_peers=self._num_peer_held_blocks,
+            kv_peer_served_bytes=self.kv_peer_served_bytes,
+            kv_peer_holds_dropped=dict(self.kv_peer_holds_dropped),
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 
+from pdserve.api.peer_kv import PeerKV
 from pdserve.engine.block_hash import BlockHash
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured_outputs import RequestGrammar
@@ -62,6 +63,7 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "output_token_ids",
+        "peer",
         "prompt_logprobs",
         "prompt_token_ids",
         "remote_decode",
@@ -83,9 +85,11 @@ class Request:
         cache_salt: str | None = None,
         remote_prefill: RemotePrefill | None = None,
         remote_decode: bool = False,
+        peer: PeerKV | None = None,
     ) -> None:
         """``remote_prefill``: a P/D decode leg's remote blocks, screened by the API process (pdserve/server/
-        pd_gate.py); ``remote_decode``: a P/D prefill leg, whose KV is held for a decode engine when it ends."""
+        pd_gate.py); ``remote_decode``: a P/D prefill leg, whose KV is held for a decode engine when it ends;
+        ``peer``: hold its blocks for peer reads when it ends, or read its prompt's leading blocks from a peer."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         self.request_id = request_id
@@ -97,6 +101,7 @@ class Request:
         self.cache_salt = cache_salt
         self.remote_prefill = remote_prefill
         self.remote_decode = remote_decode
+        self.peer = peer
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -145,10 +145,24 @@ class Scheduler:
         )
         if self.remote_kv.finished_while_loading(request):
             return None  # its blocks are freed when the load drains
-        if hold and self.remote_kv.hold(request):
+        if hold and request.peer is not None and request.peer.hold:
+            held, dropped = self.remote_kv.hold_for_peers(request)
+            for older in dropped:
+                self._drop(older)
+            if held:
+                return None
+        elif hold and self.remote_kv.hold(request):
             return kv_transfer_params
         self._drop(request)
         return None  # nothing handed over (a refused hold's decode computes the prompt)
+
+    def _drop_peer_hold(self) -> bool:
+        """Free the oldest blocks held for peer reads; False when none are."""
+        request = self.remote_kv.drop_peer_hold()
+        if request is None:
+            return False
+        self._drop(request)
+        return True
 
     def _drop(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -200,6 +214,8 @@ class Scheduler:
             if hands_over and request.request_id in hands_over:
                 num_new = _before_last_prompt_token(request, num_computed, num_new)
             while kv.allocate_slots(request, num_new) is None:
+                if self._drop_peer_hold():
+                    continue  # blocks held for peer reads go before anyone is preempted
                 victim = running.pop()
                 self._preempt(victim)
                 preempted_ids.add(victim.request_id)
@@ -322,7 +338,11 @@ class Scheduler:
             # loaded part, requests whose loads landed could fill the pool between them with none able to go on.
             num_slots = num_external + (request.num_tokens - num_computed if load_async else num_new)
 
-            if kv.allocate_slots(request, num_slots, hit_blocks, num_local, delay_cache_blocks=load_async) is None:
+            while (
+                allocated := kv.allocate_slots(request, num_slots, hit_blocks, num_local, delay_cache_blocks=load_async)
+            ) is None and self._drop_peer_hold():
+                pass  # blocks held for peer reads go before a request waits for room
+            if allocated is None:
                 break  # first come, first served: nobody overtakes a request that does not fit
             waiting.popleft()
             if looked_up:
@@ -489,9 +509,15 @@ class Scheduler:
             len(self.running),
             len(self.waiting),
             sum(1 for r in self.waiting if r.status == _WAITING_FOR_REMOTE_KVS),
-            self.kv_cache_manager.usage,
+            self._usage(),
             self.remote_kv.num_blocks_held_for_remote,
         )
+
+    def _usage(self) -> float:
+        """The share of blocks in use. Blocks only held for peer reads count as free, as cached free blocks do:
+        the scheduler takes both back whenever a request needs them (routers and autoscalers read this as load)."""
+        kv = self.kv_cache_manager
+        return kv.usage - self.remote_kv.num_blocks_only_held_for_peers() / kv.num_blocks
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
@@ -500,7 +526,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_waiting_for_remote_kvs=sum(1 for r in self.waiting if r.status == _WAITING_FOR_REMOTE_KVS),
-            kv_cache_usage=kv.usage,
+            kv_cache_usage=self._usage(),
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,

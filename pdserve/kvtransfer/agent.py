@@ -7,7 +7,10 @@ thread and the side channel it listens on; the two sides live next to it:
 - the prefill side, :class:`holds.HeldBlocks`: the blocks this engine holds for remote decodes, with
   their leases, and the answers on the side channel (a ZMQ ROUTER on ``host:port``);
 - the decode side, :class:`pulls.Pulls`: the pulls this engine runs, their handshakes, and lease
-  renewals while requests wait, over connections to remote agents (:class:`peers.Peers`).
+  renewals while requests wait, over connections to remote agents (:class:`peers.Peers`);
+- peer reads of finished turns' blocks: this engine's side as a holder (:class:`served.ServedPrefixes`, owned
+  by the held blocks, on the same side channel) and as a reader (:class:`prefix_reads.PrefixReads`, over
+  connections of its own).
 
 Every message in and out is sealed (:class:`messages.Seal`) and names its receiver: with keys, a peer
 that cannot seal gets no answer at all, and only a prefill engine's handshake says where its memory is.
@@ -39,7 +42,7 @@ import numpy as np
 import torch
 import zmq
 
-from pdserve.api.keys import ENGINE_KEY, load_secret
+from pdserve.api.keys import ENGINE_KEY, load_router_public, load_secret
 from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.admission import ConnectionCaps
 from pdserve.kvtransfer.base import KVConnectorOutput
@@ -48,6 +51,7 @@ from pdserve.kvtransfer.holds import HeldBlocks
 from pdserve.kvtransfer.layout import rank_agent_id
 from pdserve.kvtransfer.nixl_policy import choose_transport, listening_sockets, unexpected_listeners
 from pdserve.kvtransfer.peers import Peers
+from pdserve.kvtransfer.prefix_reads import PrefixReads
 from pdserve.kvtransfer.pulls import Pulls
 from pdserve.kvtransfer.transport.base import Transport
 from pdserve.kvtransfer.transport.registry import make_transport
@@ -128,11 +132,31 @@ class TransferAgent:
         self._results = KVConnectorOutput()
         self._stop = threading.Event()
         self._poller = zmq.Poller()
+        router_keys = load_router_public(config.keys_dir) if config.keys_dir else None
         self.holds = HeldBlocks(
-            config, self.transport, generations, self.seal, self._server, compat_hash, self.kv_head_ranges, self, rank
+            config,
+            self.transport,
+            generations,
+            self.seal,
+            self._server,
+            compat_hash,
+            self.kv_head_ranges,
+            self,
+            rank,
+            router_keys,
         )
         peers = Peers(self._context, self._poller, self.seal, self.transport)
         self.pulls = Pulls(config, self.transport, peers, compat_hash, self.kv_head_ranges, self, rank)
+        self.prefix_reads = PrefixReads(
+            self.transport,
+            Peers(self._context, self._poller, self.seal, self.transport, transport_peers=False),
+            compat_hash,
+            config.engine_id,
+            config.transfer_timeout,
+            self,
+            rank,
+            self.num_ranks,
+        )
         self._rejection_logged: dict[str, float] = {}
         self._backlog = False  # frames left unread by the last step's bounded slices: poll again at once
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-agent", daemon=True)
@@ -191,6 +215,7 @@ class TransferAgent:
                     time.sleep(0.01)
         finally:
             self.pulls.peers.close()
+            self.prefix_reads.peers.close()
             self._caps.close()
             self._server.close(linger=0)
             self._wake_recv.close(linger=0)
@@ -200,7 +225,7 @@ class TransferAgent:
             self._context.term()
 
     def _step(self) -> None:
-        busy = self.pulls.busy or self.holds.busy or self._backlog
+        busy = self.pulls.busy or self.holds.busy or self.prefix_reads.busy or self._backlog
         ready = self._poller.poll(
             (0 if self.transport.busy or self._backlog else ACTIVE_POLL_MS) if busy else IDLE_POLL_MS
         )
@@ -214,6 +239,8 @@ class TransferAgent:
                     self._wake_recv.recv()
             elif socket in self._caps.sockets:
                 self._caps.handle()
+            elif self.prefix_reads.owns(socket):
+                self._backlog |= self.prefix_reads.on_reply(socket)
             else:
                 self._backlog |= self.pulls.on_reply(socket)
         now = time.monotonic()
@@ -221,7 +248,9 @@ class TransferAgent:
         for request_id, token, reader_rank, readers in self.transport.poll_releases():
             self.holds.release(request_id, token, reader_rank, readers)
         self.holds.expire(now)
+        self.holds.served.expire(now)
         self.pulls.advance(now)
+        self.prefix_reads.advance(now)
 
     def _take_work(self) -> None:
         now = time.monotonic()
@@ -234,7 +263,12 @@ class TransferAgent:
                 self.holds.hold(request_id, block_ids, token, now)
             for request_id in work.unholds:  # after the holds: a hold and its cancel may come together
                 self.holds.unhold(request_id)
+            for peer_hold in work.peer_holds:
+                self.holds.served.hold(peer_hold, now)
+            for request_id in work.peer_unholds:
+                self.holds.served.unhold(request_id)
             self.pulls.take(work, now)  # never raises: no exception drops the rest of a work order
+            self.prefix_reads.take(work, now)
 
     # ----- what the two sides report (holds.Reports, pulls.Reports) ------------------------------
 
@@ -267,6 +301,15 @@ class TransferAgent:
             failed = self._results.failed_recving_in_flight if in_flight else self._results.failed_recving
             failed.add(request_id)
             self._results.num_failed_transfers += fault
+
+    def prefix_loaded(self, request_id: str, num_bytes: int, seconds: float) -> None:
+        with self._results_lock:
+            self._results.finished_recving.add(request_id)
+            self._results.peer_loads.append((num_bytes, seconds))
+
+    def served_peer(self, num_bytes: int) -> None:
+        with self._results_lock:
+            self._results.peer_reads_served.append(num_bytes)
 
     def failed_release(self) -> None:
         with self._results_lock:

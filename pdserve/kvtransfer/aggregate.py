@@ -81,6 +81,8 @@ class RankReports:
                 self._store_reported((medium, block_hash), rank, reason, joined)
             joined.tier_load_failures += output.tier_load_failures
             joined.tier_loads += output.tier_loads
+            joined.peer_loads += output.peer_loads  # each rank's share of a peer read
+            joined.peer_reads_served += output.peer_reads_served
             if rank == 0:  # every rank times the same forwards
                 joined.step_times += output.step_times
         for request_id in touched:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.api.kv_events import TierEvents
+from pdserve.api.peer_kv import PeerKV
 from pdserve.kvtransfer.params import RemotePrefill
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class ConnectorRequest(Protocol):
     # A P/D decode leg's remote blocks, screened by the API process (usable for this engine and prompt).
     remote_prefill: RemotePrefill | None
     remote_decode: bool  # a P/D prefill leg: its prompt's KV is to be held for a decode engine
+    peer: PeerKV | None  # peer reads: hold its blocks for peers when it ends, or read its prefix from one
+    num_computed_tokens: int
 
     @property
     def num_tokens(self) -> int: ...
@@ -89,6 +92,8 @@ class KVConnectorOutput:
     tier_load_failures: list[tuple[str, bytes, str]] = field(default_factory=list)
     tier_loads: list[tuple[str, int, float]] = field(default_factory=list)
     step_times: list[tuple[int, float]] = field(default_factory=list)
+    peer_loads: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds) of landed peer reads
+    peer_reads_served: list[int] = field(default_factory=list)  # bytes of each read this engine served a peer
 
     def merge(self, other: KVConnectorOutput) -> None:
         """Add ``other``'s reports to these (two worker sides of one rank: the multi-connector's parts)."""
@@ -121,6 +126,8 @@ class KVConnectorOutput:
             or self.tier_load_failures
             or self.tier_loads
             or self.step_times
+            or self.peer_loads
+            or self.peer_reads_served
         )
 
 
@@ -170,6 +177,8 @@ class KVConnectorScheduler(ABC):
     # The share of the KV cache that may be held for remote readers at once; a hold beyond it is
     # refused (the request's answer carries no params, so the decode computes the prompt itself).
     max_held_fraction: float = 1.0
+    # The share of the KV cache that finished requests may hold for peer reads (0: none is held for peers).
+    peer_hold_fraction: float = 0.0
 
     @classmethod
     def from_context(cls, context: ConnectorContext) -> KVConnectorScheduler:
@@ -200,6 +209,15 @@ class KVConnectorScheduler(ABC):
     def has_pending_work(self) -> bool:
         """Work for the worker side that needs a step even when nothing is scheduled."""
         return False
+
+    def peer_hold_dropped(self, request_id: str) -> None:
+        """The scheduler freed the blocks a finished request held for peer reads before their time was up."""
+        return None
+
+    def peer_source(self) -> tuple[str, list[int], float] | None:
+        """(host, each rank's side-channel port, hold seconds) where and how long this engine serves peer reads of
+        the turns it holds; None: it serves none."""
+        return None
 
     # Whether the scheduler reports ``blocks_cached`` / ``blocks_evicted`` (collecting them costs a list per step).
     wants_cached_blocks: bool = False

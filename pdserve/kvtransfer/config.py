@@ -105,6 +105,30 @@ class KVTransferConfig:
             name="kv-max-held-fraction",
         ),
     )
+    # Peer reads (docs/kv-cache.md, "Peers"): a finished decode leg's blocks stay held for other engines to read.
+    peer_hold_seconds: float = field(
+        default=300.0,
+        metadata=flag(
+            "seconds a finished turn's KV blocks stay held for other engines to read (the next turn's prefill), "
+            "renewed by each read; 0: serve no peer reads",
+            name="kv-peer-hold-seconds",
+        ),
+    )
+    peer_hold_fraction: float = field(
+        default=0.25,
+        metadata=flag(
+            "share of the KV cache held for peer reads at most; running requests that need room drop the oldest "
+            "holds first",
+            name="kv-peer-hold-fraction",
+        ),
+    )
+    peer_always_read: bool = field(
+        default=False,
+        metadata=flag(
+            "read a prompt's blocks from a peer whenever one holds them, even when recomputing them is measured faster",
+            name="kv-peer-always-read",
+        ),
+    )
     # This engine's identity for one run: new at every start, so a restarted engine is another engine to its
     # peers (a message sealed for the old one is refused by the new).
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -148,3 +172,8 @@ class KVTransferConfig:
             raise ValueError("kv lease and transfer timeout must be positive")
         if not 0 < self.max_held_fraction <= 1:
             raise ValueError(f"the held KV fraction must be in (0, 1], got {self.max_held_fraction}")
+        if self.peer_hold_seconds < 0 or not 0 <= self.peer_hold_fraction <= 1:
+            raise ValueError(
+                f"--kv-peer-hold-seconds must be >= 0 and --kv-peer-hold-fraction in [0, 1], got "
+                f"{self.peer_hold_seconds} and {self.peer_hold_fraction}"
+            )

@@ -17,6 +17,9 @@ Serving is bounded: one call of :meth:`HeldBlocks.serve` handles at most ``SERVE
 ``SERVE_BUDGET_S`` seconds, so a flood of frames (from a stranger, say) delays the agent's other work (pulls,
 deadlines, leases) by at most that much a step, never stalls it.
 
+The same side channel serves peer reads of finished turns' blocks (``ReadPrefix``): those holds and their checks
+are :class:`served.ServedPrefixes`, which this class owns and hands those frames to.
+
 Under tensor parallelism each rank of a prefill engine has its own HeldBlocks over its own cache,
 all holding the same block ids: the engine frees a request's blocks once every rank's hold ended.
 """
@@ -32,9 +35,12 @@ from typing import Protocol
 import blake3
 import numpy as np
 import zmq
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from pdserve.api.keys import KeyRing
 from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.served import ServedPrefixes
 from pdserve.kvtransfer.transport.base import Transport
 
 logger = logging.getLogger(__name__)
@@ -56,6 +62,7 @@ class Reports(Protocol):
     def finished_sending(self, request_id: str) -> None: ...
     def expired(self, count: int) -> None: ...
     def rejected(self, reason: str, source: str) -> None: ...
+    def served_peer(self, num_bytes: int) -> None: ...
 
 
 @dataclass
@@ -95,7 +102,9 @@ class HeldBlocks:
         kv_head_ranges: list[tuple[int, int]],
         reports: Reports,
         rank: int = 0,
+        router_keys: KeyRing[Ed25519PublicKey] | None = None,
     ) -> None:
+        """``router_keys``: the router's public keys, which check peer reads' capabilities (None: no keys)."""
         self.config = config
         self.faults = config.faults
         self.transport = transport
@@ -112,6 +121,17 @@ class HeldBlocks:
         # Recent releases by (request id, token) (bounded, oldest dropped): a read of a fully released hold is
         # late, not early; and releases that came before their hold (decode gave up at once) count when it comes.
         self._released: OrderedDict[tuple[str, str], _Releases] = OrderedDict()
+        self.served = ServedPrefixes(
+            config.peer_hold_seconds,
+            transport,
+            generations,
+            config.engine_id,
+            compat_hash,
+            router_keys,
+            self._reply_blocks,
+            reports,
+            len(kv_head_ranges) or 1,
+        )
 
     @property
     def busy(self) -> bool:
@@ -201,6 +221,8 @@ class HeldBlocks:
                 self.release(request_id, token, message.reader_rank, message.readers)
         elif isinstance(message, messages.ReadBlocks):
             self._serve_read(identity, sender, message)
+        elif isinstance(message, messages.ReadPrefix):
+            self.served.serve(identity, sender, message)
         else:
             self.reports.rejected(messages.REJECT_UNEXPECTED, "a peer")
 
@@ -239,6 +261,14 @@ class HeldBlocks:
     def _reply(self, identity: bytes, receiver: str, message: messages.SideChannelMessage, *data: memoryview) -> None:
         """Answer a peer (a ROUTER drops, never blocks, when that peer's queue is full)."""
         self.server.send_multipart([identity, self.seal.seal(message, receiver), *data], copy=False)
+
+    def _reply_blocks(
+        self, identity: bytes, receiver: str, message: messages.BlocksReply, data: memoryview | None
+    ) -> None:
+        if data is None:
+            self._reply(identity, receiver, message)
+        else:
+            self._reply(identity, receiver, message, data)
 
     def _serve_read(self, identity: bytes, sender: str, message: messages.ReadBlocks, retried: bool = False) -> None:
         hold = self._held.get(message.request_id)

@@ -19,6 +19,11 @@ with the key reads, renews and releases only holds it was told about.
     decode -> prefill: RenewLeases      (no reply: lease renewal while requests wait in decode's queue)
     decode -> prefill: ReleaseBlocks    (no reply: done with these requests' blocks, free them)
     decode -> prefill: ReadBlocks       -> BlocksReply (TCP transport: the bytes themselves)
+    any -> holder:     ReadPrefix       -> BlocksReply (peer reads of a finished turn's blocks: the bytes)
+
+A ``ReadPrefix`` carries the router's capability for it (``pdserve.api.auth.capability_problem``): the holder
+serves it only to the engine the capability names, only the blocks of the hold it names, and only over this
+checked path, never by handing out where its memory is.
 
 The block bytes a ``BlocksReply`` announces follow in a frame of their own: the sealed reply carries their
 BLAKE3 digest, so with keys the bytes are as authentic as the reply.
@@ -91,13 +96,27 @@ class ReadBlocks(msgspec.Struct, tag="read"):
     readers: int = 1
 
 
+class ReadPrefix(msgspec.Struct, tag="read_prefix"):
+    request_id: str  # the reader's request (echoed in the reply)
+    handle: str  # the hold's
+    reader: str  # the engine the capability is for (the sender's engine)
+    expires_at: float
+    capability: str  # the router's signature (``pdserve.api.auth``)
+    compat_hash: str  # the reader's: blocks of another model or layout are never sent
+    first: int  # the blocks [first, first + count) of the hold
+    count: int
+    # The chained hash of the last block asked for: it commits to every token before it (with the tenant's
+    # salt), so the hold's block at that index having it proves the reader's prompt and the hold agree so far.
+    last_hash: bytes
+
+
 class BlocksReply(msgspec.Struct, tag="blocks"):
     request_id: str
     error: str | None = None  # None: the next frame holds the blocks' bytes
     digest: bytes = b""  # BLAKE3 of those bytes: a corrupted (or, with keys, altered) transfer is never used
 
 
-SideChannelMessage = Handshake | HandshakeReply | RenewLeases | ReleaseBlocks | ReadBlocks | BlocksReply
+SideChannelMessage = Handshake | HandshakeReply | RenewLeases | ReleaseBlocks | ReadBlocks | ReadPrefix | BlocksReply
 
 encode = msgspec.msgpack.Encoder().encode
 # The message in a frame, or None for anything malformed or oversized (logged by the caller).

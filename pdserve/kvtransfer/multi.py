@@ -39,6 +39,7 @@ class MultiConnector(KVConnectorScheduler):
         self.compat_hash = next((part.compat_hash for part in parts if part.compat_hash), None)
         self.recompute_failed_loads = first.recompute_failed_loads
         self.max_held_fraction = first.max_held_fraction
+        self.peer_hold_fraction = max(part.peer_hold_fraction for part in parts)
         timeouts = [part.load_report_timeout for part in parts if part.load_report_timeout is not None]
         self.load_report_timeout = max(timeouts) if timeouts else None
         self.quarantine_alarm_seconds = max(part.quarantine_alarm_seconds for part in parts)
@@ -84,6 +85,13 @@ class MultiConnector(KVConnectorScheduler):
     def hold_cancelled(self, request_id: str) -> None:
         for part in self.parts:
             part.hold_cancelled(request_id)
+
+    def peer_hold_dropped(self, request_id: str) -> None:
+        for part in self.parts:
+            part.peer_hold_dropped(request_id)
+
+    def peer_source(self) -> tuple[str, list[int], float] | None:
+        return next((source for part in self.parts if (source := part.peer_source()) is not None), None)
 
     def hands_over(self, request: ConnectorRequest) -> bool:
         return any(part.hands_over(request) for part in self.parts)

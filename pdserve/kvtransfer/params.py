@@ -13,6 +13,8 @@ proxy passes the whole object through unchanged:
   rank 0's): their number is the prefill engine's TP size;
 - ``remote_hold_token``: the hold's capability, random: the prefill engine reads, renews and releases the
   hold only for a peer that names it (request ids are no secret; clients choose some).
+
+The peer-read fields (``kv_peer_hold``, ``kv_prefix_source``) are the router's too: ``pdserve.api.peer_kv``.
 """
 
 from __future__ import annotations
@@ -25,13 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from pdserve.api.kv_fields import MAX_TP_SIZE, field_value, id_value, int_list_value
+
 if TYPE_CHECKING:
     from pdserve.models.config import ModelConfig
 
-MAX_TP_SIZE = 64
-# Bounds on the identifiers a decode engine puts in its side-channel messages (they are client input until the
-# router's signature says otherwise): a message naming many holds stays far below the side channel's frame bound.
-MAX_ID_CHARS = 256
 HOLD_TOKEN_BYTES = 16
 
 
@@ -112,28 +112,6 @@ class RemotePrefill(msgspec.Struct, frozen=True):
         return self.host, self.ports[rank] if self.ports else self.port
 
 
-def _field(params: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    value = params.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        raise ValueError(f"kv_transfer_params.{name} must be a {' or '.join(k.__name__ for k in kinds)}")
-    return value
-
-
-def _id(params: dict[str, Any], name: str) -> str:
-    value = _field(params, name, str)
-    if not 0 < len(value) <= MAX_ID_CHARS:
-        raise ValueError(f"kv_transfer_params.{name} must be 1 to {MAX_ID_CHARS} characters")
-    return str(value)
-
-
-def _int_list(params: dict[str, Any], name: str) -> list[int]:
-    value = _field(params, name, list)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise ValueError(f"kv_transfer_params.{name} must be a list of non-negative integers")
-    return list(value)
-
-
 def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
     """The remote blocks a request's params point at; None unless ``do_remote_prefill`` is true.
 
@@ -141,37 +119,37 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
     """
     if not params or params.get("do_remote_prefill") is not True:
         return None
-    block_ids = _int_list(params, "remote_block_ids")
-    generations = _int_list(params, "remote_block_generations")
+    block_ids = int_list_value(params, "remote_block_ids")
+    generations = int_list_value(params, "remote_block_generations")
     if len(generations) != len(block_ids):
         raise ValueError("kv_transfer_params.remote_block_generations must have one entry per remote block")
-    port = _field(params, "remote_port", int)
+    port = field_value(params, "remote_port", int)
     if not 0 < port < 65536:
         raise ValueError("kv_transfer_params.remote_port must be a TCP port")
     ports = [port]
     if "remote_ports" in params:
-        ports = _int_list(params, "remote_ports")
+        ports = int_list_value(params, "remote_ports")
         if not 0 < len(ports) <= MAX_TP_SIZE or not all(0 < p < 65536 for p in ports) or ports[0] != port:
             raise ValueError(
                 f"kv_transfer_params.remote_ports must be 1 to {MAX_TP_SIZE} TCP ports, the first remote_port"
             )
-    num_tokens = _field(params, "remote_num_tokens", int)
-    lease_seconds = _field(params, "remote_lease_seconds", (int, float))
+    num_tokens = field_value(params, "remote_num_tokens", int)
+    lease_seconds = field_value(params, "remote_lease_seconds", (int, float))
     if not lease_seconds > 0:
         raise ValueError("kv_transfer_params.remote_lease_seconds must be positive")
     return RemotePrefill(
-        engine_id=_id(params, "remote_engine_id"),
-        request_id=_id(params, "remote_request_id"),
-        host=_id(params, "remote_host"),
+        engine_id=id_value(params, "remote_engine_id"),
+        request_id=id_value(params, "remote_request_id"),
+        host=id_value(params, "remote_host"),
         port=port,
         block_ids=block_ids,
         generations=generations,
         num_tokens=num_tokens,
-        prompt_hash=_field(params, "remote_prompt_hash", str),
-        compat_hash=_field(params, "kv_compat_hash", str),
+        prompt_hash=field_value(params, "remote_prompt_hash", str),
+        compat_hash=field_value(params, "kv_compat_hash", str),
         lease_seconds=float(lease_seconds),
         ports=tuple(ports),
-        hold_token=_id(params, "remote_hold_token"),
+        hold_token=id_value(params, "remote_hold_token"),
     )
 
 

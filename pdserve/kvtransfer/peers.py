@@ -57,14 +57,21 @@ class Peer:
 
 class Peers:
     def __init__(
-        self, context: zmq.Context[zmq.Socket[bytes]], poller: zmq.Poller, seal: messages.Seal, transport: Transport
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        poller: zmq.Poller,
+        seal: messages.Seal,
+        transport: Transport,
+        transport_peers: bool = True,
     ) -> None:
         """New sockets come from ``context`` and are polled by the agent's ``poller``; messages are sealed
-        with ``seal``."""
+        with ``seal``. ``transport_peers``: the transport keeps state per connection (a pull's handshake), which
+        dropping one forgets (peer reads keep none)."""
         self._context = context
         self._poller = poller
         self.seal = seal
         self.transport = transport
+        self.transport_peers = transport_peers
         self._open: dict[Address, Peer] = {}
         # Addresses whose engine was dropped as dead, until when: no socket is opened just to send them a release.
         self._dead: OrderedDict[Address, float] = OrderedDict()
@@ -120,7 +127,8 @@ class Peers:
         self._poller.unregister(peer.socket)
         peer.socket.close(linger=0)
         try:
-            self.transport.forget_peer(peer.address)
+            if self.transport_peers:
+                self.transport.forget_peer(peer.address)
         except Exception:
             logger.exception("forgetting the transport's state of %s:%d", *peer.address)
         if dead:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from pdserve.api.peer_kv import PrefixSource
 from pdserve.kvtransfer.params import RemotePrefill
 
 
@@ -23,6 +24,30 @@ class LoadSpec:
     local_block_ids: list[int]
     remote_block_ids: list[int]
     generations: list[int]
+
+
+@dataclass(slots=True)
+class PeerHold:
+    """Serve a finished request's blocks to peers under ``handle``: ``hashes`` are the blocks' chained hashes,
+    ``generations`` their generations now (a block freed meanwhile is never served)."""
+
+    request_id: str
+    handle: str
+    block_ids: list[int]
+    hashes: list[bytes]
+    generations: list[int]
+
+
+@dataclass(slots=True)
+class PeerLoad:
+    """Read the blocks [first, first + len(local_block_ids)) of ``source``'s hold into ``local_block_ids``;
+    ``last_hash``: this prompt's hash of the last of them."""
+
+    request_id: str
+    source: PrefixSource
+    first: int
+    local_block_ids: list[int]
+    last_hash: bytes
 
 
 @dataclass(slots=True)
@@ -55,6 +80,11 @@ class TransferWork:
     # decode: requests that ended; a pull of theirs not started yet is dropped (and prefill told to free)
     cancels: list[str] = field(default_factory=list)
     unholds: list[str] = field(default_factory=list)  # prefill: holds dropped (the scheduler freed the blocks)
+    # Peer reads: finished requests' blocks served to peers, those dropped (freed by the scheduler), and
+    # prompts' leading blocks read from a peer.
+    peer_holds: list[PeerHold] = field(default_factory=list)
+    peer_unholds: list[str] = field(default_factory=list)
+    peer_loads: list[PeerLoad] = field(default_factory=list)
     # KV tiers. Saves run before this step's forward (which may overwrite the evicted blocks), stores after it
     # (which writes the blocks they copy); loads write into blocks no step reads until they are reported landed.
     tier_saves: list[TierStore] = field(default_factory=list)
@@ -73,6 +103,9 @@ class TransferWork:
             or self.releases
             or self.cancels
             or self.unholds
+            or self.peer_holds
+            or self.peer_unholds
+            or self.peer_loads
             or self.tier_saves
             or self.tier_stores
             or self.tier_loads
@@ -97,8 +130,8 @@ class WorkOrders:
         self.pending = TransferWork()
 
     def take(self) -> TransferWork | None:
-        """Everything queued since the last call; None when nothing was."""
-        if not self.pending:
+        """Everything queued since the last call (or only the step's token count); None when nothing was."""
+        if not self.pending and not self.pending.step_tokens:
             return None
         work, self.pending = self.pending, TransferWork()
         return work

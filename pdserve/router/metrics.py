@@ -69,6 +69,16 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.errors = {kind: errors.labels(kind) for kind in ERROR_KINDS}
+        self.prefix_sources = Counter(
+            "pdserve_router_prefix_sources",
+            "Prefill legs sent with a peer to read the prompt's leading KV from (a decode pod holding the last turn)",
+            registry=self.registry,
+        )
+        self.peer_holds = Counter(
+            "pdserve_router_peer_holds",
+            "Decode legs answered by a pod asked to hold the finished turn for peer reads",
+            registry=self.registry,
+        )
         self.ejections = Counter(
             "pdserve_router_pod_ejections", "Pods taken out of rotation after failing", registry=self.registry
         )

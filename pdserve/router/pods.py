@@ -18,6 +18,14 @@ import msgspec
 logger = logging.getLogger(__name__)
 
 
+class PeerSource(msgspec.Struct, frozen=True):
+    """Where an engine serves peer reads of the turns it holds (its /health's ``kv_peer_source``)."""
+
+    host: str
+    ports: list[int]
+    hold_seconds: float
+
+
 @dataclass(eq=False)
 class Pod:
     url: str
@@ -31,6 +39,8 @@ class Pod:
     # The engine's id for its current run (from /health, or from an engine that refused a leg signed for
     # another): what the router signs P/D legs for, and the engine its KV events must name.
     engine_id: str | None = None
+    # Where it serves peer reads of finished turns (from /health; None: it serves none).
+    peer_source: PeerSource | None = None
     # Prompt tokens a second its prefill legs have run at (a moving average; None until measured).
     prefill_speed: float | None = None
     # Set when the pod leaves rotation (a new one when it is back): legs waiting on it for a first byte
@@ -115,6 +125,7 @@ class _Health(msgspec.Struct):
     kv_events_port: int | None = None  # where the engine publishes KV-cache events (None: it does not)
     kv_compat_hash: str | None = None
     engine_id: str | None = None
+    kv_peer_source: PeerSource | None = None
 
 
 class HealthChecker:
@@ -171,5 +182,6 @@ class HealthChecker:
                 health = _Health()  # not an engine's JSON (an older engine, a proxy): no events, no hash
             pod.compat_hash = health.kv_compat_hash
             pod.engine_id = health.engine_id
+            pod.peer_source = health.kv_peer_source
             if self.on_health is not None:
                 self.on_health(pod, health.kv_events_port)

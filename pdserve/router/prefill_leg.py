@@ -1,6 +1,7 @@
 """The prefill leg of a request: a prefill pod whose KV the chosen decode pod can use, the leg's body as the
 prefill-leg field contract makes it (``pdserve.api.prefill_leg``), a deadline from the prompt's size and the
-pod's measured speed, and what its answer means (``PrefillResult``: params, a failure to fall back from, or a
+pod's measured speed, a peer to read the prompt's leading blocks from when one holds more of them than the pod
+(``peer_holds``), and what its answer means (``PrefillResult``: params, a failure to fall back from, or a
 4xx for the client). Held blocks that no decode leg will pull (the client left between the legs) are
 released from here, best effort: the lease frees them otherwise.
 """
@@ -21,6 +22,7 @@ from pdserve.api.prefill_leg import leg_body
 from pdserve.router.config import RouterConfig
 from pdserve.router.exchange import REQUEST_ID, Exchange
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.peer_holds import PeerHolds
 from pdserve.router.pods import Pod, PodSet
 from pdserve.router.policy import Chooser
 from pdserve.router.upstream import Upstream, Usage
@@ -62,8 +64,18 @@ class PrefillResult:
 
 class PrefillLegs:
     def __init__(
-        self, upstream: Upstream, config: RouterConfig, pods: PodSet, chooser: Chooser, metrics: RouterMetrics
+        self,
+        upstream: Upstream,
+        config: RouterConfig,
+        pods: PodSet,
+        chooser: Chooser,
+        metrics: RouterMetrics,
+        peer_holds: PeerHolds | None = None,
+        holders: PodSet | None = None,
     ) -> None:
+        """``peer_holds``, ``holders``: the turns the ``holders`` pods hold for peer reads (None: no peer reads)."""
+        self.peer_holds = peer_holds
+        self.holders = holders
         self.upstream = upstream
         self.config = config
         self.pods = pods
@@ -89,7 +101,13 @@ class PrefillLegs:
             return PrefillResult(failed=True)
         pod = choice.pod
         self.metrics.chose("prefill", pod.url, choice.policy)
-        encoded = msgspec.json.encode(leg_body(body, chat))
+        leg = leg_body(body, chat)
+        if self.peer_holds is not None and self.holders is not None and exchange.prompt is not None:
+            source = self.peer_holds.source_for(exchange.prompt, pod, self.holders.pods, self.upstream.capability)
+            if source is not None:
+                leg["kv_transfer_params"] = {**leg["kv_transfer_params"], "kv_prefix_source": source}
+                self.metrics.prefix_sources.inc()
+        encoded = msgspec.json.encode(leg)
         # Without the tokens (no tokenizer), the body's size bounds the prompt's token count from above.
         prompt_tokens = len(exchange.prompt.token_ids) if exchange.prompt is not None else len(encoded) // 2
         timeout = prefill_timeout(self.config, pod, prompt_tokens)

@@ -10,6 +10,9 @@ fall back to decode-only shows in the metrics):
 - ``fallback``: the prefill leg failed (unreachable, timeout, 5xx, unreadable answer) or no prefill pod is up;
   decode prefills locally.
 
+A decode leg to a pod that serves peer reads asks it to hold the finished turn (``kv_peer_hold``), and the turn is
+remembered once answered: the next turn's prefill leg may read its prefix from there (``peer_holds``).
+
 The decode pod is chosen first (the P/D decider needs its cached prefix) and counts the request in flight from
 then on. A decode pod that cannot be reached, or whose answer breaks before its first byte, is replaced by
 another (the client has seen nothing yet). Leaving any leg early (client gone, deadline) closes its upstream
@@ -32,6 +35,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.decode_leg import DecodeLegs
 from pdserve.router.exchange import REQUEST_ID, REQUEST_ID_KEY, Exchange
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.peer_holds import PeerHolds
 from pdserve.router.pods import PodSet
 from pdserve.router.policy import Chooser, uncached_tokens
 from pdserve.router.prefill_leg import PrefillLegs
@@ -58,7 +62,9 @@ class Proxy:
         self.chooser = chooser
         self.prompts = prompts  # None: prompts are not tokenized (no tokenizer, or nothing would use them)
         self.upstream = Upstream(config, metrics)
-        self.prefill_legs = PrefillLegs(self.upstream, config, prefill, chooser, metrics)
+        # Finished turns held for peer reads need the prompt's hashes to be found again.
+        self.peer_holds = PeerHolds(chooser.index) if prompts is not None else None
+        self.prefill_legs = PrefillLegs(self.upstream, config, prefill, chooser, metrics, self.peer_holds, decode)
         self.decode_legs = DecodeLegs(self.upstream, decode, chooser, metrics)
 
     async def forward(self, request: web.Request, chat: bool) -> web.StreamResponse:
@@ -121,15 +127,19 @@ class Proxy:
         if decode.block_size:
             options = parsed.stream_options
             exchange.stream_usage = options is not None and bool(options.include_usage)
+        handle = None
+        if self.peer_holds is not None and exchange.prompt is not None and not (parsed.n or 1) > 1:
+            handle = self.peer_holds.handle_for(decode.pod)  # one sequence's turn (n > 1 makes several)
         if local:
             self.metrics.paths["decode_only"].inc()
-            return await self.decode_legs.send(exchange, raw)  # the client's bytes (its kv_transfer_params aside)
+            # The client's bytes (its kv_transfer_params aside).
+            return await self._decode(exchange, raw, handle)
         threshold = self.config.pd_min_prefill_tokens
         if threshold and exchange.prompt is not None and uncached_tokens(exchange.prompt, decode) < threshold:
             # So little to compute that a prefill leg and a KV pull would cost more than decode computing it.
             self.metrics.prefill_skipped.inc()
             self.metrics.paths["decode_only"].inc()
-            return await self.decode_legs.send(exchange, raw)
+            return await self._decode(exchange, raw, handle)
         body = msgspec.json.decode(raw)  # the client's object, unknown fields included
         # Shielded: a client that leaves mid-leg must not cut the leg off after the prefill engine has
         # answered (its blocks then held under an id only the answer names); the leg finishes in the
@@ -144,14 +154,14 @@ class Proxy:
             return result.rejection
         if result.failed:
             self.metrics.paths["fallback"].inc()
-            return await self.decode_legs.send(exchange, raw)
+            return await self._decode(exchange, raw, handle)
         if result.params is None:
             self.metrics.paths["decode_only"].inc()
-            return await self.decode_legs.send(exchange, raw)
+            return await self._decode(exchange, raw, handle)
         exchange.disagg_pending = True
         body["kv_transfer_params"] = result.params
         try:
-            return await self.decode_legs.send(exchange, msgspec.json.encode(body))
+            return await self._decode(exchange, body, handle)
         except asyncio.CancelledError:
             # The client left between the legs, or before a decode pod answered: decode may never
             # have had the params, and only it would tell prefill to free. Release from here (a
@@ -159,6 +169,20 @@ class Proxy:
             if not exchange.decode_answered and result.pod is not None:
                 self.prefill_legs.release_later(result.pod, result.params, exchange.headers)
             raise
+
+    async def _decode(self, exchange: Exchange, body: bytes | dict[str, Any], handle: str | None) -> web.StreamResponse:
+        """Send the decode leg (``body``: bytes as they are, or an object to encode); with a ``handle``, the pod is
+        asked to hold the finished turn for peer reads, remembered once it answered."""
+        if handle is None:
+            return await self.decode_legs.send(exchange, body if isinstance(body, bytes) else msgspec.json.encode(body))
+        fields: dict[str, Any] = msgspec.json.decode(body) if isinstance(body, bytes) else body
+        fields["kv_transfer_params"] = {**(fields.get("kv_transfer_params") or {}), "kv_peer_hold": handle}
+        response = await self.decode_legs.send(exchange, msgspec.json.encode(fields))
+        if response.status == 200 and exchange.decode is not None and exchange.prompt is not None:
+            assert self.peer_holds is not None
+            self.peer_holds.record(exchange.decode.pod, handle, exchange.prompt)
+            self.metrics.peer_holds.inc()
+        return response
 
 
 def _several_prompts(prompt: Any) -> bool:

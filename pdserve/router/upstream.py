@@ -70,6 +70,10 @@ class Upstream:
             answer.release()
         raise AssertionError("unreachable")
 
+    def capability(self, reader: str, holder: str, handle: str, expires_at: float) -> str:
+        """A peer-read capability for engine ``reader`` (``RouterSigner.capability``); empty without keys."""
+        return "" if self._signer is None else self._signer.capability(reader, holder, handle, expires_at)
+
     def eject(self, podset: PodSet, pod: Pod, reason: str) -> None:
         """Out of rotation at once (nothing listens there, or it hangs) until its health probe answers again."""
         if podset.mark(pod, False, reason):

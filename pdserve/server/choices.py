@@ -50,6 +50,7 @@ class ChoiceRunner:
             cache_salt,
             leg.remote_prefill,
             leg.remote_decode,
+            leg.peer,
         )
         detokenizer = IncrementalDetokenizer(
             self.processor.tokenizer.backend_tokenizer,

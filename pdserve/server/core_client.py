@@ -22,6 +22,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pdserve.api.peer_kv import PeerKV
 from pdserve.engine.core_process import (
     AbortRequests,
     AddRequest,
@@ -133,9 +134,10 @@ class EngineCoreClient:
         cache_salt: str | None = None,
         remote_prefill: RemotePrefill | None = None,
         remote_decode: bool = False,
+        peer: PeerKV | None = None,
     ) -> asyncio.Queue[EngineCoreOutput | Exception]:
         """Send a request; its outputs (then possibly an exception) arrive on the returned queue.
-        ``remote_prefill``, ``remote_decode``: its P/D leg, as the P/D gate parsed and screened it."""
+        ``remote_prefill``, ``remote_decode``, ``peer``: its P/D leg, as the P/D gate parsed and screened it."""
         if self._dead is not None:
             raise self._dead
         if request_id in self._queues:
@@ -153,6 +155,7 @@ class EngineCoreClient:
                     cache_salt,
                     remote_prefill,
                     remote_decode,
+                    peer,
                 )
             )
         )

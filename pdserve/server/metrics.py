@@ -43,12 +43,16 @@ class _SchedulerCollector:
                 stats.num_waiting_for_remote_kvs,
             ),
             "pdserve_kv_cache_usage_ratio": (
-                "Fraction of KV blocks owned (cached free blocks count as free)",
+                "Fraction of KV blocks owned (cached free blocks, and blocks only held for peer reads, count as free)",
                 stats.kv_cache_usage,
             ),
             "pdserve_kv_blocks_held_for_remote": (
                 "KV blocks held for remote decode",
                 remote_kv.num_blocks_held_for_remote,
+            ),
+            "pdserve_kv_blocks_held_for_peers": (
+                "KV blocks of finished turns held for peer reads (--kv-peer-hold-seconds)",
+                remote_kv.num_blocks_held_for_peers,
             ),
             "pdserve_num_requests_waiting_for_grammar": (
                 "Requests whose structured-output grammar is compiling",
@@ -93,6 +97,10 @@ class _SchedulerCollector:
                 "Finished prefill legs whose blocks were not held (the held share was at --kv-max-held-fraction)",
                 remote_kv.kv_holds_refused,
             ),
+            "pdserve_kv_peer_served_bytes": (
+                "KV bytes this engine served to peer reads",
+                remote_kv.kv_peer_served_bytes,
+            ),
             "pdserve_grammar_compile_failures": (
                 "Structured-output grammars that failed to compile or ran out of time (their requests got a 400)",
                 stats.grammar_compile_failures,
@@ -118,6 +126,15 @@ class _SchedulerCollector:
         for reason, count in sorted(remote_kv.kv_side_channel_rejected.items()):
             rejected.add_metric([reason], count)
         yield rejected
+        dropped = CounterMetricFamily(
+            "pdserve_kv_peer_holds_dropped",
+            "Holds for peer reads ended before their time, by reason (room: a request needed the blocks; cap: the "
+            "held share was full; too_large: one request's blocks alone were over the share)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(remote_kv.kv_peer_holds_dropped.items()):
+            dropped.add_metric([reason], count)
+        yield dropped
         yield from _tier_metrics(stats)
         yield InfoMetricFamily("vllm:cache_config", "KV cache configuration (vLLM name)", value=self._cache_config)
 
@@ -154,7 +171,8 @@ def _tier_metrics(stats: SchedulerStats) -> Iterator[Metric]:
     by_reason = (
         (
             "pdserve_kv_tier_blocks_skipped",
-            "Tier blocks not served (corrupt, truncated, foreign, missing, io): their requests recomputed",
+            "Tier blocks not served (corrupt, truncated, foreign, missing, io; peer: read_failed): their requests "
+            "recomputed",
             "skipped",
         ),
         (

@@ -33,6 +33,7 @@ import msgspec
 from aiohttp import web
 
 from pdserve.api.auth import ENGINE_ID_HEADER, ROUTER_AUTH_HEADER, WRONG_TARGET, RouterVerifier
+from pdserve.api.peer_kv import PeerKV, parse_peer_kv
 from pdserve.api.protocol import (
     KV_PARAMS_REJECTED_HEADER,
     ChatCompletionRequest,
@@ -55,6 +56,7 @@ class PDLeg:
 
     remote_decode: bool = False  # a prefill leg: its prompt's KV is held for a decode engine when it ends
     remote_prefill: RemotePrefill | None = None  # a decode leg: its prompt's KV is pulled from there
+    peer: PeerKV | None = None  # peer reads: hold this request's blocks for peers, or read its prefix from one
 
 
 # Per HTTP request: its leg as it stands (a screen may drop its remote blocks), and why its params went unused.
@@ -133,9 +135,15 @@ class PDGate:
                 )
             try:
                 remote_prefill = parse_remote_prefill(params)  # client input: a 400 naming the field
+                peer = parse_peer_kv(params)
             except ValueError as error:
                 raise InputError("kv_transfer_params", str(error)) from error
-            leg = PDLeg(wants_remote_decode(params), remote_prefill)
+            if peer is not None and peer.hold and wants_remote_decode(params):
+                raise InputError(
+                    "kv_transfer_params",
+                    "kv_peer_hold holds a finished turn for peers; a prefill leg's blocks are held for its decode",
+                )
+            leg = PDLeg(wants_remote_decode(params), remote_prefill, peer)
         request[_LEG_KEY] = leg
         async with self.releasing_refused(request):
             if leg.remote_decode and body.stream:

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.api.peer_kv import PeerKV
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
@@ -97,6 +98,8 @@ def check_invariants(scheduler: Scheduler, max_placeholders: int = 0) -> None:
     remote_kv = scheduler.remote_kv
     held = sum(kv.num_owned_blocks(request_id) for request_id in remote_kv.held_for_remote)
     assert remote_kv._num_held_blocks == held <= remote_kv.max_held_blocks
+    held = sum(kv.num_owned_blocks(request_id) for request_id in remote_kv.held_for_peers)
+    assert remote_kv._num_peer_held_blocks == held <= remote_kv.max_peer_held_blocks
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
     for request in scheduler.running:
         assert request.status == RequestStatus.RUNNING
@@ -117,7 +120,9 @@ def check_invariants(scheduler: Scheduler, max_placeholders: int = 0) -> None:
             assert owned_tokens == 0 or (loaded and owned_tokens >= request.num_computed_tokens), request
         elif request.is_finished:
             assert (
-                request.request_id in remote_kv.held_for_remote or request.request_id in remote_kv.aborted_while_loading
+                request.request_id in remote_kv.held_for_remote
+                or request.request_id in remote_kv.held_for_peers
+                or request.request_id in remote_kv.aborted_while_loading
             ), request
 
 
@@ -183,10 +188,12 @@ class ScriptedRequest(Request):
     uncached tokens are loaded asynchronously, landing k steps later (with "fail": True, the load writes wrong
     KV and fails; with "late_write": j, it fails while still in flight and writes wrong KV j steps later).
     {"do_remote_decode": True, "delay": k} (a prefill leg): on a length-capped finish the blocks are held for
-    k steps, then released."""
+    k steps, then released. {"peer_hold": True, "delay": k}: when it ends (stop or length) its blocks are held for
+    peer reads for k steps, then released."""
 
     def __init__(self, *args: Any, script: dict[str, Any], **kwargs: Any) -> None:
-        super().__init__(*args, remote_decode=bool(script.get("do_remote_decode")), **kwargs)
+        peer = PeerKV(hold="ab" * 16) if script.get("peer_hold") else None
+        super().__init__(*args, remote_decode=bool(script.get("do_remote_decode")), peer=peer, **kwargs)
         self.script = dict(script)
 
 
@@ -203,6 +210,10 @@ class FakeRemoteConnector(KVConnectorScheduler):
         self.worker = FakeRemoteWorker()
         self._pending: list[_Transfer] = []
         self.num_loads = 0
+        self.peer_holds_dropped: list[str] = []
+
+    def peer_hold_dropped(self, request_id: str) -> None:
+        self.peer_holds_dropped.append(request_id)
 
     def hands_over(self, request: ConnectorRequest) -> bool:
         return request.remote_decode
@@ -243,6 +254,9 @@ class FakeRemoteConnector(KVConnectorScheduler):
         self, request: ConnectorRequest, block_ids: list[int], finish_reason: str
     ) -> tuple[bool, dict[str, Any] | None]:
         params = script_of(request)
+        if params.get("peer_hold") and finish_reason in ("stop", "length"):
+            self._pending.append(_Transfer("hold", request.request_id, params.get("delay", 0)))
+            return True, None
         if request.remote_decode and finish_reason == "length":
             self._pending.append(_Transfer("hold", request.request_id, params.get("delay", 0)))
             return True, {"remote_block_ids": list(block_ids)}

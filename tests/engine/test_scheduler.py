@@ -231,6 +231,64 @@ def test_holds_beyond_the_held_share_are_refused_and_their_blocks_freed():
     assert_nothing_leaks(engine.scheduler)
 
 
+def _peer_engine(fraction: float, num_blocks: int = 16):
+    connector = FakeRemoteConnector()
+    connector.peer_hold_fraction = fraction
+    return connector, make_engine(connector, num_blocks=num_blocks, block_size=4, max_model_len=64)
+
+
+def _finish_turn(engine, request_id: str, seed: int, delay: int = 1000) -> None:
+    """A decode leg that ends and whose blocks are then held for peer reads (for ``delay`` steps)."""
+    script = {"peer_hold": True, "delay": delay}
+    engine.add_request(make_request(request_id, prompt_of(9, seed=seed), script, max_tokens=2, ignore_eos=True))
+    while request_id not in engine.scheduler.remote_kv.held_for_peers:
+        _step(engine)
+
+
+def test_a_finished_turn_is_held_for_peers_until_its_time_is_up():
+    _, engine = _peer_engine(0.5)
+    _finish_turn(engine, "turn", seed=1, delay=3)
+    stats = engine.scheduler.make_stats().remote_kv
+    assert stats.num_blocks_held_for_peers == 3  # 9 prompt tokens + 2 answer tokens in blocks of 4
+    # A hold is no work: an idle engine does not step for it (its end is taken in at the next step).
+    assert not engine.has_work()
+    for _ in range(4):
+        _step(engine)
+    assert engine.scheduler.make_stats().remote_kv.num_blocks_held_for_peers == 0
+    assert_nothing_leaks(engine.scheduler)
+
+
+def test_held_turns_give_their_blocks_to_running_requests_before_anyone_is_preempted():
+    connector, engine = _peer_engine(0.5)
+    _finish_turn(engine, "old", seed=1)
+    _finish_turn(engine, "new", seed=2)
+    assert engine.scheduler.make_stats().remote_kv.num_blocks_held_for_peers == 6
+    # A request that needs 14 of the 16 blocks: the oldest hold goes first, then the next; nobody is preempted.
+    big = make_request("big", prompt_of(50, seed=3), max_tokens=6, ignore_eos=True)
+    engine.add_request(big)
+    run_to_completion(engine)
+    assert big.output_token_ids == expected_output(big)[0]
+    assert connector.peer_holds_dropped == ["old", "new"]
+    stats = engine.scheduler.make_stats()
+    assert stats.num_preemptions == 0 and stats.remote_kv.kv_peer_holds_dropped == {"room": 2}
+    assert_nothing_leaks(engine.scheduler)
+
+
+def test_a_hold_past_the_held_share_drops_the_oldest_and_one_too_large_is_not_held():
+    connector, engine = _peer_engine(0.25)  # 4 of 16 blocks
+    _finish_turn(engine, "a", seed=1)
+    _finish_turn(engine, "b", seed=2)  # 3 + 3 > 4: "a" goes
+    assert connector.peer_holds_dropped == ["a"]
+    assert list(engine.scheduler.remote_kv.held_for_peers) == ["b"]
+    script = {"peer_hold": True, "delay": 1000}
+    engine.add_request(make_request("huge", prompt_of(30, seed=4), script, max_tokens=2, ignore_eos=True))
+    for _ in range(4):  # 30 prompt tokens and 2 answers: done
+        _step(engine)
+    assert "huge" not in engine.scheduler.requests  # 8 blocks: over the share alone, freed at once
+    assert connector.peer_holds_dropped == ["a", "huge"]
+    assert engine.scheduler.make_stats().remote_kv.kv_peer_holds_dropped == {"cap": 1, "too_large": 1}
+
+
 def test_a_failed_remote_load_is_recomputed_from_scratch():
     engine = make_engine(FakeRemoteConnector(), num_blocks=16, block_size=4, max_model_len=64)
     request = make_request(

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
+from pdserve.api.peer_kv import PeerKV, prefix_source_params
 from pdserve.api.protocol import KV_PARAMS_REJECTED_HEADER, CompletionRequest, ProtocolError
 from pdserve.kvtransfer.params import RemotePrefill, parse_remote_prefill, prompt_hash
 from pdserve.server.input_processor import InputError
@@ -74,6 +75,60 @@ def test_a_decode_leg_is_parsed_once_into_the_typed_value_the_core_gets():
     assert leg == PDLeg(remote_decode=False, remote_prefill=parse_remote_prefill(params))
     # The value crosses to the core as msgpack, and comes back equal.
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(leg.remote_prefill), type=RemotePrefill) == leg.remote_prefill
+
+
+SOURCE = {
+    "engine_id": "decode-engine",
+    "host": "10.0.0.8",
+    "ports": [7100],
+    "handle": "ab" * 16,
+    "num_tokens": 32,
+    "reader": "this-engine",
+    "expires_at": 1.5e9,
+    "capability": "cd" * 64,
+}
+
+
+def test_peer_read_params_are_parsed_into_the_leg():
+    gate, _, _ = _gate(serves_blocks=True)
+    _, leg, _ = _open(gate, _body(kv_transfer_params={"kv_peer_hold": "ef" * 16}))
+    assert leg == PDLeg(peer=PeerKV(hold="ef" * 16))
+    _, leg, _ = _open(gate, _body(kv_transfer_params={"do_remote_decode": True, "kv_prefix_source": SOURCE}))
+    assert leg.remote_decode and leg.peer is not None and leg.peer.source is not None
+    assert prefix_source_params(leg.peer.source) == SOURCE  # what the router sent, read back
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(leg.peer), type=PeerKV) == leg.peer
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"kv_peer_hold": "not-a-handle"},
+        {"kv_peer_hold": "AB" * 16},
+        {"do_remote_decode": True, "kv_peer_hold": "ab" * 16},  # a prefill leg's blocks are its decode's
+        {"kv_prefix_source": "somewhere"},
+        {"kv_prefix_source": SOURCE | {"ports": [70000]}},
+        {"kv_prefix_source": SOURCE | {"num_tokens": 0}},
+        {"kv_prefix_source": SOURCE | {"handle": "x"}},
+        {"kv_prefix_source": SOURCE | {"capability": "a" * 1000}},
+        {"kv_prefix_source": {k: v for k, v in SOURCE.items() if k != "reader"}},
+    ],
+    ids=[
+        "handle",
+        "upper-case",
+        "on-prefill-leg",
+        "not-object",
+        "port",
+        "no-tokens",
+        "source-handle",
+        "long",
+        "reader",
+    ],
+)
+def test_malformed_peer_read_params_are_a_400(params):
+    gate, _, _ = _gate(serves_blocks=True)
+    with pytest.raises(InputError) as refused:
+        _open(gate, _body(kv_transfer_params=params))
+    assert refused.value.param == "kv_transfer_params"
 
 
 def test_a_prefill_leg_and_a_plain_request_and_an_engine_without_pd():

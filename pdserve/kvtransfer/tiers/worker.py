@@ -13,8 +13,6 @@ Within a step (``submit`` before the forward, ``collect`` after it):
   request's own and unused until the load is reported landed; a block that fails its checks fails the load,
   and the request's blocks are freed uncached), or through a staging buffer on a GPU;
 - deletes go on the same queue as stores, so a delete and a later store of one block happen in order.
-
-A forward's tokens and wall time are reported too (the connector weighs loading against recomputing).
 """
 
 from __future__ import annotations
@@ -66,8 +64,6 @@ class TierWorker:
                 raise ValueError("a host-memory KV tier on a CPU engine would copy blocks within the same memory")
             slots = config.host_bytes // (self.block_bytes * ranks)
             self._host = torch.empty((slots, self.block_bytes), dtype=torch.uint8, pin_memory=True)
-        self._step_started: float | None = None
-        self._step_tokens = 0
         self._stores_after_forward: list[tuple[int, bytes, list[str]]] = []
         self._loads: collections.deque[TierLoad] = collections.deque()
         self._writes: collections.deque[_Store | tuple[str, bytes]] = collections.deque()
@@ -81,8 +77,6 @@ class TierWorker:
     # ----- the engine thread ------------------------------------------------------------------------
 
     def submit(self, work: TransferWork) -> None:
-        self._step_started = time.perf_counter()
-        self._step_tokens = work.step_tokens
         if self._host is not None:
             for save in work.tier_saves:
                 self._host[save.host_slot].copy_(self._blocks[save.block_id])
@@ -105,11 +99,6 @@ class TierWorker:
         self._loads = collections.deque(kept)
 
     def collect(self) -> KVConnectorOutput | None:
-        if self._step_started is not None and self._step_tokens:
-            seconds = time.perf_counter() - self._step_started
-            with self._lock:
-                self._output.step_times.append((self._step_tokens, seconds))
-        self._step_started = None
         if self._stores_after_forward:
             self._snapshot_stores()
         with self._lock:

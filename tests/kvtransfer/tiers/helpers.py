@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.api.peer_kv import PeerKV
 from pdserve.kvtransfer.base import KVConnectorOutput
 from pdserve.kvtransfer.params import RemotePrefill
 
@@ -28,6 +29,8 @@ class Req:
     block_hashes: list[bytes]
     remote_prefill: RemotePrefill | None = None
     remote_decode: bool = False
+    peer: PeerKV | None = None
+    num_computed_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

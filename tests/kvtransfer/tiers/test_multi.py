@@ -22,6 +22,7 @@ from pdserve.kvtransfer.tiers.config import KVTierConfig
 from pdserve.kvtransfer.tiers.connector import TierConnector
 from pdserve.kvtransfer.tiers.worker import TierWorker
 from pdserve.kvtransfer.work import LoadSpec, TierLoad, TierStore, TransferWork
+from pdserve.kvtransfer.workers import TimedWorker
 from tests.kvtransfer.test_connector import _remote_params
 
 from .helpers import COMPAT, Req, block_hash, collect_until
@@ -159,7 +160,8 @@ def test_reports_stats_and_events_reach_every_part(tmp_path):
     multi.build_connector_meta()
     multi.worker_reported(KVConnectorOutput(tier_stored=[("disk", H[0])], finished_sending={"leg"}))
     assert H[0] in tiers.tiers["disk"]
-    assert set(multi.tier_stats()) == {"disk"} and multi.tier_stats()["disk"].num_blocks == 1
+    # The P/D part reports its peer reads as a medium of its own.
+    assert set(multi.tier_stats()) == {"disk", "peer"} and multi.tier_stats()["disk"].num_blocks == 1
     [events] = multi.take_tier_events(snapshot=True)
     assert events.medium == "disk" and events.stored == [H[0]] and events.snapshot == [H[0]]
 
@@ -195,7 +197,7 @@ def test_a_multi_worker_hands_every_part_the_order_and_merges_their_reports(tmp_
             KVConnectorOutput(finished_recving={"dec"}, num_failed_transfers=2),
         ]
     )
-    multi = MultiWorker([tier_worker, reporter])
+    multi = TimedWorker(MultiWorker([tier_worker, reporter]))  # as make_connector_workers builds it
     try:
         assert multi.collect() is None  # neither reports anything
         work = TransferWork(tier_stores=[TierStore(1, H[0], ["disk"])], step_tokens=40)

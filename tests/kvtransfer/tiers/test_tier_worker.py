@@ -19,6 +19,7 @@ from pdserve.kvtransfer.tiers.block_file import HEADER_BYTES, BlockFolder
 from pdserve.kvtransfer.tiers.config import KVTierConfig
 from pdserve.kvtransfer.tiers.worker import TierWorker
 from pdserve.kvtransfer.work import TierLoad, TierStore, TransferWork
+from pdserve.kvtransfer.workers import TimedWorker
 
 from .helpers import COMPAT, block_hash, collect_until
 
@@ -210,7 +211,8 @@ def test_a_host_tier_is_refused_on_a_cpu_engine(tmp_path):
 
 
 def test_forwards_are_timed_when_they_compute_tokens(tmp_path, make_worker):
-    worker = make_worker(_config(tmp_path), _kv_cache())
+    # The timing is the connector workers' wrapper's (kvtransfer/workers.py), around whatever worker a rank runs.
+    worker = TimedWorker(make_worker(_config(tmp_path), _kv_cache()))
     assert worker.collect() is None
     assert _step(worker, TransferWork()) is None  # no tokens: nothing timed, nothing to report
     worker.submit(TransferWork(step_tokens=48))
