@@ -5,13 +5,14 @@ default --kv-peer-hold-seconds (300) and --kv-peer-hold-fraction (0.25), `none` 
 Each round sends the same batch to one engine: --requests requests at once, each a distinct --prompt-tokens random
 prompt and --output-tokens greedy tokens (EOS ignored), over /v1/completions; on `hold` every request carries a
 new `kv_peer_hold` handle, as the router's decode legs do, so every finished request is held. The KV pool
-(--kv-cache-memory) is sized so that one batch needs more than three quarters of it: the holds of one batch must
-give their blocks back to the next (pdserve_kv_peer_holds_dropped_total{reason="room"}), which is the cost this
-measures. Rounds alternate none, hold, none, hold... (--rounds each, after one warm-up round each); the figure is
-each engine's median output tokens/s (completion tokens over the round's wall time) and their ratio.
+(--kv-cache-memory, default 1.05 batches' worth) is sized so that a batch's requests fill nearly all of it: the holds
+of one batch (up to a quarter of the pool) must give their blocks back to the next batch's requests
+(pdserve_kv_peer_holds_dropped_total{reason="room"}), which is the cost this measures. Rounds alternate none, hold,
+none, hold... (--rounds each, after one warm-up round each); the figure is each engine's median output tokens/s
+(completion tokens over the round's wall time) and their ratio.
 
 Model (--model): bench, the ~85M Llama of bench/pd_vs_colocated.py (default); demo, the built-in demo model.
-Takes about 2 minutes on 2 cores with the defaults. Last line JSON {"bench": "peer_holds", ...}.
+Takes about 3 minutes on 2 cores with the defaults. Last line JSON {"bench": "peer_holds", ...}.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=240)
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--kv-cache-memory", default=None, help="default: 1.25 batches' worth of the model's KV")
+    parser.add_argument("--kv-cache-memory", default=None, help="default: 1.05 batches' worth of the model's KV")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
@@ -86,7 +87,7 @@ def main() -> None:
             folder = ensure_demo_model()
         kv_per_token = ModelConfig.from_folder(folder).kv_bytes_per_token(resolve_dtype("auto", torch.device("cpu")))
         batch_bytes = args.requests * (args.prompt_tokens + args.output_tokens + 16) * kv_per_token
-        memory = args.kv_cache_memory or f"{int(batch_bytes * 1.25) >> 20}MiB"
+        memory = args.kv_cache_memory or f"{int(batch_bytes * 1.05) >> 20}MiB"
         engines: dict[str, Process] = {}
         try:
             for name, seconds in (("none", "0"), ("hold", "300")):
