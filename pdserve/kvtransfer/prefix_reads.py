@@ -3,10 +3,12 @@
 and the hashes), checks the reply (length, BLAKE3 digest), writes the bytes into the request's blocks, and reports
 the load. One round trip, no handshake: a reader needs nothing from the holder but those bytes.
 
-Each read has a deadline (``transfer_timeout``); a read that failed in any way is reported failed and its request
-recomputes the prompt. The bytes are written in this thread when the reply comes, so no write into a request's
-blocks is ever in flight after its read was reported. Connections come from a pool of their own (``peers``),
-apart from the P/D pulls', so dropping one never touches a pull's transport state. Runs in the agent's thread only.
+Each read has a deadline (``--kv-transfer-timeout``, at most ``MAX_READ_SECONDS``: a read is an offer, and a holder
+that does not answer soon, a dead one say, must not cost more than recomputing would); a read that failed in any way
+is reported failed and its request recomputes the prompt. The bytes are written in this thread when the reply
+comes, so no write into a request's blocks is ever in flight after its read was reported. Connections come from a
+pool of their own (``peers``), apart from the P/D pulls', so dropping one never touches a pull's transport state.
+Runs in the agent's thread only.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pdserve.kvtransfer.work import PeerLoad, TransferWork
 logger = logging.getLogger(__name__)
 
 REPLIES_PER_STEP = 16
+# Seconds a peer read may take at most (2 GB at 1 GB/s: far more than a prompt's KV on any link worth reading over).
+MAX_READ_SECONDS = 2.0
 
 
 class Reports(Protocol):
@@ -62,7 +66,7 @@ class PrefixReads:
         self.peers = peers
         self.compat_hash = compat_hash
         self.engine_id = engine_id
-        self.timeout = timeout
+        self.timeout = min(timeout, MAX_READ_SECONDS)
         self.reports = reports
         self.rank = rank
         self.num_ranks = num_ranks

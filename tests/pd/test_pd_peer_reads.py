@@ -97,6 +97,15 @@ def _indexed(cluster: Cluster, pod) -> int:
         return json.loads(response.read())["pods"][pod.url]["num_blocks"]
 
 
+def _signed_post(cluster: Cluster, url: str, path: str, body: dict) -> dict:
+    """POST ``body`` to the engine at ``url`` as the router would (signed for that engine)."""
+    data = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **cluster.router_header(url, path, data)}
+    request = urllib.request.Request(url + path, data=data, headers=headers)
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
 def test_a_prefill_whose_holder_is_gone_computes_the_prompt(cluster, colocated):
     _, second, expected = colocated
     prefill = cluster.prefills[0]
@@ -129,16 +138,11 @@ def test_a_prefill_whose_holder_is_gone_computes_the_prompt(cluster, colocated):
         ),
     }
     body = {"model": "demo", "prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": params}
-    data = json.dumps(body).encode()
     before = scrape(prefill.url)
-    request = urllib.request.Request(
-        prefill.url + "/v1/completions",
-        data=data,
-        headers={"Content-Type": "application/json", **cluster.router_header(prefill.url, "/v1/completions", data)},
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        answer = json.loads(response.read())
+    answer = _signed_post(cluster, prefill.url, "/v1/completions", body)
     assert answer["kv_transfer_params"]["do_remote_prefill"] is True  # a prefill leg's answer, as ever
+    # No decode leg will pull it: free the hold now, as the router does for a leg whose client left.
+    _signed_post(cluster, prefill.url, "/v1/kv_transfer/release", {"kv_transfer_params": answer["kv_transfer_params"]})
     after = scrape(prefill.url)
     assert after[PEER_HITS] == before[PEER_HITS]  # nothing was read
     skipped = 'pdserve_kv_tier_blocks_skipped_total{medium="peer",reason="read_failed"}'
