@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -156,13 +156,26 @@ class Scheduler:
         self._drop(request)
         return None  # nothing handed over (a refused hold's decode computes the prompt)
 
-    def _drop_peer_hold(self) -> bool:
-        """Free the oldest blocks held for peer reads; False when none are."""
-        request = self.remote_kv.drop_peer_hold()
-        if request is None:
-            return False
-        self._drop(request)
-        return True
+    def _allocate(
+        self,
+        request: Request,
+        num_tokens: int,
+        hit_blocks: Sequence[KVCacheBlock] = (),
+        num_hit_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> list[KVCacheBlock] | None:
+        """``allocate_slots``, freeing blocks held for peer reads (oldest hold first) while the pool has no room:
+        they go before a running request is preempted or a waiting one is kept waiting."""
+        while True:
+            blocks = self.kv_cache_manager.allocate_slots(
+                request, num_tokens, hit_blocks, num_hit_tokens, delay_cache_blocks
+            )
+            if blocks is not None:
+                return blocks
+            held = self.remote_kv.drop_peer_hold()
+            if held is None:
+                return None
+            self._drop(held)
 
     def _drop(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -213,9 +226,7 @@ class Scheduler:
                 num_new = budget
             if hands_over and request.request_id in hands_over:
                 num_new = _before_last_prompt_token(request, num_computed, num_new)
-            while kv.allocate_slots(request, num_new) is None:
-                if self._drop_peer_hold():
-                    continue  # blocks held for peer reads go before anyone is preempted
+            while self._allocate(request, num_new) is None:
                 victim = running.pop()
                 self._preempt(victim)
                 preempted_ids.add(victim.request_id)
@@ -338,11 +349,7 @@ class Scheduler:
             # loaded part, requests whose loads landed could fill the pool between them with none able to go on.
             num_slots = num_external + (request.num_tokens - num_computed if load_async else num_new)
 
-            while (
-                allocated := kv.allocate_slots(request, num_slots, hit_blocks, num_local, delay_cache_blocks=load_async)
-            ) is None and self._drop_peer_hold():
-                pass  # blocks held for peer reads go before a request waits for room
-            if allocated is None:
+            if self._allocate(request, num_slots, hit_blocks, num_local, load_async) is None:
                 break  # first come, first served: nobody overtakes a request that does not fit
             waiting.popleft()
             if looked_up:

@@ -16,27 +16,11 @@ from unittest import mock
 import pytest
 import zmq
 
-from pdserve.api.keys import new_bundle, write_bundle
 from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.layout import rank_agent_id
 from pdserve.kvtransfer.work import TransferWork
 from tests.kvtransfer.agents import BLOCK_BYTES, NUM_BLOCKS, assert_untouched, engines, load, token_of
 from tests.kvtransfer.test_agent_faults import _remote
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("keys")
-    write_bundle(folder, new_bundle())
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def wrong_keys(tmp_path_factory) -> str:
-    """Another deployment's keys."""
-    folder = tmp_path_factory.mktemp("wrong-keys")
-    write_bundle(folder, new_bundle())
-    return str(folder)
 
 
 def _ring(folder: str):

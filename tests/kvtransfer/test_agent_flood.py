@@ -16,10 +16,8 @@ import contextlib
 import time
 
 import numpy as np
-import pytest
 import zmq
 
-from pdserve.api.keys import new_bundle, write_bundle
 from pdserve.bench.flood import SideChannelFlood, junk_frame
 from pdserve.kvtransfer import agent as agent_module
 from pdserve.kvtransfer import holds, messages
@@ -28,13 +26,6 @@ from pdserve.kvtransfer.nixl_policy import TransportChoice
 from pdserve.kvtransfer.transport.registry import make_transport
 from pdserve.kvtransfer.work import TransferWork
 from tests.kvtransfer.agents import _kv_cache, engines, load, token_of
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("keys")
-    write_bundle(folder, new_bundle())
-    return str(folder)
 
 
 def test_a_pull_lands_in_its_normal_time_under_a_strangers_flood(keys):

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from pdserve.api.auth import RouterSigner
-from pdserve.api.keys import load_router_signing, new_bundle, write_bundle
+from pdserve.api.keys import load_router_signing
 from pdserve.api.peer_kv import PrefixSource
 from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.work import PeerHold, PeerLoad, TransferWork
@@ -26,20 +26,6 @@ from tests.kvtransfer.test_agent_auth import Stranger
 
 HANDLE = "ab" * 16
 HASHES = [hashlib.sha256(bytes([i])).digest() for i in range(4)]  # the held blocks' chained hashes
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("keys")
-    write_bundle(folder, new_bundle())
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def other_keys(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("other-keys")
-    write_bundle(folder, new_bundle())
-    return str(folder)
 
 
 def _hold(holder: Engine, request_id: str = "turn-1", handle: str = HANDLE) -> None:
@@ -64,6 +50,19 @@ def _source(
     )
     return PrefixSource(
         holder.config.engine_id, "127.0.0.1", (holder.agent.port,), handle, 48, reader_id, expires_at, capability
+    )
+
+
+def _unsigned_source(holder: Engine, reader: Engine) -> PrefixSource:
+    """A source for a deployment without keys (only a capability's times are checked)."""
+    return PrefixSource(
+        holder.config.engine_id,
+        "127.0.0.1",
+        (holder.agent.port,),
+        HANDLE,
+        48,
+        reader.config.engine_id,
+        time.time() + 60,
     )
 
 
@@ -118,7 +117,7 @@ def _refused(reader: Engine, source: PrefixSource, first: int = 0, count: int = 
     assert torch.equal(reader.kv_cache, before), "a refused read wrote into the reader's cache"
 
 
-def test_every_read_the_capability_does_not_cover_is_refused(keys, other_keys, refusals):
+def test_every_read_the_capability_does_not_cover_is_refused(keys, wrong_keys, refusals):
     with engines(
         {"filled": True, "keys_dir": keys, "peer_hold_seconds": 30.0},
         {"filled": False, "keys_dir": keys},
@@ -130,7 +129,7 @@ def test_every_read_the_capability_does_not_cover_is_refused(keys, other_keys, r
         # The capability names the reader; another keyed engine presenting it is refused.
         _refused(other, _source(holder, mine, keys))
         # Its own name on it, signed by another deployment's router.
-        _refused(other, _source(holder, other.config.engine_id, other_keys))
+        _refused(other, _source(holder, other.config.engine_id, wrong_keys))
         _refused(reader, _source(holder, mine, keys, expires_in=-120.0))
         _refused(reader, _source(holder, mine, keys, expires_in=3600.0))
         _refused(reader, _source(holder, mine, keys, handle="cd" * 16))
@@ -170,7 +169,7 @@ def test_dropped_or_freed_blocks_are_never_served(keys, refusals):
         ]
 
 
-def test_a_stranger_gets_no_answer(keys, other_keys):
+def test_a_stranger_gets_no_answer(keys, wrong_keys):
     from pdserve.api.keys import ENGINE_KEY, load_secret
 
     with engines({"filled": True, "keys_dir": keys, "peer_hold_seconds": 30.0}) as (holder,):
@@ -180,7 +179,7 @@ def test_a_stranger_gets_no_answer(keys, other_keys):
         try:
             for seal in (
                 messages.Seal("stranger", None),
-                messages.Seal("stranger", load_secret(other_keys, ENGINE_KEY)),
+                messages.Seal("stranger", load_secret(wrong_keys, ENGINE_KEY)),
             ):
                 read = messages.ReadPrefix(
                     "r", HANDLE, "stranger", source.expires_at, source.capability, COMPAT, 0, 3, HASHES[2]
@@ -196,34 +195,14 @@ def test_a_hold_ends_when_its_time_is_up():
     with engines({"filled": True, "peer_hold_seconds": 0.3}, {"filled": False}) as (holder, reader):
         _hold(holder)
         holder.wait_for(lambda seen: seen.finished_sending == {"turn-1"}, "the hold's end", timeout=3.0)
-        source = PrefixSource(
-            holder.config.engine_id,
-            "127.0.0.1",
-            (holder.agent.port,),
-            HANDLE,
-            48,
-            reader.config.engine_id,
-            time.time() + 60,
-            "",
-        )
-        _refused(reader, source)
+        _refused(reader, _unsigned_source(holder, reader))
 
 
 def test_an_engine_that_serves_no_peers_refuses_and_releases_at_once():
     with engines({"filled": True, "peer_hold_seconds": 0.0}, {"filled": False}) as (holder, reader):
         _hold(holder)
         holder.wait_for(lambda seen: seen.finished_sending == {"turn-1"}, "the hold given back")
-        source = PrefixSource(
-            holder.config.engine_id,
-            "127.0.0.1",
-            (holder.agent.port,),
-            HANDLE,
-            48,
-            reader.config.engine_id,
-            time.time() + 60,
-            "",
-        )
-        _refused(reader, source)
+        _refused(reader, _unsigned_source(holder, reader))
 
 
 def test_an_unanswered_read_times_out():
