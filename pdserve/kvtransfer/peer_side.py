@@ -47,7 +47,6 @@ class PeerSide:
     ) -> None:
         self.serves = config.peer_hold_seconds > 0 and not state_rows
         self.reads = not state_rows
-        self.engine_id = config.engine_id
         self.block_size = block_size
         self.num_ranks = num_ranks
         self.generations = block_generations
