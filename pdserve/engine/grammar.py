@@ -151,14 +151,38 @@ def grammar_of(spec: GrammarSpec) -> Any:
 
     if spec.kind in ("json", "json_object"):
         schema = spec.text if spec.kind == "json" else '{"type":"object"}'
-        grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=spec.any_whitespace)
-        text = str(grammar)
-        if _LOOSE_STRING_CHARACTER in text:
-            grammar = xgrammar.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHARACTER, _STRICT_STRING_CHARACTER))
-        return grammar
-    if spec.kind == "regex":
-        return xgrammar.Grammar.from_regex(spec.text)
-    return xgrammar.Grammar.from_ebnf(spec.text)
+        text = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=spec.any_whitespace))
+        text = text.replace(_LOOSE_STRING_CHARACTER, _STRICT_STRING_CHARACTER)
+    elif spec.kind == "regex":
+        text = str(xgrammar.Grammar.from_regex(spec.text))
+    else:
+        text = str(xgrammar.Grammar.from_ebnf(spec.text))  # parsed and printed: no comments, one dialect
+    return xgrammar.Grammar.from_ebnf(_without_surrogates(text))
+
+
+# xgrammar (0.2.9) matches a character class over UTF-8 byte sequences of any code point up to
+# U+10FFFF, surrogates included: a negated class or "." lets a byte-level tokenizer spell U+D800 to
+# U+DFFF as three bytes, which are not UTF-8 (the text shows U+FFFD, one character per byte, and a
+# string's maxLength no longer holds). No valid text contains a surrogate, so excluding them from
+# every negated class and from the any-character class changes nothing a caller can ask for.
+_SURROGATES = r"\ud800-\udfff"
+_ANY_CHARACTER = r"[\0-\U0010ffff]"
+_LITERAL_OR_CLASS = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]')
+
+
+def _without_surrogates(text: str) -> str:
+    """``text`` (xgrammar's printed EBNF) with surrogates taken out of its negated and any-character
+    classes; string literals, including a ``Regex("...")`` node's pattern, are left as they are."""
+
+    def rewrite(match: re.Match[str]) -> str:
+        token = match.group(0)
+        if token == _ANY_CHARACTER:
+            return r"[\0-\ud7ff\ue000-\U0010ffff]"
+        if token.startswith("[^"):
+            return token[:-1] + _SURROGATES + "]"
+        return token
+
+    return _LITERAL_OR_CLASS.sub(rewrite, text)
 
 
 def json_schema_rules(schema: dict[str, Any], rule: str, any_whitespace: bool = False) -> str:

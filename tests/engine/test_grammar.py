@@ -93,6 +93,31 @@ def test_json_strings_never_allow_raw_control_characters():
                 assert "\\0-\\x1f" in line, line
 
 
+@pytest.mark.parametrize(
+    "params, surrogate, valid",
+    [
+        (StructuredOutputsParams(json={"type": "string", "maxLength": 4}), b'"\xed\xba\x96"', '"\u00e9"'),
+        (StructuredOutputsParams(json={"type": "array", "items": {}}), b'["\xed\xa0\x80"]', '["é"]'),
+        (StructuredOutputsParams(regex="a.b"), b"a\xed\xbf\xbfb", "a\U0001f600b"),
+        (StructuredOutputsParams(grammar='root ::= "[" [^a]* "]"'), b"[\xed\xba\x96]", "[\u00e9\ud7ff]"),
+    ],
+)
+def test_no_grammar_spells_a_surrogate(params, surrogate, valid):
+    """xgrammar's classes cover U+D800-U+DFFF, which a byte-level tokenizer can spell as three bytes
+    that are not UTF-8 (they detokenize to U+FFFD and break maxLength); every grammar refuses them
+    and still takes the characters around them."""
+    from xgrammar.testing import _get_matcher_from_grammar
+
+    grammar = grammar_of(grammar_spec(params))
+
+    def accepts(text: bytes) -> bool:
+        matcher = _get_matcher_from_grammar(grammar)
+        return matcher.accept_string(text) and matcher.is_terminated()
+
+    assert not accepts(surrogate)
+    assert accepts(valid.encode())
+
+
 def test_a_grammar_waits_for_the_end_of_the_thinking():
     """With a reasoning parser, a thinking request's bitmask row allows every token and its tokens
     bypass the matcher; after the end marker the grammar constrains; where the model may choose to
