@@ -101,8 +101,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> ModelRunnerOutput:
-        if scheduler_output.finished_req_ids:
-            self.sampler.forget(scheduler_output.finished_req_ids)
         agent = self.kv_connector
         if agent is not None and scheduler_output.kv_connector_metadata is not None:
             agent.submit(scheduler_output.kv_connector_metadata)

@@ -3,14 +3,17 @@
 Order: penalties (repetition over prompt and output tokens, frequency and presence over output
 tokens) → the grammar's token bitmask (structured outputs: disallowed tokens get -inf) → greedy
 argmax, or temperature → min-p → top-k → top-p → a draw. Each draw is an
-exponential race (argmax of probs / Exp(1) noise); a request with a seed draws its noise from its
-own generator, so its tokens do not depend on whatever else shares the batch. Logprobs are those
-of the raw logits (before any processing).
+exponential race (argmax of probs / Exp(1) noise). A request with a seed draws its noise from a generator seeded
+by (its seed, the output position being sampled) — counter-based, not a stream consumed step by step — so its
+token at a position depends on nothing else: not on what shares the batch, not on how it got there (a
+preemption's recompute, or a continuation on another engine from that position, draws the same). Logprobs are
+those of the raw logits (before any processing).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -18,17 +21,18 @@ import torch
 from pdserve.worker.interface import SamplingOptions, ScheduledRequest, TokenLogprobs
 
 
+def draw_seed(seed: int, position: int) -> int:
+    """The noise seed of a seeded request's draw of its output token ``position`` (0: the first)."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # torch seeds are below 2**63
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        # Per-request generators of seeded requests; kept across preemption (a recomputed request
-        # continues its random stream where it stopped), dropped when the request finishes.
-        self.generators: dict[str, torch.Generator] = {}
-
-    def forget(self, request_ids: Iterable[str]) -> None:
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
+        # Re-seeded for each seeded row's draw (draw_seed): no state is kept per request.
+        self._generator = torch.Generator(device=device)
 
     def sample(
         self,
@@ -85,13 +89,12 @@ class Sampler:
         logits = filter_logits(logits / temperatures[:, None], params)
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs).exponential_()
+        generator = self._generator
         for row, request in enumerate(requests):
             seed = request.sampling_params.seed
             if seed is not None:
-                generator = self.generators.get(request.request_id)
-                if generator is None:
-                    generator = torch.Generator(device=logits.device).manual_seed(seed)
-                    self.generators[request.request_id] = generator
+                # The token being sampled is the output's next: its position is the output's length now.
+                generator.manual_seed(draw_seed(seed, request.num_tokens - request.num_prompt_tokens))
                 noise[row].exponential_(generator=generator)
         return (probs / noise).argmax(dim=-1)
 

@@ -51,6 +51,23 @@ def test_seeded_draws_do_not_depend_on_the_rest_of_the_batch():
     assert other != alone
 
 
+def test_a_seeded_draw_depends_on_its_seed_and_output_position_only():
+    # Another engine continuing a request at output position 3 (its three tokens given) draws what the engine that
+    # ran it from the start draws there, step after step; another position draws otherwise.
+    first, second = Sampler(VOCAB, torch.device("cpu")), Sampler(VOCAB, torch.device("cpu"))
+    ran = _request("ran", output=(9, 8, 7), temperature=1.0, seed=5)
+    continued = _request("continued", output=(9, 8, 7), temperature=1.0, seed=5)
+    elsewhere = _request("elsewhere", output=(9, 8), temperature=1.0, seed=5)
+    draws = {"ran": [], "continued": [], "elsewhere": []}
+    for step in range(20):
+        logits = _logits(1, seed=200 + step)
+        draws["ran"] += first.sample(logits.clone(), [ran])[0]
+        draws["continued"] += second.sample(logits.clone(), [continued])[0]
+        draws["elsewhere"] += second.sample(logits.clone(), [elsewhere])[0]
+    assert draws["ran"] == draws["continued"]
+    assert draws["elsewhere"] != draws["ran"]
+
+
 def test_penalties_change_logits_exactly_as_defined():
     logits = _logits(1)[0]
     request = _request(
