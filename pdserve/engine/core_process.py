@@ -56,6 +56,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     remote_prefill: RemotePrefill | None = None
     remote_decode: bool = False
     peer: PeerKV | None = None  # peer reads: hold its blocks for peers when it ends, or read its prefix from one
+    output_token_ids: list[int] = []  # a continued stream's output so far (another engine's)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -197,6 +198,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                                 message.remote_prefill,
                                 message.remote_decode,
                                 message.peer,
+                                message.output_token_ids,
                             )
                         )
                     except ValueError as error:

@@ -86,10 +86,13 @@ class Request:
         remote_prefill: RemotePrefill | None = None,
         remote_decode: bool = False,
         peer: PeerKV | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
         """``remote_prefill``: a P/D decode leg's remote blocks, screened by the API process (pdserve/server/
         pd_gate.py); ``remote_decode``: a P/D prefill leg, whose KV is held for a decode engine when it ends;
-        ``peer``: hold its blocks for peer reads when it ends, or read its prompt's leading blocks from a peer."""
+        ``peer``: hold its blocks for peer reads when it ends, or read its prompt's leading blocks from a peer;
+        ``output_token_ids``: output another engine generated (a continued stream): the request starts as a
+        preempted one resumes, computing prompt and output, and samples what follows them."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         self.request_id = request_id
@@ -103,8 +106,8 @@ class Request:
         self.remote_decode = remote_decode
         self.peer = peer
         self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = list(output_token_ids or ())
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_computed_tokens = 0
         # Tokens a scheduled step samples for this request that have not come back yet: the scheduler
         # counts them as known (async scheduling schedules the next step before they arrive).

@@ -107,6 +107,11 @@ class Scheduler:
         room = max_model_len - request.num_prompt_tokens
         max_tokens = request.sampling_params.max_tokens
         request.max_output_tokens = room if max_tokens is None else min(max_tokens, room)
+        if request.num_output_tokens >= request.max_output_tokens:
+            raise ValueError(
+                f"the request continues {request.num_output_tokens} output tokens; it may have at most "
+                f"{request.max_output_tokens}, so nothing is left to generate"
+            )
         self.remote_kv.request_added(request)
         self.requests[request.request_id] = request
         request.status = _waiting_status(request)

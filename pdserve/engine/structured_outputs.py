@@ -64,6 +64,15 @@ class RequestGrammar:
     def ready(self) -> bool:
         return self.matcher is not None
 
+    def start(self, matcher: Any, output_token_ids: list[int]) -> str | None:
+        """Take the compiled grammar's ``matcher`` and advance it past output already generated (a continued
+        stream's); the problem if the grammar does not allow that output (None: it does)."""
+        self.matcher = matcher
+        for position, token_id in enumerate(output_token_ids):
+            if not self.accept(token_id):
+                return f"the continued output breaks the request's grammar at token {position} ({token_id})"
+        return None
+
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it."""
         markers = self.markers
@@ -149,7 +158,9 @@ class StructuredOutputManager:
         grammar = RequestGrammar(spec, future, self.compile_timeout, markers, start)
         request.structured_output = grammar
         if future.done():  # compiled before: ready at once
-            grammar.matcher = self._matcher(future.result())
+            problem = grammar.start(self._matcher(future.result()), request.output_token_ids)
+            if problem is not None:
+                raise ValueError(problem)
         else:
             self.pending[request.request_id] = (request, grammar)
 
@@ -198,7 +209,9 @@ class StructuredOutputManager:
                     logger.warning("request %s: its grammar could not be compiled: %s", request_id, error)
                     failed.append((request, f"{grammar.spec.param} could not be compiled: {error}"))
                     continue
-                grammar.matcher = self._matcher(grammar.future.result())
+                problem = grammar.start(self._matcher(grammar.future.result()), request.output_token_ids)
+                if problem is not None:
+                    failed.append((request, problem))
             elif now >= grammar.deadline:
                 del self.pending[request_id]
                 self.num_compile_failures += 1

@@ -120,6 +120,20 @@ class RouterConfig:
         metadata=flag("keep a session (X-Session-Id header, else the body's user) on one pod per role"),
     )
     failure_threshold: int = 3  # consecutive failed requests that take a pod out until its health probe passes
+    migration_limit: int = field(
+        default=3,
+        metadata=flag(
+            "times a stream that breaks after it started is continued on another decode pod, with the tokens the "
+            "client has (0: the client's connection is ended, as a cut answer)"
+        ),
+    )
+    token_deadline: float = field(
+        default=60.0,
+        metadata=flag(
+            "seconds a started stream may go without an event before it counts as stalled and is continued "
+            "elsewhere (0: no deadline); generous, since a busy CPU engine or a long preemption may pause a stream"
+        ),
+    )
     # None: from the prompt's length and the pod's measured prefill speed (pdserve/router/prefill_leg.py).
     prefill_timeout: float | None = field(
         default=None,

@@ -1,8 +1,16 @@
 """The decode leg of a request: sent to the decode pod the request holds and, while nothing has reached the
 client, to another (at most ``MAX_DECODE_ATTEMPTS`` pods) when that one cannot be reached, answers 503, leaves
-rotation (hung) or breaks before its first byte; its answer is relayed to the client as it comes, byte for byte
-(a stream's report comment taken out). Its answer also settles whether a request sent with a prefill leg's
-params counts as disaggregated: the engine says in a header when it could not use them.
+rotation (hung) or breaks before its first byte (a whole answer: before its end); its answer is relayed to the
+client as it comes, a stream as whole events with the router-only comments taken out (``splice.StreamSplice``).
+Its answer also settles whether a request sent with a prefill leg's params counts as disaggregated: the engine
+says in a header when it could not use them.
+
+A stream that breaks after it started (connection lost, the engine's server error, no event within
+``--token-deadline``) is continued on another decode pod, at most ``--migration-limit`` times: the leg carries
+what the client has of each choice (``kv_transfer_params.continue``), the engine answers only what follows, under
+the same id, and its events join the client's stream; the broken leg's connection is closed, which frees its KV.
+A continuation the engine refuses as the client's error (4xx: the grammar rejects the history, say) ends the
+stream with that error event; one that cannot be continued anywhere ends the client's connection, as before.
 """
 
 from __future__ import annotations
@@ -10,23 +18,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
 from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
-from pdserve.api.protocol import KV_PARAMS_REJECTED_HEADER, ProtocolError
-from pdserve.api.report import REPORT_HEADER, Report, from_header, take_comment
+from pdserve.api.continuation import CONTINUED_HEADER, TOKENS_HEADER
+from pdserve.api.protocol import KV_PARAMS_REJECTED_HEADER, SSE_DONE, ProtocolError
+from pdserve.api.report import REPORT_HEADER, Report, from_header
+from pdserve.router.config import RouterConfig
 from pdserve.router.exchange import REQUEST_ID, Exchange
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pods import Pod, PodSet
 from pdserve.router.policy import Choice, Chooser
+from pdserve.router.splice import StreamSplice
 from pdserve.router.upstream import Upstream, Usage, UsageAnswer
 
 MAX_DECODE_ATTEMPTS = 3
-_TAIL_CHUNKS = 3  # a stream's last chunks kept to find its usage event (about 300 bytes; chunks are events)
+_ENDED = ("whole", "client_gone")  # how a relayed leg ends that needs no continuation
 
 
 class _NothingSent(Exception):
@@ -60,11 +70,19 @@ async def _unless_left_rotation(awaitable: Any, left_rotation: asyncio.Event | N
 
 
 class DecodeLegs:
-    def __init__(self, upstream: Upstream, pods: PodSet, chooser: Chooser, metrics: RouterMetrics) -> None:
+    def __init__(
+        self, config: RouterConfig, upstream: Upstream, pods: PodSet, chooser: Chooser, metrics: RouterMetrics
+    ) -> None:
+        self.config = config
         self.upstream = upstream
         self.pods = pods
         self.chooser = chooser
         self.metrics = metrics
+
+    def _headers(self, exchange: Exchange) -> dict[str, str]:
+        if self.config.migration_limit > 0:  # a stream that breaks is continued from the tokens it carried
+            return {**exchange.headers, TOKENS_HEADER: "1"}
+        return exchange.headers
 
     async def send(self, exchange: Exchange, body: bytes) -> web.StreamResponse:
         """The client's answer: the first decode pod's that takes ``body``; 503 if none does."""
@@ -81,7 +99,7 @@ class DecodeLegs:
             exchange.decode_sent = time.perf_counter()
             try:
                 answer = await _unless_left_rotation(
-                    self.upstream.post(pod, exchange.request.path, body, exchange.headers), left_rotation
+                    self.upstream.post(pod, exchange.request.path, body, self._headers(exchange)), left_rotation
                 )
             except _LeftRotation:
                 self.metrics.errors["decode_hung"].inc()
@@ -143,11 +161,9 @@ class DecodeLegs:
             try:
                 payload = await _unless_left_rotation(answer.read(), left_rotation)
             except aiohttp.ClientError as error:
+                # Nothing reached the client: another pod may answer it whole.
                 self.metrics.errors["decode_broken"].inc()
-                self.upstream.failed(self.pods, pod, f"answer broken: {type(error).__name__}")
-                raise ProtocolError(
-                    f"the decode pod failed mid-answer: {type(error).__name__}", 502, error_type="bad_gateway"
-                ) from error
+                raise _NothingSent() from error
             self._answered(pod, answer.status)
             if answer.status == 200:
                 self._reported(exchange, from_header(answer.headers.get(REPORT_HEADER)))
@@ -172,35 +188,122 @@ class DecodeLegs:
         )
         exchange.response = response
         await response.prepare(exchange.request)
-        tail: deque[bytes] | None = deque((first,), _TAIL_CHUNKS) if exchange.stream_usage else None
-        chunk, report = take_comment(first)
-        while True:
-            try:
-                await response.write(chunk)
-            except ConnectionResetError:
-                self.metrics.errors["client_disconnect"].inc()
-                return response  # the caller's release() closes the decode connection
-            try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                break
-            except aiohttp.ClientError as error:
-                # The client must not mistake a cut answer for a whole one: end its connection, not the stream.
-                self.metrics.errors["decode_broken"].inc()
-                self.upstream.failed(self.pods, pod, f"stream broken: {type(error).__name__}")
-                exchange.cut()
-                return response
-            if tail is not None:
-                tail.append(chunk)
-            if report is None:
-                chunk, report = take_comment(chunk)
-        await response.write_eof()
+        splice = StreamSplice()
+        end = await self._relay_events(response, splice, first, chunks)
+        migrated = end not in _ENDED
+        if migrated:
+            self._broken(pod, end)
+            answer.close()  # closed, not released: the engine aborts the request and frees its KV now
+            end = await self._continue(exchange, splice, end, [pod])
+        if end == "client_gone":
+            self.metrics.errors["client_disconnect"].inc()
+            return response  # the caller's release() closes the decode connection
+        if end != "whole":
+            self.metrics.errors["stream_cut"].inc()
+            exchange.cut()  # the client must not mistake a cut answer for a whole one
+            return response
+        with contextlib.suppress(ConnectionResetError):  # a client that left once it had [DONE]
+            await response.write_eof()
+        if migrated:
+            if splice.report is not None:  # its counts are the whole request's; its times the last leg's only
+                splice.report.ttft_s = splice.report.tpot_s = None
+            self._reported(exchange, splice.report)
+            return response
         self._answered(pod, answer.status)
         if answer.status == 200:
-            self._reported(exchange, report)
-        if tail is not None and answer.status == 200:
-            self.upstream.observe("decode", choice, _stream_usage(b"".join(tail)))
+            self._reported(exchange, splice.report)
+        if exchange.stream_usage and answer.status == 200 and splice.last_data:
+            self.upstream.observe("decode", choice, _stream_usage(splice.last_data))
         return response
+
+    async def _relay_events(
+        self, response: web.StreamResponse, splice: StreamSplice, first: bytes | None, chunks: Any
+    ) -> str:
+        """One leg's events to the client until it ends: ``whole`` ([DONE] passed, or the engine closed a stream
+        it answered with an error), ``client_gone``, or why it broke: ``broken`` (connection lost, or closed
+        before [DONE]), ``stall`` (nothing within the token deadline), ``engine_error`` (its server error)."""
+        deadline = self.config.token_deadline or None
+        pending = first
+        while True:
+            if pending is not None:
+                chunk, pending = pending, None
+            else:
+                try:
+                    chunk = await asyncio.wait_for(chunks.__anext__(), deadline)
+                except StopAsyncIteration:
+                    return "whole" if splice.done else "broken"
+                except TimeoutError:
+                    return "stall"
+                except aiohttp.ClientError:
+                    return "broken"
+            events = splice.feed(chunk)
+            if events:
+                try:
+                    await response.write(events)
+                except ConnectionResetError:
+                    return "client_gone"
+            if splice.failed_engine:
+                return "engine_error"
+
+    async def _continue(self, exchange: Exchange, splice: StreamSplice, cause: str, tried: list[Pod]) -> str:
+        """Continue a broken stream on other decode pods (at most ``migration_limit`` continuations; pods that
+        cannot be reached or refuse it for now are tried once each, uncounted); how it ended."""
+        migrations = 0
+        while migrations < self.config.migration_limit:
+            continuation = splice.continuation()
+            if continuation is None:  # it broke before its first event: nothing to answer under
+                return cause
+            exchange.hold(self.chooser.choose(self.pods, exchange.prompt, exchange.session, exclude=tried))
+            if exchange.decode is None:
+                return cause
+            pod = exchange.decode.pod
+            tried.append(pod)
+            body = exchange.continuation_body(continuation)
+            try:
+                answer = await self.upstream.post(pod, exchange.request.path, body, self._headers(exchange))
+            except aiohttp.ClientConnectionError as error:
+                self.metrics.errors["decode_unreachable"].inc()
+                if isinstance(error, aiohttp.ClientConnectorError):  # nothing listens there: out at once
+                    self.upstream.eject(self.pods, pod, f"connection failed: {error}")
+                else:
+                    self.upstream.failed(self.pods, pod, f"{type(error).__name__}: {error}")
+                continue
+            try:
+                if answer.status != 200 or answer.headers.get(CONTINUED_HEADER) != "1":
+                    if 400 <= answer.status < 500 and answer.status != 429:
+                        # The continuation is the client's error (its grammar rejects the history): its answer.
+                        return await self._end_with_error(exchange, answer)
+                    self._answered(pod, answer.status)
+                    continue
+                migrations += 1
+                self.metrics.migrations[cause].inc()
+                splice.start_leg()
+                end = await self._relay_events(exchange.response, splice, None, answer.content.iter_any())  # type: ignore[arg-type]
+                if end in _ENDED:
+                    return end
+                self._broken(pod, end)
+                cause = end
+            finally:
+                answer.close()
+        return cause
+
+    async def _end_with_error(self, exchange: Exchange, answer: aiohttp.ClientResponse) -> str:
+        """End the client's stream with the error event of a refused continuation (its JSON error body)."""
+        try:
+            payload = await answer.read()
+            msgspec.json.decode(payload)
+        except (aiohttp.ClientError, msgspec.MsgspecError):
+            return "broken"
+        assert exchange.response is not None
+        try:
+            await exchange.response.write(b"data: " + payload.strip() + b"\n\n" + SSE_DONE)
+        except ConnectionResetError:
+            return "client_gone"
+        return "whole"
+
+    def _broken(self, pod: Pod, cause: str) -> None:
+        self.metrics.errors["decode_broken"].inc()
+        self.upstream.failed(self.pods, pod, f"stream broken ({cause})")
 
     def _reported(self, exchange: Exchange, report: Report | None) -> None:
         if report is not None:
@@ -213,13 +316,9 @@ class DecodeLegs:
             self.upstream.failed(self.pods, pod, f"answered {status}")
 
 
-def _stream_usage(tail: bytes) -> Usage | None:
-    """The usage in a stream's last data event before ``[DONE]`` (``include_usage``), read from its tail only."""
-    end = tail.rfind(b"data: [DONE]")
-    start = tail.rfind(b"data: {", 0, end if end >= 0 else len(tail))
-    if start < 0:
-        return None
+def _stream_usage(event: bytes) -> Usage | None:
+    """The usage in a stream's last data event before ``[DONE]`` (``include_usage``)."""
     try:
-        return msgspec.json.decode(tail[start + 6 : end if end > start else len(tail)].strip(), type=UsageAnswer).usage
+        return msgspec.json.decode(event.removeprefix(b"data: "), type=UsageAnswer).usage
     except msgspec.MsgspecError:
         return None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 from aiohttp import web
 
+from pdserve.api.continuation import Continuation
 from pdserve.router.policy import Choice
 from pdserve.router.prompt import Prompt
 
@@ -18,6 +20,7 @@ class Exchange:
     request: web.Request
     headers: dict[str, str]  # sent on both legs
     request_id: str
+    body: bytes = b""  # the client's, without kv_transfer_params: what a continuation resends
     response: web.StreamResponse | None = None  # set once the answer to the client has started
     prompt: Prompt | None = None  # known when pod choice or the decider uses it
     session: str | None = None  # session affinity key
@@ -36,6 +39,12 @@ class Exchange:
         self.decode = choice
         if choice is not None:
             choice.pod.in_flight += 1
+
+    def continuation_body(self, continuation: Continuation) -> bytes:
+        """The client's body asking a decode engine to continue its broken stream."""
+        fields = msgspec.json.decode(self.body)
+        fields["kv_transfer_params"] = {"continue": msgspec.to_builtins(continuation)}
+        return msgspec.json.encode(fields)
 
     def cut(self) -> None:
         """End the client's connection: a cut answer must not pass for a whole one."""

@@ -7,7 +7,8 @@ so several routers can live in one process (tests) without clashing.
 - ``decode_unreachable``: a decode pod refused or dropped the connection before answering;
 - ``decode_unavailable``: a decode pod answered 503 (overloaded or draining); the request went to another;
 - ``no_decode``: no decode pod could take the request (503);
-- ``decode_broken``: a decode pod failed mid-answer;
+- ``decode_broken``: a decode pod failed mid-answer (a stream: then continued elsewhere if it can be);
+- ``stream_cut``: a stream that broke and could not be continued: the client's connection was ended;
 - ``decode_hung``: a decode pod left rotation (its health probe failed) before its first byte; the request
   went to another;
 - ``timeout``: request_timeout expired; ``client_disconnect``: the client left before the end.
@@ -46,11 +47,13 @@ ERROR_KINDS = (
     "decode_unavailable",
     "no_decode",
     "decode_broken",
+    "stream_cut",
     "decode_hung",
     "timeout",
     "client_disconnect",
 )
 ROLES = ("prefill", "decode")
+MIGRATION_CAUSES = ("broken", "stall", "engine_error")
 
 
 class RouterMetrics:
@@ -147,6 +150,14 @@ class RouterMetrics:
         self.retries = Counter(
             "pdserve_router_retries", "Decode legs retried on another pod before any byte", registry=self.registry
         )
+        migrations = Counter(
+            "pdserve_router_migrations",
+            "Streams continued on another decode pod, by why the leg ended (broken: connection lost or closed early; "
+            "stall: no event within --token-deadline; engine_error: the engine's server error)",
+            ["cause"],
+            registry=self.registry,
+        )
+        self.migrations = {cause: migrations.labels(cause) for cause in MIGRATION_CAUSES}
         self.malformed_events = Counter(
             "pdserve_router_kv_events_malformed",
             "KV-event frames dropped: malformed, oversized, not signed with events.key, naming another engine than "

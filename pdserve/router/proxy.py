@@ -65,7 +65,7 @@ class Proxy:
         # Finished turns held for peer reads need the prompt's hashes to be found again.
         self.peer_holds = PeerHolds(chooser.index) if prompts is not None else None
         self.prefill_legs = PrefillLegs(self.upstream, config, prefill, chooser, metrics, self.peer_holds, decode)
-        self.decode_legs = DecodeLegs(self.upstream, decode, chooser, metrics)
+        self.decode_legs = DecodeLegs(config, self.upstream, decode, chooser, metrics)
 
     async def forward(self, request: web.Request, chat: bool) -> web.StreamResponse:
         """Serve one /v1/completions (or, with ``chat``, /v1/chat/completions) request."""
@@ -109,6 +109,7 @@ class Proxy:
             body = msgspec.json.decode(raw)
             del body["kv_transfer_params"]
             raw = msgspec.json.encode(body)
+        exchange.body = raw
         local = not self.prefill or _needs_local_prefill(parsed, chat)
         # The prompt is read for prefix routing, or for the decider when there is a prefill leg to skip.
         if (

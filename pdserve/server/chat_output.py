@@ -13,7 +13,7 @@ from pdserve.api.protocol import DeltaToolCall, ToolCall
 from pdserve.engine.reasoning import ReasoningMarkers, blank_token_test
 from pdserve.engine.reasoning import reasoning_parser as reasoning_parser_named
 from pdserve.server.reasoning import ReasoningStream
-from pdserve.server.tool_parsers import ToolCallStream, ToolDelta, ToolParser, collect_calls, tool_parser
+from pdserve.server.tool_parsers import CallIds, ToolCallStream, ToolDelta, ToolParser, collect_calls, tool_parser
 from pdserve.server.tools import ToolUse
 
 
@@ -82,13 +82,14 @@ class ChatParsers:
             tool_parser(tool_call_parser) if tool_call_parser is not None else None,
         )
 
-    def reader(self, prompt: list[int], tool_use: ToolUse) -> ChatOutputReader | None:
-        """How a choice's answer to ``prompt`` is read; None: all of it is content."""
+    def reader(self, prompt: list[int], tool_use: ToolUse, call_ids: CallIds) -> ChatOutputReader | None:
+        """How a choice's answer to ``prompt`` is read (``call_ids``: its tool calls' ids); None: all of it is
+        content."""
         reasoning = None
         if self.reasoning is not None:
             assert self.is_blank is not None
             reasoning = ReasoningStream(self.reasoning.parser, self.reasoning.start_of(prompt, self.is_blank))
-        tools = tool_use.parser.stream() if tool_use.parser is not None else None
+        tools = tool_use.parser.stream(call_ids) if tool_use.parser is not None else None
         if reasoning is None and tools is None:
             return None
         return ChatOutputReader(reasoning, tools)

@@ -3,6 +3,11 @@ concurrently; their outputs come back through the core client's queues and the i
 detokenizer, as deltas to stream or gathered into results. Whatever way a consumer stops
 (finished, client gone, error), the core requests still running are aborted, so their blocks are
 freed; the request timeout ends a choice with 504.
+
+A continued stream (``kv_transfer_params.continue``) gives each choice its output so far: an ended
+choice only counts; an unfinished one runs with it as output already generated, and its text is
+decoded again first (one ``replayed`` delta) so that the detokenizer's held-back tail, stop strings
+and the consumer's parsers stand where the first engine's stood.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+from pdserve.api.continuation import Continuation, ContinuedChoice
 from pdserve.api.protocol import ProtocolError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.server.core_client import EngineCoreClient, RequestRejectedError
@@ -39,9 +45,32 @@ class ChoiceRunner:
         leg: PDLeg,
         cache_salt: str | None,
         result: ChoiceResult,
+        continued: ContinuedChoice | None = None,
     ) -> AsyncGenerator[ChoiceDelta, None]:
-        """Run one choice, updating ``result`` and yielding what it produced at each output."""
+        """Run one choice, updating ``result`` and yielding what it produced at each output; ``continued``:
+        its output so far on another engine."""
         arrival = result.arrival_time = time.monotonic()
+        detokenizer = IncrementalDetokenizer(
+            self.processor.tokenizer.backend_tokenizer,
+            prompt,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+        )
+        old_token_ids: list[int] = []
+        if continued is not None:
+            old_token_ids = continued.token_ids
+            result.token_ids.extend(old_token_ids)
+            result.text = detokenizer.add_tokens(old_token_ids)
+            if continued.finish_reason is not None:  # it ended before the stream broke: it only counts
+                result.text += detokenizer.finish()
+                result.finish_reason, result.stop_reason = continued.finish_reason, continued.stop_reason
+                return
+            if detokenizer.stop_string is not None:
+                raise ProtocolError(
+                    "kv_transfer_params.continue: a choice's output already ends at a stop string",
+                    param="kv_transfer_params",
+                )
         queue = await self.client.add_request(
             child_id,
             prompt,
@@ -51,14 +80,10 @@ class ChoiceRunner:
             leg.remote_prefill,
             leg.remote_decode,
             leg.peer,
+            old_token_ids,
         )
-        detokenizer = IncrementalDetokenizer(
-            self.processor.tokenizer.backend_tokenizer,
-            prompt,
-            params.stop,
-            params.skip_special_tokens,
-            params.include_stop_str_in_output,
-        )
+        if old_token_ids:
+            yield ChoiceDelta(0, result.text, [], [], None, replayed=True)
         timeout = self.request_timeout
         deadline = None if timeout is None else arrival + timeout
         while result.finish_reason is None:
@@ -80,10 +105,11 @@ class ChoiceRunner:
             result.logprobs.extend(new_logprobs)
             if output.prompt_logprobs is not None:
                 result.prompt_logprobs = output.prompt_logprobs
+            # (Cached prompt tokens: a continuation's cache hits may cover its output too.)
             if detokenizer.stop_string is not None:
                 await self.client.abort([child_id])
                 result.finish_reason, result.stop_reason = "stop", detokenizer.stop_string
-                result.num_cached_tokens = output.num_cached_tokens
+                result.num_cached_tokens = min(output.num_cached_tokens, len(prompt))
             elif output.finish_reason == "error":
                 result.finish_reason = "error"
                 self.metrics.observe(
@@ -97,7 +123,7 @@ class ChoiceRunner:
             elif output.finish_reason is not None:
                 text += detokenizer.finish()
                 result.finish_reason, result.stop_reason = output.finish_reason, output.stop_reason
-                result.num_cached_tokens = output.num_cached_tokens
+                result.num_cached_tokens = min(output.num_cached_tokens, len(prompt))
                 result.kv_transfer_params = output.kv_transfer_params
             result.text += text
             if result.finish_reason is not None:
@@ -112,7 +138,7 @@ class ChoiceRunner:
                     len(result.token_ids),
                     len(prompt),
                 )
-            yield ChoiceDelta(0, text, output.new_token_ids, new_logprobs, result.finish_reason)
+            yield ChoiceDelta(0, text, output.new_token_ids, new_logprobs, result.finish_reason, result.stop_reason)
 
     async def stream(
         self,
@@ -122,9 +148,11 @@ class ChoiceRunner:
         leg: PDLeg,
         cache_salt: str | None,
         results: list[ChoiceResult],
+        continuation: Continuation | None = None,
     ) -> AsyncGenerator[ChoiceDelta, None]:
         """Run every choice concurrently, yielding their deltas as they come; aborts what is still
-        running if the consumer stops early (client gone) or anything fails."""
+        running if the consumer stops early (client gone) or anything fails. ``continuation``: the
+        choices' output so far on another engine (a choice it does not name had none)."""
         merged: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
         child_ids = [f"{request_id}-{index}" for _, index in children]
         per_choice = self.processor.choice_params(params)
@@ -139,6 +167,7 @@ class ChoiceRunner:
                     leg,
                     cache_salt,
                     results[position],
+                    None if continuation is None else continuation.of(index),
                 ):
                     delta.index = index
                     merged.put_nowait(delta)

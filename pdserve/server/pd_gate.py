@@ -33,6 +33,7 @@ import msgspec
 from aiohttp import web
 
 from pdserve.api.auth import ENGINE_ID_HEADER, ROUTER_AUTH_HEADER, WRONG_TARGET, RouterVerifier
+from pdserve.api.continuation import Continuation, parse_continuation
 from pdserve.api.peer_kv import PeerKV, parse_peer_kv
 from pdserve.api.protocol import (
     KV_PARAMS_REJECTED_HEADER,
@@ -57,6 +58,7 @@ class PDLeg:
     remote_decode: bool = False  # a prefill leg: its prompt's KV is held for a decode engine when it ends
     remote_prefill: RemotePrefill | None = None  # a decode leg: its prompt's KV is pulled from there
     peer: PeerKV | None = None  # peer reads: hold this request's blocks for peers, or read its prefix from one
+    continued: Continuation | None = None  # a stream another engine broke off: its output so far
 
 
 # Per HTTP request: its leg as it stands (a screen may drop its remote blocks), and why its params went unused.
@@ -123,11 +125,26 @@ class PDGate:
                 self.verify_router(request, raw)
                 await self._release_refused(_remote_prefill_or_none(params), error)
             raise
+        continued = None
+        if body.kv_transfer_params and body.kv_transfer_params.get("continue") is not None:
+            # Whatever the role: an engine that ignored it would answer the whole output again.
+            self.verify_router(request, raw)
+            try:
+                continued = parse_continuation(body.kv_transfer_params)
+            except ValueError as error:
+                raise InputError("kv_transfer_params", str(error)) from error
+            if set(body.kv_transfer_params) - {"continue", "kv_peer_hold"}:
+                raise InputError(
+                    "kv_transfer_params", "a continued request computes its history here: it takes no other P/D leg"
+                )
+            if not body.stream:
+                raise InputError("stream", "kv_transfer_params.continue continues a stream: it needs stream=true")
         params = body.kv_transfer_params if self.kv_transfer else None
         if not params:
-            leg = PDLeg()
+            leg = PDLeg(continued=continued)
         else:
-            self.verify_router(request, raw)
+            if continued is None:
+                self.verify_router(request, raw)
             if wants_remote_decode(params) and not self.serves_blocks:
                 raise InputError(
                     "kv_transfer_params",
@@ -143,7 +160,7 @@ class PDGate:
                     "kv_transfer_params",
                     "kv_peer_hold holds a finished turn for peers; a prefill leg's blocks are held for its decode",
                 )
-            leg = PDLeg(wants_remote_decode(params), remote_prefill, peer)
+            leg = PDLeg(wants_remote_decode(params), remote_prefill, peer, continued)
         request[_LEG_KEY] = leg
         async with self.releasing_refused(request):
             if leg.remote_decode and body.stream:
@@ -152,7 +169,7 @@ class PDGate:
                     "a prefill leg (kv_transfer_params.do_remote_decode) needs stream=false: its answer carries "
                     "the transfer parameters",
                 )
-            if params and body.n is not None and body.n > 1:
+            if params and set(params) != {"continue"} and body.n is not None and body.n > 1:
                 raise InputError("n", "kv_transfer_params needs n=1 (one request's KV is handed over)")
         return body, leg
 

@@ -51,6 +51,9 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
     finish_reason: str | None
+    stop_reason: int | str | None = None
+    # The text of a continued stream's output so far, decoded again: for parsers to read, never to send.
+    replayed: bool = False
 
 
 def usage(children: Children, results: list[ChoiceResult]) -> Usage:

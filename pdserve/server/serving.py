@@ -3,6 +3,11 @@ sampling), run as one core request per choice (``choices.ChoiceRunner``), and an
 response or streamed as SSE events. What its ``kv_transfer_params`` may make this engine do is the P/D
 gate's to decide (``pd_gate.PDGate``): the request comes from it with its ``PDLeg``, which goes to the core
 with each choice.
+
+For the router, a stream may carry each data event's token ids in a comment before it (asked for with
+``TOKENS_HEADER``), and a continued stream (``PDLeg.continued``) answers under the broken stream's ``id`` and
+``created``, without a role chunk, its output so far fed to the chat parsers but not sent
+(pdserve/api/continuation.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from aiohttp import web
 
 from pdserve.api.auth import RouterVerifier
 from pdserve.api.chat import ConversationError, conversation
+from pdserve.api.continuation import CONTINUED_HEADER, TOKENS_HEADER, Continuation, StreamTokens, tokens_comment
 from pdserve.api.http import json_response
 from pdserve.api.prefill_leg import leg_sampling
 from pdserve.api.protocol import (
@@ -48,6 +54,7 @@ from pdserve.server.metrics import EngineMetrics
 from pdserve.server.pd_gate import PDGate, PDLeg, leg_headers
 from pdserve.server.responses import (
     Children,
+    ChoiceDelta,
     ChoiceResult,
     LogprobFormatter,
     end_stream_with_error,
@@ -55,6 +62,7 @@ from pdserve.server.responses import (
     start_sse,
     usage,
 )
+from pdserve.server.tool_parsers import call_ids
 from pdserve.server.tools import tool_use
 
 MAX_N = 16
@@ -74,6 +82,38 @@ async def _write_report(
     """A stream's report comment, when the router asked for it (before the usage event and [DONE])."""
     if request.headers.get(REPORT_HEADER) == "1":
         await response.write(comment(report(children, results)))
+
+
+def _continued_ids(continued: Continuation | None, prefix: str) -> tuple[str, int]:
+    """A response's ``id`` and ``created``: a continued stream's own, else new ones."""
+    if continued is not None:
+        return continued.id, continued.created
+    return f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+
+
+def _check_continued(continued: Continuation | None, children: Children) -> None:
+    """A continuation names choices of this request (one it does not name had produced nothing)."""
+    if continued is not None and not {c.index for c in continued.choices} <= {i for _, i in children}:
+        raise InputError("kv_transfer_params", "kv_transfer_params.continue names a choice this request does not have")
+
+
+def _stream_headers(request: web.Request, leg: PDLeg) -> dict[str, str] | None:
+    headers = leg_headers(request)
+    return {**(headers or {}), CONTINUED_HEADER: "1"} if leg.continued is not None else headers
+
+
+class _EventWriter:
+    """Writes a stream's data events, each after its token comment when the router asked for them."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse) -> None:
+        self.response = response
+        self.with_tokens = request.headers.get(TOKENS_HEADER) == "1"
+
+    async def write(self, event: bytes, delta: ChoiceDelta) -> None:
+        if self.with_tokens:
+            tokens = StreamTokens(delta.index, delta.token_ids, delta.finish_reason, delta.stop_reason)
+            event = tokens_comment(tokens) + event  # one write: the router never sees one without the other
+        await self.response.write(event)
 
 
 # Request fields that become SamplingParams fields of the same name.
@@ -159,12 +199,13 @@ class OpenAIServing:
             # One prefill leg hands one prompt's blocks to one decode engine; the others would stay
             # held, unnamed, until their leases ended.
             raise InputError("prompt", "a prefill leg (kv_transfer_params.do_remote_decode) takes one prompt")
-        request_id = f"cmpl-{uuid.uuid4().hex}"
         children = [(prompt, index * params.n + k) for index, prompt in enumerate(prompts) for k in range(params.n)]
-        self._admit(len(children), "n" if params.n > 1 else "prompt")
+        _check_continued(leg.continued, children)
+        request_id, created = _continued_ids(leg.continued, "cmpl")
+        self._admit(len(children), "n" if params.n > 1 else "prompt", leg.continued is not None)
         leg = await self.gate.screen(request, leg, prompts, params.prompt_logprobs is not None)
         if body.stream:
-            return await self._stream_completion(request, body, leg, request_id, children, params)
+            return await self._stream_completion(request, body, leg, request_id, created, children, params)
         results = await self.choices.gather(request_id, children, params, leg, _cache_salt(request, body))
         choices = []
         for (prompt, index), result in zip(children, results, strict=True):
@@ -182,7 +223,7 @@ class OpenAIServing:
             headers=_answer_headers(request, children, results),
             payload=CompletionResponse(
                 id=request_id,
-                created=int(time.time()),
+                created=created,
                 model=self.model_name,
                 choices=choices,
                 usage=usage(children, results),
@@ -217,13 +258,14 @@ class OpenAIServing:
             params.max_tokens,
             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
         )
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         children = [(prompt, k) for k in range(params.n)]
-        self._admit(len(children), "n")
+        _check_continued(leg.continued, children)
+        request_id, created = _continued_ids(leg.continued, "chatcmpl")
+        self._admit(len(children), "n", leg.continued is not None)
         leg = await self.gate.screen(request, leg, [prompt], params.prompt_logprobs is not None)
-        readers = [self.chat_parsers.reader(prompt, tools) for _ in children]
+        readers = [self.chat_parsers.reader(prompt, tools, call_ids(request_id, index)) for _, index in children]
         if body.stream:
-            return await self._stream_chat(request, body, leg, request_id, children, params, readers)
+            return await self._stream_chat(request, body, leg, request_id, created, children, params, readers)
         results = await self.choices.gather(request_id, children, params, leg, _cache_salt(request, body))
         choices = []
         for (_, index), result, reader in zip(children, results, readers, strict=True):
@@ -238,7 +280,7 @@ class OpenAIServing:
             headers=_answer_headers(request, children, results),
             payload=ChatCompletionResponse(
                 id=request_id,
-                created=int(time.time()),
+                created=created,
                 model=self.model_name,
                 choices=choices,
                 usage=usage(children, results),
@@ -248,9 +290,10 @@ class OpenAIServing:
 
     # ----- admission and validation -------------------------------------------------------------
 
-    def _admit(self, num_choices: int, param: str) -> None:
+    def _admit(self, num_choices: int, param: str, continued: bool = False) -> None:
         """Refuse new work while draining or when the engine already has too much in flight; a request
-        more than an idle engine would take is the client's to change (400 naming ``param``)."""
+        more than an idle engine would take is the client's to change (400 naming ``param``). A continued
+        stream is not new work: it was admitted once, and is never refused for load."""
         if num_choices > self.limits.max_in_flight:
             raise InputError(
                 param,
@@ -264,7 +307,7 @@ class OpenAIServing:
                 error_type="service_unavailable",
                 retry_after=self.limits.retry_after,
             )
-        if self.client.num_in_flight + num_choices > self.limits.max_in_flight:
+        if not continued and self.client.num_in_flight + num_choices > self.limits.max_in_flight:
             raise ProtocolError(
                 f"the server is overloaded ({self.client.num_in_flight} requests in flight); retry later",
                 503,
@@ -326,12 +369,13 @@ class OpenAIServing:
         body: CompletionRequest,
         leg: PDLeg,
         request_id: str,
+        created: int,
         children: Children,
         params: SamplingParams,
     ) -> web.StreamResponse:
-        response = await start_sse(request, leg_headers(request))
+        response = await start_sse(request, _stream_headers(request, leg))
+        events = _EventWriter(request, response)
         results = [ChoiceResult() for _ in children]
-        created = int(time.time())
         # aclosing: if the client goes away mid-stream, the choices' cleanup (abort) runs right here.
         async with aclosing(
             self.choices.stream(
@@ -341,10 +385,13 @@ class OpenAIServing:
                 leg,
                 _cache_salt(request, body),
                 results,
+                leg.continued,
             )
         ) as deltas:
             try:
                 async for delta in deltas:
+                    if delta.replayed:
+                        continue
                     logprobs = (
                         self.logprobs.completion(list(delta.logprobs), delta.token_ids)
                         if body.logprobs is not None
@@ -356,7 +403,7 @@ class OpenAIServing:
                         model=self.model_name,
                         choices=[CompletionChoice(delta.index, delta.text, logprobs, delta.finish_reason)],
                     )
-                    await response.write(sse_event(chunk))
+                    await events.write(sse_event(chunk), delta)
             except ProtocolError as error:
                 return await end_stream_with_error(response, error)
         await _write_report(request, response, children, results)
@@ -381,13 +428,14 @@ class OpenAIServing:
         body: ChatCompletionRequest,
         leg: PDLeg,
         request_id: str,
+        created: int,
         children: Children,
         params: SamplingParams,
         readers: list[ChatOutputReader | None],
     ) -> web.StreamResponse:
-        response = await start_sse(request, leg_headers(request))
+        response = await start_sse(request, _stream_headers(request, leg))
+        events = _EventWriter(request, response)
         results = [ChoiceResult() for _ in children]
-        created = int(time.time())
         reader_of = {index: reader for (_, index), reader in zip(children, readers, strict=True)}
 
         def chunk(choices: list[ChatChunkChoice], chunk_usage: Usage | None = None) -> bytes:
@@ -397,8 +445,9 @@ class OpenAIServing:
                 )
             )
 
-        for _, index in children:
-            await response.write(chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))]))
+        if leg.continued is None:  # a continued stream's client had them from the first engine
+            for _, index in children:
+                await response.write(chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))]))
         async with aclosing(
             self.choices.stream(
                 request_id,
@@ -407,12 +456,17 @@ class OpenAIServing:
                 leg,
                 _cache_salt(request, body),
                 results,
+                leg.continued,
             )
         ) as deltas:
             try:
                 async for delta in deltas:
-                    logprobs = self.logprobs.chat(delta.logprobs) if body.logprobs else None
                     reader = reader_of[delta.index]
+                    if delta.replayed:
+                        if reader is not None:
+                            reader.feed(delta.text)  # where the first engine's parsers stood
+                        continue
+                    logprobs = self.logprobs.chat(delta.logprobs) if body.logprobs else None
                     finish_reason = delta.finish_reason
                     if reader is None:
                         message = ChatDelta(content=delta.text or None)
@@ -427,7 +481,7 @@ class OpenAIServing:
                             reasoning_content=piece.reasoning or None,
                             tool_calls=piece.calls or None,
                         )
-                    await response.write(chunk([ChatChunkChoice(delta.index, message, logprobs, finish_reason)]))
+                    await events.write(chunk([ChatChunkChoice(delta.index, message, logprobs, finish_reason)]), delta)
             except ProtocolError as error:
                 return await end_stream_with_error(response, error)
         await _write_report(request, response, children, results)

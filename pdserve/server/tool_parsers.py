@@ -13,9 +13,9 @@ wrote them (their JSON text), so streamed fragments join to exactly the non-stre
 
 from __future__ import annotations
 
+import hashlib
 import json
-import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,10 +40,13 @@ class ToolCallStream(Protocol):
         ...
 
 
+CallIds = Callable[[int], str]  # a choice's tool-call id of each call index
+
+
 class ToolParser(Protocol):
     name: str
 
-    def stream(self) -> ToolCallStream: ...
+    def stream(self, call_ids: CallIds) -> ToolCallStream: ...
 
     def forced_grammar(self, functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
         """An EBNF grammar of one call (several, if ``parallel``) of these (name, parameters schema)
@@ -51,8 +54,15 @@ class ToolParser(Protocol):
         ...
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def call_ids(response_id: str, choice: int) -> CallIds:
+    """A choice's tool-call ids: a function of the response's id (random), the choice and the call's index, so
+    that a stream another engine continues (same id) names its calls as the first engine did."""
+
+    def call_id(index: int) -> str:
+        digest = hashlib.blake2b(f"{response_id}/{choice}/{index}".encode(), digest_size=12).hexdigest()
+        return f"call_{digest}"
+
+    return call_id
 
 
 # ----- hermes -------------------------------------------------------------------------------------
@@ -107,8 +117,9 @@ def _object_members(text: str) -> dict[str, tuple[int, int | None]] | None:
 class _HermesCall:
     """One ``<tool_call>`` block being read."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, call_id: str) -> None:
         self.index = index
+        self.call_id = call_id
         self.body = ""
         self.named = False
         self.arguments_sent = 0
@@ -129,7 +140,7 @@ class _HermesCall:
             deltas.append(
                 DeltaToolCall(
                     index=self.index,
-                    id=new_call_id(),
+                    id=self.call_id,
                     type="function",
                     function=DeltaFunctionCall(name=value, arguments=""),
                 )
@@ -149,7 +160,8 @@ class _HermesCall:
 
 
 class HermesToolCallStream:
-    def __init__(self) -> None:
+    def __init__(self, call_ids: CallIds) -> None:
+        self._call_ids = call_ids
         self._pending = ""  # text not yet read
         self._call: _HermesCall | None = None  # the block being read
         self._num_calls = 0
@@ -184,7 +196,7 @@ class HermesToolCallStream:
                     return delta
                 delta.content += self._content(pending[:start])
                 self._blank = ""  # whitespace before a block is dropped
-                self._call = _HermesCall(self._num_calls)
+                self._call = _HermesCall(self._num_calls, self._call_ids(self._num_calls))
                 self._pending = pending[start + len(_OPEN) :]
                 continue
             end = pending.find(_CLOSE)
@@ -237,8 +249,8 @@ class HermesToolCallStream:
 class HermesToolParser:
     name = "hermes"
 
-    def stream(self) -> HermesToolCallStream:
-        return HermesToolCallStream()
+    def stream(self, call_ids: CallIds) -> HermesToolCallStream:
+        return HermesToolCallStream(call_ids)
 
     def forced_grammar(self, functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
         call_schema = {

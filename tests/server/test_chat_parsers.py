@@ -16,7 +16,7 @@ from pdserve.engine.reasoning import REASONING_PARSERS, ReasoningMarkers, Reason
 from pdserve.server.chat_output import ChatOutputReader
 from pdserve.server.input_processor import InputError
 from pdserve.server.reasoning import ReasoningStream
-from pdserve.server.tool_parsers import HermesToolParser, collect_calls
+from pdserve.server.tool_parsers import HermesToolParser, call_ids, collect_calls
 from pdserve.server.tools import tool_use
 
 HERMES = HermesToolParser()
@@ -24,7 +24,7 @@ CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "list": [
 
 
 def _read_in_pieces(text: str, cuts: list[int], reasoning: ReasoningStream | None = None):
-    reader = ChatOutputReader(reasoning, HERMES.stream())
+    reader = ChatOutputReader(reasoning, HERMES.stream(call_ids("chatcmpl-test", 0)))
     pieces = []
     bounds = [0, *cuts, len(text)]
     for start, end in itertools.pairwise(bounds):

@@ -1,0 +1,120 @@
+"""StreamSplice: a decode leg's SSE stream read as whole events on its way to the client, so that another engine
+can continue it if it breaks (docs/faults.md, "Streams that survive a decode pod").
+
+Each leg's bytes are cut into events (an event ends with a blank line; TCP may cut anywhere); only whole events
+reach the client, so a break never leaves half an event there. The router-only comments are taken out: the token
+comment before each data event (pdserve/api/continuation.py) is what the choice's record gains once that event is
+passed on, and the report comment (pdserve/api/report.py) is kept for the metrics. The first data event gives the
+response's ``id`` and ``created``, which a continuation answers under. An error event of a failed engine (5xx) is
+held back: the stream is continued elsewhere instead; a client error (4xx) is the answer and passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import msgspec
+
+from pdserve.api.continuation import Continuation, ContinuedChoice, StreamTokens, read_tokens_comment
+from pdserve.api.protocol import SSE_DONE
+from pdserve.api.report import REPORT_COMMENT, Report
+
+_DATA = b"data: "
+_ERROR_EVENT = b'data: {"error"'
+_DONE = SSE_DONE.strip()
+_END = b"\n\n"
+
+
+class _Identity(msgspec.Struct):
+    id: str = ""
+    created: int = 0
+
+
+class _ErrorBody(msgspec.Struct):
+    code: int | str | None = None
+
+
+class _ErrorEvent(msgspec.Struct):
+    error: _ErrorBody
+
+
+class StreamSplice:
+    def __init__(self) -> None:
+        self._partial = b""  # the start of an event whose end has not come yet
+        self._tokens: StreamTokens | None = None  # the token comment of the data event that comes next
+        self.choices: dict[int, ContinuedChoice] = {}  # what the client has of each choice
+        self.id = ""
+        self.created = 0
+        self.report: Report | None = None
+        self.last_data = b""  # the last data event before [DONE]: the usage event, if the client asked for one
+        self.done = False  # [DONE] passed: the answer is whole
+        self.failed_engine = False  # the engine ended the stream with a server error (held back)
+
+    def start_leg(self) -> None:
+        """A new leg's bytes come next: what the broken one left half-sent is dropped."""
+        self._partial = b""
+        self._tokens = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The whole events of ``chunk`` (with what came before it) to pass to the client, router-only comments
+        taken out; stops at a failed engine's error event (``failed_engine``)."""
+        data = self._partial + chunk if self._partial else chunk
+        end = data.rfind(_END)
+        if end < 0:
+            self._partial = data
+            return b""
+        self._partial = data[end + 2 :]
+        out: list[bytes] = []
+        for event in data[:end].split(_END):
+            if not event:
+                continue
+            if event.startswith(b":"):
+                tokens = read_tokens_comment(event)
+                if tokens is not None:
+                    self._tokens = tokens
+                    continue
+                if event.startswith(REPORT_COMMENT):
+                    with contextlib.suppress(msgspec.MsgspecError):  # unreadable: it counts nowhere
+                        self.report = msgspec.json.decode(event[len(REPORT_COMMENT) :], type=Report)
+                    continue
+            elif event.startswith(_ERROR_EVENT) and _server_error(event):
+                self.failed_engine = True
+                self._partial = b""
+                break
+            elif event.startswith(_DATA):
+                if event == _DONE:
+                    self.done = True
+                else:
+                    self.last_data = event
+                if not self.id and not self.done:
+                    with contextlib.suppress(msgspec.MsgspecError):  # not a chunk: the next one says
+                        identity = msgspec.json.decode(event[len(_DATA) :], type=_Identity)
+                        self.id, self.created = identity.id, identity.created
+                if self._tokens is not None:
+                    self._record(self._tokens)
+                    self._tokens = None
+            out.append(event + _END)
+        return b"".join(out)
+
+    def _record(self, tokens: StreamTokens) -> None:
+        choice = self.choices.get(tokens.index)
+        if choice is None:
+            choice = self.choices[tokens.index] = ContinuedChoice(tokens.index, [])
+        choice.token_ids.extend(tokens.token_ids)
+        if tokens.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = tokens.finish_reason, tokens.stop_reason
+
+    def continuation(self) -> Continuation | None:
+        """What another engine needs to continue the stream (a choice not named had produced nothing); None
+        before the stream said its id (nothing of it can be continued: it starts again)."""
+        if not self.id:
+            return None
+        return Continuation(self.id, self.created, list(self.choices.values()))
+
+
+def _server_error(event: bytes) -> bool:
+    try:
+        code = msgspec.json.decode(event[len(_DATA) :], type=_ErrorEvent).error.code
+    except msgspec.MsgspecError:
+        return False
+    return isinstance(code, int) and code >= 500

@@ -1,0 +1,168 @@
+"""Streams that survive their decode pod (docs/faults.md, "Streams that survive a decode pod"): real router,
+prefill and decode processes on 127.0.0.1. A decode pod killed (SIGKILL) or stalled (SIGSTOP, past the router's
+token deadline) mid-stream: the router continues the stream on another decode pod from the tokens the client
+has, and the client's stream is whole: one id, no token twice or missing, the text of an uninterrupted run, one
+usage over the whole generation. The stalled pod, once it runs again, holds nothing of the abandoned stream."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import time
+import urllib.parse
+
+import pytest
+
+from pdserve.testing.metrics import idle, metric, scrape
+from tests.pd.cluster import Cluster, wait_for
+
+pytestmark = [pytest.mark.timeout(300)]
+
+MAX_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = Cluster.start(
+        tmp_path_factory.mktemp("migration"), "tcp", num_decode=4, router_flags=("--token-deadline", "3")
+    )
+    yield cluster
+    for decode in cluster.decodes:  # a stopped pod must run again to take its SIGTERM
+        if decode.process is not None and decode.process.poll() is None:
+            decode.process.send_signal(signal.SIGCONT)
+    cluster.stop()
+
+
+class _Stream:
+    """A streamed completion read event by event as it comes, through the router."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        address = urllib.parse.urlsplit(url)
+        self.connection = http.client.HTTPConnection(address.hostname, address.port, timeout=120)
+        self.connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        self.response = self.connection.getresponse()
+        assert self.response.status == 200, self.response.read()
+        self.chunks: list[dict] = []
+        self.done = False
+
+    def read_event(self) -> dict | None:
+        """The next data event's object (None at [DONE]); comments are skipped."""
+        lines = []
+        while True:
+            line = self.response.readline()
+            assert line, "the stream ended before [DONE]"
+            if line == b"\n":
+                break
+            lines.append(line.rstrip(b"\n"))
+        event = b"\n".join(lines)
+        assert not event.startswith(b":"), f"a router-only comment reached the client: {event[:80]!r}"
+        assert event.startswith(b"data: "), event
+        if event == b"data: [DONE]":
+            self.done = True
+            return None
+        value = json.loads(event[6:])
+        assert "error" not in value, value
+        self.chunks.append(value)
+        return value
+
+    def read_all(self) -> None:
+        while self.read_event() is not None:
+            pass
+        self.connection.close()
+
+    @property
+    def text(self) -> str:
+        return "".join(choice["text"] for chunk in self.chunks for choice in chunk["choices"])
+
+    @property
+    def usage(self) -> dict:
+        return self.chunks[-1]["usage"]
+
+
+def _body(seed: int | None) -> dict:
+    sampling = {"temperature": 0.0} if seed is None else {"temperature": 0.8, "top_p": 0.95, "seed": seed}
+    return {
+        "model": "demo",
+        "prompt": "The story of the router and the decode pod that went away:",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **sampling,
+    }
+
+
+def _serving_decode(cluster: Cluster):
+    """The decode pod running the one request in flight."""
+    return wait_for(
+        lambda: next((d for d in _alive(cluster) if metric(scrape(d.url), "pdserve_num_requests_running") > 0), None),
+        30,
+        "no decode pod runs the request",
+    )
+
+
+def _alive(cluster: Cluster):
+    return [d for d in cluster.decodes if d.process is not None and d.process.poll() is None]
+
+
+def _migrations(cluster: Cluster, cause: str) -> float:
+    assert cluster.router is not None
+    return metric(scrape(cluster.router.url), "pdserve_router_migrations_total", cause=cause)
+
+
+def _uninterrupted(cluster: Cluster, seed: int | None) -> _Stream:
+    assert cluster.router is not None
+    stream = _Stream(cluster.router.url, _body(seed))
+    stream.read_all()
+    return stream
+
+
+def _assert_whole_like(stream: _Stream, reference: _Stream) -> None:
+    assert stream.done
+    assert len({chunk["id"] for chunk in stream.chunks}) == 1, "one id across the splice"
+    assert len({chunk["created"] for chunk in stream.chunks}) == 1
+    assert stream.usage["completion_tokens"] == MAX_TOKENS
+    assert stream.usage["prompt_tokens"] == reference.usage["prompt_tokens"]
+    finishes = [c["finish_reason"] for chunk in stream.chunks for c in chunk["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]
+    assert stream.text == reference.text
+
+
+@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+def test_a_decode_pod_killed_mid_stream_is_not_noticed(cluster, seed):
+    reference = _uninterrupted(cluster, seed)
+    assert cluster.router is not None
+    before = _migrations(cluster, "broken")
+    stream = _Stream(cluster.router.url, _body(seed))
+    for _ in range(10):
+        assert stream.read_event() is not None
+    victim = _serving_decode(cluster)
+    victim.kill()
+    stream.read_all()
+    _assert_whole_like(stream, reference)
+    assert _migrations(cluster, "broken") == before + 1
+    for decode in _alive(cluster):
+        wait_for(lambda d=decode: idle(scrape(d.url)), 30, f"{decode.name} still holds KV after the migrated stream")
+
+
+def test_a_stalled_decode_pod_is_left_and_frees_the_stream_once_it_runs(cluster):
+    reference = _uninterrupted(cluster, 11)
+    assert cluster.router is not None
+    before = _migrations(cluster, "stall")
+    stream = _Stream(cluster.router.url, _body(11))
+    for _ in range(10):
+        assert stream.read_event() is not None
+    victim = _serving_decode(cluster)
+    assert victim.process is not None
+    victim.process.send_signal(signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        stream.read_all()
+    finally:
+        victim.process.send_signal(signal.SIGCONT)
+    _assert_whole_like(stream, reference)
+    assert time.monotonic() - started < 60
+    assert _migrations(cluster, "stall") == before + 1
+    # The router closed the stalled leg's connection: once the pod runs again, it aborts the request.
+    wait_for(lambda: idle(scrape(victim.url)), 60, "the stalled pod still holds the abandoned stream's KV")
