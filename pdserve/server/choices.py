@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
@@ -154,6 +155,9 @@ class ChoiceRunner:
         running if the consumer stops early (client gone) or anything fails. ``continuation``: the
         choices' output so far on another engine (a choice it does not name had none)."""
         merged: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
+        if continuation is not None:
+            # Core ids of its own: the broken leg's requests (same response id) may still be ending on this engine.
+            request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         child_ids = [f"{request_id}-{index}" for _, index in children]
         per_choice = self.processor.choice_params(params)
 
