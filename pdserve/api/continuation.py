@@ -5,6 +5,8 @@ learns of a stream as it relays it, and what it sends the engine that continues 
   stream and in the same write, one SSE comment line ``: pdserve-tokens {...}`` (:class:`StreamTokens`): the
   choice's index, the token ids the event's text came from, and once the choice ended its finish and stop reasons.
   SSE clients skip comments; the router takes them out anyway.
+- **Hand-off.** A draining engine ends each such stream still running after its hand-off time with
+  ``HANDOFF_COMMENT`` instead of waiting for its end: the router continues it on another engine.
 - **``kv_transfer_params.continue``** (:class:`Continuation`): continue the request whose answer so far had this
   ``id`` and ``created`` and these tokens per choice. The engine runs each unfinished choice with its tokens as
   output already generated (``max_tokens``, ``min_tokens``, penalties and the seed's draws count them; the grammar
@@ -22,6 +24,9 @@ TOKENS_HEADER = "X-PDServe-Tokens"
 # On a continued stream's answer: the engine continued it (one that ignored ``continue`` would answer it all again).
 CONTINUED_HEADER = "X-PDServe-Continued"
 TOKENS_COMMENT = b": pdserve-tokens "
+# A draining engine ends a stream the router relays with this comment (after its last data event): the router
+# continues the stream elsewhere, as if it broke, without counting the engine as failed.
+HANDOFF_COMMENT = b": pdserve-handoff\n\n"
 MAX_CONTINUED_CHOICES = 4096  # prompts x n, as an engine's in-flight bound allows
 
 

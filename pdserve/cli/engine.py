@@ -81,7 +81,7 @@ async def _run_engine(args: argparse.Namespace, role: Role) -> None:
         raise SystemExit(1)
     timeout = settings.drain_timeout if settings.drain_timeout is not None else args.kv_lease_seconds + 15
     log.info("draining: refusing new requests; waiting up to %.0f s for running ones and held KV blocks", timeout)
-    if not await running.drain(timeout):
+    if not await running.drain(timeout, settings.drain_handoff):
         log.warning("drain timed out: stopping with work still in flight")
     log.info("shutting down: closing connections, stopping the engine core")
     await running.close()

@@ -6,17 +6,19 @@ Its answer also settles whether a request sent with a prefill leg's params count
 says in a header when it could not use them.
 
 A stream that breaks after it started (connection lost, the engine's server error, no event within
-``--token-deadline``) is continued on another decode pod, at most ``--migration-limit`` times: the leg carries
-what the client has of each choice (``kv_transfer_params.continue``), the engine answers only what follows, under
-the same id, and its events join the client's stream; the broken leg's connection is closed, which frees its KV.
-A continuation the engine refuses as the client's error (4xx: the grammar rejects the history, say) ends the
-stream with that error event; one that cannot be continued anywhere ends the client's connection, as before.
+``--token-deadline``, or handed back by a draining engine) is continued on another decode pod, at most
+``--migration-limit`` times: the leg carries what the client has of each choice (``kv_transfer_params.continue``),
+the engine answers only what follows, under the same id, and its events join the client's stream; the broken
+leg's connection is closed, which frees its KV. A continuation the engine refuses as the client's error (4xx: the
+grammar rejects the history, say) ends the stream with that error event; one that cannot be continued anywhere
+ends the client's connection, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -34,6 +36,8 @@ from pdserve.router.pods import Pod, PodSet
 from pdserve.router.policy import Choice, Chooser
 from pdserve.router.splice import StreamSplice
 from pdserve.router.upstream import Upstream, Usage, UsageAnswer
+
+logger = logging.getLogger(__name__)
 
 MAX_DECODE_ATTEMPTS = 3
 _ENDED = ("whole", "client_gone")  # how a relayed leg ends that needs no continuation
@@ -244,6 +248,8 @@ class DecodeLegs:
                     return "client_gone"
             if splice.failed_engine:
                 return "engine_error"
+            if splice.handed_off:
+                return "drain"
 
     async def _continue(self, exchange: Exchange, splice: StreamSplice, cause: str, tried: list[Pod]) -> str:
         """Continue a broken stream on other decode pods (at most ``migration_limit`` continuations; pods that
@@ -252,9 +258,11 @@ class DecodeLegs:
         while migrations < self.config.migration_limit:
             continuation = splice.continuation()
             if continuation is None:  # it broke before its first event: nothing to answer under
+                logger.warning("request %s: its stream ended (%s) before its first event", exchange.request_id, cause)
                 return cause
             exchange.hold(self.chooser.choose(self.pods, exchange.prompt, exchange.session, exclude=tried))
             if exchange.decode is None:
+                logger.warning("request %s: no decode pod left to continue its stream (%s)", exchange.request_id, cause)
                 return cause
             pod = exchange.decode.pod
             tried.append(pod)
@@ -270,6 +278,9 @@ class DecodeLegs:
                 continue
             try:
                 if answer.status != 200 or answer.headers.get(CONTINUED_HEADER) != "1":
+                    logger.warning(
+                        "request %s: %s did not continue its stream (%d)", exchange.request_id, pod.url, answer.status
+                    )
                     if 400 <= answer.status < 500 and answer.status != 429:
                         # The continuation is the client's error (its grammar rejects the history): its answer.
                         return await self._end_with_error(exchange, answer)
@@ -277,6 +288,7 @@ class DecodeLegs:
                     continue
                 migrations += 1
                 self.metrics.migrations[cause].inc()
+                logger.info("request %s: its stream (%s) continues on %s", exchange.request_id, cause, pod.url)
                 splice.start_leg()
                 end = await self._relay_events(exchange.response, splice, None, answer.content.iter_any())  # type: ignore[arg-type]
                 if end in _ENDED:
@@ -302,6 +314,8 @@ class DecodeLegs:
         return "whole"
 
     def _broken(self, pod: Pod, cause: str) -> None:
+        if cause == "drain":  # not a failure: the pod stops, and its health probe takes it out of rotation
+            return
         self.metrics.errors["decode_broken"].inc()
         self.upstream.failed(self.pods, pod, f"stream broken ({cause})")
 

@@ -53,7 +53,7 @@ ERROR_KINDS = (
     "client_disconnect",
 )
 ROLES = ("prefill", "decode")
-MIGRATION_CAUSES = ("broken", "stall", "engine_error")
+MIGRATION_CAUSES = ("broken", "stall", "engine_error", "drain")
 
 
 class RouterMetrics:
@@ -152,8 +152,9 @@ class RouterMetrics:
         )
         migrations = Counter(
             "pdserve_router_migrations",
-            "Streams continued on another decode pod, by why the leg ended (broken: connection lost or closed early; "
-            "stall: no event within --token-deadline; engine_error: the engine's server error)",
+            "Streams continued on another decode pod, by why the leg ended (broken: connection lost or closed "
+            "early; stall: no event within --token-deadline; engine_error: the engine's server error; drain: a "
+            "draining engine handed it back)",
             ["cause"],
             registry=self.registry,
         )

@@ -6,7 +6,8 @@ reach the client, so a break never leaves half an event there. The router-only c
 comment before each data event (pdserve/api/continuation.py) is what the choice's record gains once that event is
 passed on, and the report comment (pdserve/api/report.py) is kept for the metrics. The first data event gives the
 response's ``id`` and ``created``, which a continuation answers under. An error event of a failed engine (5xx) is
-held back: the stream is continued elsewhere instead; a client error (4xx) is the answer and passes.
+held back: the stream is continued elsewhere instead; a client error (4xx) is the answer and passes. A draining
+engine's hand-off comment ends its leg the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import contextlib
 
 import msgspec
 
-from pdserve.api.continuation import Continuation, ContinuedChoice, StreamTokens, read_tokens_comment
+from pdserve.api.continuation import (
+    HANDOFF_COMMENT,
+    Continuation,
+    ContinuedChoice,
+    StreamTokens,
+    read_tokens_comment,
+)
 from pdserve.api.protocol import SSE_DONE
 from pdserve.api.report import REPORT_COMMENT, Report
 
@@ -23,6 +30,7 @@ _DATA = b"data: "
 _ERROR_EVENT = b'data: {"error"'
 _DONE = SSE_DONE.strip()
 _END = b"\n\n"
+_HANDOFF = HANDOFF_COMMENT.strip()
 
 
 class _Identity(msgspec.Struct):
@@ -49,15 +57,17 @@ class StreamSplice:
         self.last_data = b""  # the last data event before [DONE]: the usage event, if the client asked for one
         self.done = False  # [DONE] passed: the answer is whole
         self.failed_engine = False  # the engine ended the stream with a server error (held back)
+        self.handed_off = False  # the engine, draining, handed the stream back
 
     def start_leg(self) -> None:
         """A new leg's bytes come next: what the broken one left half-sent is dropped."""
         self._partial = b""
         self._tokens = None
+        self.failed_engine = self.handed_off = False
 
     def feed(self, chunk: bytes) -> bytes:
         """The whole events of ``chunk`` (with what came before it) to pass to the client, router-only comments
-        taken out; stops at a failed engine's error event (``failed_engine``)."""
+        taken out; stops at a failed engine's error event (``failed_engine``) or a hand-off (``handed_off``)."""
         data = self._partial + chunk if self._partial else chunk
         end = data.rfind(_END)
         if end < 0:
@@ -73,6 +83,10 @@ class StreamSplice:
                 if tokens is not None:
                     self._tokens = tokens
                     continue
+                if event == _HANDOFF:
+                    self.handed_off = True
+                    self._partial = b""
+                    break
                 if event.startswith(REPORT_COMMENT):
                     with contextlib.suppress(msgspec.MsgspecError):  # unreadable: it counts nowhere
                         self.report = msgspec.json.decode(event[len(REPORT_COMMENT) :], type=Report)

@@ -192,14 +192,19 @@ class RunningServer:
     server: EngineServer
     runner: web.AppRunner
 
-    async def drain(self, timeout: float) -> bool:
+    async def drain(self, timeout: float, handoff: float | None = None) -> bool:
         """Stop taking new requests (503, /health fails) and wait, at most ``timeout`` seconds, until
         the running ones have finished and no blocks are held for a remote decode (a prefill keeps
-        serving pulls for what it holds). True when everything drained in time."""
-        self.server.serving.draining = True
+        serving pulls for what it holds). After ``handoff`` seconds (None: never), the streams the
+        router relays are handed back to it, to continue elsewhere. True when everything drained in time."""
+        serving = self.server.serving
+        serving.draining = True
         client = self.server.client
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while time.monotonic() < deadline and client.alive:
+            if handoff is not None and not serving.handing_off and time.monotonic() >= started + handoff:
+                serving.handing_off = True
             stats = client.stats
             if client.num_in_flight == 0 and (stats is None or stats.remote_kv.num_blocks_held_for_remote == 0):
                 return True

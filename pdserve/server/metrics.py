@@ -248,6 +248,11 @@ class EngineMetrics:
             ["kind"],
             registry=self.registry,
         )
+        self.streams_handed_off = Counter(
+            "pdserve_streams_handed_off",
+            "Streams a draining engine handed back to the router to continue on another decode engine",
+            registry=self.registry,
+        )
         self.structured_length_capped = Counter(
             "pdserve_structured_output_length_capped",
             "Structured-output choices that reached max_tokens before their grammar was complete",

@@ -23,7 +23,14 @@ from aiohttp import web
 
 from pdserve.api.auth import RouterVerifier
 from pdserve.api.chat import ConversationError, conversation
-from pdserve.api.continuation import CONTINUED_HEADER, TOKENS_HEADER, Continuation, StreamTokens, tokens_comment
+from pdserve.api.continuation import (
+    CONTINUED_HEADER,
+    HANDOFF_COMMENT,
+    TOKENS_HEADER,
+    Continuation,
+    StreamTokens,
+    tokens_comment,
+)
 from pdserve.api.http import json_response
 from pdserve.api.prefill_leg import leg_sampling
 from pdserve.api.protocol import (
@@ -102,11 +109,17 @@ def _stream_headers(request: web.Request, leg: PDLeg) -> dict[str, str] | None:
     return {**(headers or {}), CONTINUED_HEADER: "1"} if leg.continued is not None else headers
 
 
-class _EventWriter:
-    """Writes a stream's data events, each after its token comment when the router asked for them."""
+class _HandedOff(Exception):
+    """The server drains: the router continues this stream elsewhere from the tokens it was sent."""
 
-    def __init__(self, request: web.Request, response: web.StreamResponse) -> None:
+
+class _EventWriter:
+    """Writes a stream's data events, each after its token comment when the router asked for them (such a
+    stream is handed back to the router once the draining server says so: ``_HandedOff``)."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, serving: OpenAIServing) -> None:
         self.response = response
+        self.serving = serving
         self.with_tokens = request.headers.get(TOKENS_HEADER) == "1"
 
     async def write(self, event: bytes, delta: ChoiceDelta) -> None:
@@ -114,6 +127,8 @@ class _EventWriter:
             tokens = StreamTokens(delta.index, delta.token_ids, delta.finish_reason, delta.stop_reason)
             event = tokens_comment(tokens) + event  # one write: the router never sees one without the other
         await self.response.write(event)
+        if self.with_tokens and self.serving.handing_off and delta.finish_reason is None:
+            raise _HandedOff()
 
 
 # Request fields that become SamplingParams fields of the same name.
@@ -166,6 +181,7 @@ class OpenAIServing:
         self.logprobs = LogprobFormatter(processor.tokenizer)
         self.choices = ChoiceRunner(client, processor, metrics, limits.request_timeout)
         self.draining = False  # set on shutdown: new requests are refused, running ones finish
+        self.handing_off = False  # set later in a drain: streams the router relays are handed back to it
         self.gate = PDGate(client, metrics, kv_transfer, serves_blocks, router_verifier)
         self.chat_parsers = chat_parsers or ChatParsers()
 
@@ -374,7 +390,7 @@ class OpenAIServing:
         params: SamplingParams,
     ) -> web.StreamResponse:
         response = await start_sse(request, _stream_headers(request, leg))
-        events = _EventWriter(request, response)
+        events = _EventWriter(request, response, self)
         results = [ChoiceResult() for _ in children]
         # aclosing: if the client goes away mid-stream, the choices' cleanup (abort) runs right here.
         async with aclosing(
@@ -406,6 +422,10 @@ class OpenAIServing:
                     await events.write(sse_event(chunk), delta)
             except ProtocolError as error:
                 return await end_stream_with_error(response, error)
+            except _HandedOff:
+                self.metrics.streams_handed_off.inc()
+                await response.write(HANDOFF_COMMENT)
+                return response  # leaving the block aborts its requests: their KV is freed
         await _write_report(request, response, children, results)
         if body.stream_options and body.stream_options.include_usage:
             await response.write(
@@ -434,7 +454,7 @@ class OpenAIServing:
         readers: list[ChatOutputReader | None],
     ) -> web.StreamResponse:
         response = await start_sse(request, _stream_headers(request, leg))
-        events = _EventWriter(request, response)
+        events = _EventWriter(request, response, self)
         results = [ChoiceResult() for _ in children]
         reader_of = {index: reader for (_, index), reader in zip(children, readers, strict=True)}
 
@@ -484,6 +504,10 @@ class OpenAIServing:
                     await events.write(chunk([ChatChunkChoice(delta.index, message, logprobs, finish_reason)]), delta)
             except ProtocolError as error:
                 return await end_stream_with_error(response, error)
+            except _HandedOff:
+                self.metrics.streams_handed_off.inc()
+                await response.write(HANDOFF_COMMENT)
+                return response  # leaving the block aborts its requests: their KV is freed
         await _write_report(request, response, children, results)
         if body.stream_options and body.stream_options.include_usage:
             await response.write(chunk([], usage(children, results)))

@@ -40,6 +40,13 @@ class ServerSettings:
             "(default: the KV lease + 15 s)"
         ),
     )
+    drain_handoff: float = field(
+        default=5.0,
+        metadata=flag(
+            "on SIGTERM, seconds after which the streams the router relays that are still running are handed "
+            "back to it, to be continued on another decode pod (short requests finish here first)"
+        ),
+    )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,7 @@
 """Streams that survive their decode pod (docs/faults.md, "Streams that survive a decode pod"): real router,
 prefill and decode processes on 127.0.0.1. A decode pod killed (SIGKILL) or stalled (SIGSTOP, past the router's
-token deadline) mid-stream: the router continues the stream on another decode pod from the tokens the client
+token deadline) or told to stop (SIGTERM, with --drain-handoff 0: it hands its streams back at once) mid-stream: the
+router continues the stream on another decode pod from the tokens the client
 has, and the client's stream is whole: one id, no token twice or missing, the text of an uninterrupted run, one
 usage over the whole generation. The stalled pod, once it runs again, holds nothing of the abandoned stream."""
 
@@ -25,7 +26,11 @@ MAX_TOKENS = 120
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cluster = Cluster.start(
-        tmp_path_factory.mktemp("migration"), "tcp", num_decode=4, router_flags=("--token-deadline", "3")
+        tmp_path_factory.mktemp("migration"),
+        "tcp",
+        num_decode=4,
+        decode_flags=("--drain-handoff", "0"),
+        router_flags=("--token-deadline", "3"),
     )
     yield cluster
     for decode in cluster.decodes:  # a stopped pod must run again to take its SIGTERM
@@ -166,3 +171,20 @@ def test_a_stalled_decode_pod_is_left_and_frees_the_stream_once_it_runs(cluster)
     assert _migrations(cluster, "stall") == before + 1
     # The router closed the stalled leg's connection: once the pod runs again, it aborts the request.
     wait_for(lambda: idle(scrape(victim.url)), 60, "the stalled pod still holds the abandoned stream's KV")
+
+
+def test_a_draining_decode_pod_hands_its_stream_over_and_exits(cluster):
+    reference = _uninterrupted(cluster, 12)
+    assert cluster.router is not None
+    before = _migrations(cluster, "drain")
+    stream = _Stream(cluster.router.url, _body(12))
+    for _ in range(10):
+        assert stream.read_event() is not None
+    victim = _serving_decode(cluster)
+    assert victim.process is not None
+    victim.process.send_signal(signal.SIGTERM)
+    stream.read_all()
+    _assert_whole_like(stream, reference)
+    assert _migrations(cluster, "drain") == before + 1
+    # Its stream gone elsewhere, it has nothing left to wait for: it exits long before its drain timeout.
+    assert victim.process.wait(30) == 0

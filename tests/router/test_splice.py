@@ -85,3 +85,14 @@ def test_a_server_error_event_is_held_back_and_a_client_error_passes():
     splice = StreamSplice()
     assert splice.feed(client_error + SSE_DONE) == client_error + SSE_DONE
     assert not splice.failed_engine and splice.done
+
+
+def test_a_handoff_ends_the_leg_and_the_next_leg_starts_clean():
+    splice = StreamSplice()
+    handoff = b": pdserve-handoff\n\n"
+    assert splice.feed(_data(0, "a") + handoff) == _data(0, "a")
+    assert splice.handed_off
+    splice.start_leg()
+    assert not splice.handed_off and not splice.failed_engine
+    assert splice.feed(_data(0, "b") + SSE_DONE) == _data(0, "b") + SSE_DONE
+    assert splice.done
