@@ -32,21 +32,25 @@ MAX_CONTINUED_CHOICES = 4096  # prompts x n, as an engine's in-flight bound allo
 
 class StreamTokens(msgspec.Struct, omit_defaults=True, array_like=True):
     """One data event's tokens: choice ``index``'s ``token_ids``; ``finish_reason``/``stop_reason`` the engine's
-    (before a chat parser renames it, say to ``tool_calls``) once the choice ended with this event."""
+    (before a chat parser renames it, say to ``tool_calls``) once the choice ended with this event; ``seed``, on
+    a sampled choice's first event, the seed its draws come from (the engine picks one for a request without)."""
 
     index: int
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    seed: int | None = None
 
 
 class ContinuedChoice(msgspec.Struct, omit_defaults=True):
-    """A choice's answer so far: its tokens, and its end if it had ended (then it only counts in usage)."""
+    """A choice's answer so far: its tokens, and its end if it had ended (then it only counts in usage); the seed
+    its draws came from (the continuation draws from it too: the same tokens as the first engine would)."""
 
     index: int
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    seed: int | None = None
 
 
 class Continuation(msgspec.Struct):
@@ -92,6 +96,8 @@ def parse_continuation(params: dict[str, Any] | None) -> Continuation | None:
     if len(set(indexes)) != len(indexes) or min(indexes, default=0) < 0:
         raise ValueError("kv_transfer_params.continue.choices must name each choice index (>= 0) once")
     for choice in continuation.choices:
+        if choice.seed is not None and not -(2**63) <= choice.seed < 2**63:
+            raise ValueError("kv_transfer_params.continue.choices[].seed must be a signed 64-bit integer")
         if any(token < 0 for token in choice.token_ids):
             raise ValueError("kv_transfer_params.continue.choices[].token_ids must be token ids")
         if choice.finish_reason is not None and choice.finish_reason not in _FINISH_REASONS:

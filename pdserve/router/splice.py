@@ -115,6 +115,8 @@ class StreamSplice:
         if choice is None:
             choice = self.choices[tokens.index] = ContinuedChoice(tokens.index, [])
         choice.token_ids.extend(tokens.token_ids)
+        if tokens.seed is not None:
+            choice.seed = tokens.seed
         if tokens.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = tokens.finish_reason, tokens.stop_reason
 

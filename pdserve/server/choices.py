@@ -13,6 +13,8 @@ and the consumer's parsers stand where the first engine's stood.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -85,6 +87,7 @@ class ChoiceRunner:
         )
         if old_token_ids:
             yield ChoiceDelta(0, result.text, [], [], None, replayed=True)
+        seed = None if params.is_greedy else params.seed  # said once, with the first delta
         timeout = self.request_timeout
         deadline = None if timeout is None else arrival + timeout
         while result.finish_reason is None:
@@ -139,7 +142,10 @@ class ChoiceRunner:
                     len(result.token_ids),
                     len(prompt),
                 )
-            yield ChoiceDelta(0, text, output.new_token_ids, new_logprobs, result.finish_reason, result.stop_reason)
+            yield ChoiceDelta(
+                0, text, output.new_token_ids, new_logprobs, result.finish_reason, result.stop_reason, seed=seed
+            )
+            seed = None
 
     async def stream(
         self,
@@ -150,10 +156,13 @@ class ChoiceRunner:
         cache_salt: str | None,
         results: list[ChoiceResult],
         continuation: Continuation | None = None,
+        pick_seeds: bool = False,
     ) -> AsyncGenerator[ChoiceDelta, None]:
         """Run every choice concurrently, yielding their deltas as they come; aborts what is still
         running if the consumer stops early (client gone) or anything fails. ``continuation``: the
-        choices' output so far on another engine (a choice it does not name had none)."""
+        choices' output so far on another engine (a choice it does not name had none), and the seed
+        each drew from; ``pick_seeds``: a sampled choice without a seed gets one (said with its first
+        delta), so that another engine could continue it drawing the same tokens."""
         merged: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
         if continuation is not None:
             # Core ids of its own: the broken leg's requests (same response id) may still be ending on this engine.
@@ -163,15 +172,21 @@ class ChoiceRunner:
 
         async def run(position: int) -> None:
             prompt, index = children[position]
+            continued = None if continuation is None else continuation.of(index)
+            choice_params = per_choice[index % params.n]
+            if continued is not None and continued.seed is not None:
+                choice_params = dataclasses.replace(choice_params, seed=continued.seed)
+            elif pick_seeds and choice_params.seed is None and not choice_params.is_greedy:
+                choice_params = dataclasses.replace(choice_params, seed=secrets.randbits(63))
             try:
                 async for delta in self._run_one(
                     child_ids[position],
                     prompt,
-                    per_choice[index % params.n],
+                    choice_params,
                     leg,
                     cache_salt,
                     results[position],
-                    None if continuation is None else continuation.of(index),
+                    continued,
                 ):
                     delta.index = index
                     merged.put_nowait(delta)

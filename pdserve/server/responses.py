@@ -54,6 +54,7 @@ class ChoiceDelta:
     stop_reason: int | str | None = None
     # The text of a continued stream's output so far, decoded again: for parsers to read, never to send.
     replayed: bool = False
+    seed: int | None = None  # on a sampled choice's first delta: the seed its draws come from
 
 
 def usage(children: Children, results: list[ChoiceResult]) -> Usage:

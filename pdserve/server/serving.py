@@ -124,7 +124,7 @@ class _EventWriter:
 
     async def write(self, event: bytes, delta: ChoiceDelta) -> None:
         if self.with_tokens:
-            tokens = StreamTokens(delta.index, delta.token_ids, delta.finish_reason, delta.stop_reason)
+            tokens = StreamTokens(delta.index, delta.token_ids, delta.finish_reason, delta.stop_reason, delta.seed)
             event = tokens_comment(tokens) + event  # one write: the router never sees one without the other
         await self.response.write(event)
         if self.with_tokens and self.serving.handing_off and delta.finish_reason is None:
@@ -402,6 +402,7 @@ class OpenAIServing:
                 _cache_salt(request, body),
                 results,
                 leg.continued,
+                events.with_tokens,
             )
         ) as deltas:
             try:
@@ -477,6 +478,7 @@ class OpenAIServing:
                 _cache_salt(request, body),
                 results,
                 leg.continued,
+                events.with_tokens,
             )
         ) as deltas:
             try:

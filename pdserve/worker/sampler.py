@@ -88,14 +88,16 @@ class Sampler:
         )
         logits = filter_logits(logits / temperatures[:, None], params)
         probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(probs)
+        seeded = [(row, p.seed) for row, p in enumerate(params) if p.seed is not None]
+        if len(seeded) < len(params):  # the unseeded rows' noise in one draw (seeded rows' drawn again below)
+            noise.exponential_()
         generator = self._generator
-        for row, request in enumerate(requests):
-            seed = request.sampling_params.seed
-            if seed is not None:
-                # The token being sampled is the output's next: its position is the output's length now.
-                generator.manual_seed(draw_seed(seed, request.num_tokens - request.num_prompt_tokens))
-                noise[row].exponential_(generator=generator)
+        for row, seed in seeded:
+            request = requests[row]
+            # The token being sampled is the output's next: its position is the output's length now.
+            generator.manual_seed(draw_seed(seed, request.num_tokens - request.num_prompt_tokens))
+            noise[row].exponential_(generator=generator)
         return (probs / noise).argmax(dim=-1)
 
 

@@ -72,6 +72,8 @@ def _continuation(events: list[_Event], cut: int) -> dict:
         if event.tokens is not None:
             choice = choices.setdefault(event.tokens.index, {"index": event.tokens.index, "token_ids": []})
             choice["token_ids"] += event.tokens.token_ids
+            if event.tokens.seed is not None:
+                choice["seed"] = event.tokens.seed
             if event.tokens.finish_reason is not None:
                 choice["finish_reason"] = event.tokens.finish_reason
     first = events[0].data
@@ -253,3 +255,22 @@ def test_a_history_that_cannot_be_continued_is_a_client_error(server, extra, con
     body["kv_transfer_params"] = {"continue": {"id": "cmpl-1", "created": 1, **continued}}
     code, answer = _refused(server, body)
     assert code == 400 and words in answer["error"]["message"], answer
+
+
+def test_an_unseeded_stream_gets_a_seed_that_a_continuation_draws_from(server):
+    body = {"model": "demo", "prompt": "Anything at all", "max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+    body |= {"stream": True}
+    whole, _ = _stream(server, "/v1/completions", body)
+    seed = whole[0].tokens.seed
+    assert seed is not None and all(e.tokens.seed is None for e in whole[1:])
+    seeded, _ = _stream(server, "/v1/completions", {**body, "seed": seed})
+    assert _texts(seeded) == _texts(whole)  # the seed it was given is the seed it drew from
+    for cut in _cuts(whole, 6):
+        rest, _ = _stream(server, "/v1/completions", {**body, "kv_transfer_params": _continuation(whole, cut)})
+        assert _texts(whole[:cut] + rest) == _texts(whole)
+    # Without the router's header nothing changes: no seed is picked (nor said).
+    request = urllib.request.Request(
+        server.running.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert b"pdserve-tokens" not in response.read()
