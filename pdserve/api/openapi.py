@@ -107,7 +107,7 @@ def openapi_document(
                         "text/event-stream": {"schema": _event_schema(chunk_schema, error)},
                     },
                 },
-                **responses.errors(400, 401, 404, 413, 500, *((502,) if router else ()), 503, 504),
+                **responses.errors(400, 401, 404, 413, 500, 503, 504),
             },
         }
         return {"post": _secured(operation, protected)}
@@ -411,7 +411,6 @@ _ERROR_DESCRIPTIONS = {
     404: "The model is not served here",
     413: f"The body is larger than {MAX_BODY_BYTES >> 20} MiB",
     500: "Internal error",
-    502: "The decode engine's answer broke off before it was complete",
     503: "Unavailable: overloaded or shutting down (retry after `Retry-After` seconds, maybe elsewhere), or the "
     "engine core is not running",
     504: "The request did not finish within the server's --request-timeout",

@@ -97,6 +97,7 @@ def engine_command(service: str, role: str, spec: dict[str, Any]) -> list[str]:
         "--kv-keys",
         KV_KEYS_DIR,
         *(["--tensor-parallel-size", str(ranks)] if ranks > 1 else []),
+        *(["--drain-timeout", str(DECODE_DRAIN_S)] if role == "decode" else []),
         *_kv_tier_flags(spec[role].get("kvCache") or {}),
         *spec[role].get("engineArgs", []),
     ]
@@ -261,6 +262,19 @@ def _container_security() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
+# A stopping decode pod hands the streams the router relays back to it after --drain-handoff (5 s); what still
+# runs at its drain timeout (whole answers) is cut, and the router sends those again to another pod.
+DECODE_DRAIN_S = 30
+
+
+def _grace_period(role: str, kv: dict[str, Any]) -> int:
+    """Seconds from SIGTERM to SIGKILL: a prefill pod keeps serving the blocks it holds for decode peers until
+    their lease ends; a decode pod drains for ``DECODE_DRAIN_S``. Both with room to exit."""
+    if role == "decode":
+        return DECODE_DRAIN_S + 5
+    return math.ceil(kv["leaseSeconds"]) + 30
+
+
 def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
     """The pod template of a prefill or decode engine."""
     kv = spec["kvTransfer"]
@@ -318,8 +332,7 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
         "volumes": volumes,
         "securityContext": _pod_security(),
         "automountServiceAccountToken": False,
-        # Prefill drains: blocks held for decode peers stay readable until their lease ends.
-        "terminationGracePeriodSeconds": math.ceil(kv["leaseSeconds"]) + 30,
+        "terminationGracePeriodSeconds": _grace_period(role, kv),
         # None: a merge patch removes a placement rule the user took out of the spec.
         "nodeSelector": spec[role].get("nodeSelector") or None,
         "tolerations": spec[role].get("tolerations") or None,

@@ -266,6 +266,8 @@ class DecodeLegs:
                 return cause
             pod = exchange.decode.pod
             tried.append(pod)
+            if pod.peer_source is None:  # this pod holds no turns for peers: none to remember
+                exchange.peer_hold = None
             body = exchange.continuation_body(continuation)
             try:
                 answer = await self.upstream.post(pod, exchange.request.path, body, self._headers(exchange))

@@ -21,6 +21,7 @@ class Exchange:
     headers: dict[str, str]  # sent on both legs
     request_id: str
     body: bytes = b""  # the client's, without kv_transfer_params: what a continuation resends
+    peer_hold: str | None = None  # the handle the decode pod holds the finished turn under for peer reads
     response: web.StreamResponse | None = None  # set once the answer to the client has started
     prompt: Prompt | None = None  # known when pod choice or the decider uses it
     session: str | None = None  # session affinity key
@@ -43,7 +44,10 @@ class Exchange:
     def continuation_body(self, continuation: Continuation) -> bytes:
         """The client's body asking a decode engine to continue its broken stream."""
         fields = msgspec.json.decode(self.body)
-        fields["kv_transfer_params"] = {"continue": msgspec.to_builtins(continuation)}
+        params: dict[str, object] = {"continue": msgspec.to_builtins(continuation)}
+        if self.peer_hold is not None:
+            params["kv_peer_hold"] = self.peer_hold
+        fields["kv_transfer_params"] = params
         return msgspec.json.encode(fields)
 
     def cut(self) -> None:

@@ -178,10 +178,13 @@ class Proxy:
             return await self.decode_legs.send(exchange, body if isinstance(body, bytes) else msgspec.json.encode(body))
         fields: dict[str, Any] = msgspec.json.decode(body) if isinstance(body, bytes) else body
         fields["kv_transfer_params"] = {**(fields.get("kv_transfer_params") or {}), "kv_peer_hold": handle}
+        exchange.peer_hold = handle
         response = await self.decode_legs.send(exchange, msgspec.json.encode(fields))
-        if response.status == 200 and exchange.decode is not None and exchange.prompt is not None:
+        # The pod that answered last holds the turn (a stream continued elsewhere is held there, if it can be).
+        held = exchange.peer_hold if response.status == 200 else None
+        if held is not None and exchange.decode is not None and exchange.prompt is not None:
             assert self.peer_holds is not None
-            self.peer_holds.record(exchange.decode.pod, handle, exchange.prompt)
+            self.peer_holds.record(exchange.decode.pod, held, exchange.prompt)
             self.metrics.peer_holds.inc()
         return response
 

@@ -25,6 +25,7 @@ import yaml
 
 from pdserve.models.demo import ensure_demo_model
 from pdserve.operator.scale_down import DELETION_COST
+from pdserve.testing.metrics import scrape
 from pdserve.testing.processes import Process, cpu_engine_flags, server_env
 from tests.k8s.conftest import (
     CHART,
@@ -126,7 +127,9 @@ def test_kv_tiers_reach_the_deployments(cluster: Cluster, operator: Any) -> None
 
 class PodProcesses:
     """Runs each pod's own command (from its spec) at its IP, as the kubelet would run the container;
-    a pod's deletion stops its process with SIGTERM. The router runs with its ServiceAccount's token."""
+    a pod's deletion stops its process as a kubelet does: SIGTERM, then SIGKILL once the pod's
+    terminationGracePeriodSeconds have passed (the fake kubelet runs no preStop hook: the pods have
+    none). The router runs with its ServiceAccount's token."""
 
     def __init__(self, cluster: Cluster, kubelet: FakeKubelet, folder: Path, service: str) -> None:
         self.cluster, self.kubelet, self.folder, self.service = cluster, kubelet, folder, service
@@ -183,7 +186,17 @@ class PodProcesses:
         with self.lock:
             process = self.processes.pop(pod.metadata.uid, None)
         if process is not None:
-            process.stop()
+            process.stop(timeout=pod.spec.termination_grace_period_seconds or 30)
+
+    def start_new(self, service: str) -> None:
+        """Start the engine pods of ``service`` that run but have no process yet (a rollout's new pods)."""
+        for role in ENGINES:
+            fresh = [
+                pod
+                for pod in pods(self.cluster, service, role)
+                if pod.status.phase == "Running" and pod.metadata.uid not in self.processes
+            ]
+            self.start_healthy(fresh)
 
     def stop_all(self) -> None:
         with self.lock:
@@ -244,6 +257,7 @@ class Stream:
     def __init__(self, url: str, model: str, max_tokens: int) -> None:
         self.chunks = 0
         self.tokens = 0
+        self.longest_gap = 0.0  # seconds, between two events
         self.finish_reason: str | None = None
         self.error: str | None = None
         body = {"model": model, "prompt": "Tell me a story", "max_tokens": max_tokens, "ignore_eos": True}
@@ -257,10 +271,13 @@ class Stream:
     def _read(self) -> None:
         try:
             with urllib.request.urlopen(self.request, timeout=120) as response:
+                last = time.monotonic()
                 for line in response:
                     data = line.decode().strip().removeprefix("data: ")
                     if not data or data == "[DONE]":
                         continue
+                    now = time.monotonic()
+                    self.longest_gap, last = max(self.longest_gap, now - last), now
                     event = json.loads(data)
                     if "error" in event:
                         self.error = str(event["error"])
@@ -394,6 +411,94 @@ def test_pdservice_lifecycle(cluster: Cluster, kubelet: FakeKubelet, operator: A
         return not left and not [p for p in pools if p["spec"]["service"] == name]
 
     wait_for(everything_gone, timeout=60, what="garbage collection of everything the PDService owned")
+
+
+def test_rolling_updates_under_load_lose_no_request(
+    cluster: Cluster, kubelet: FakeKubelet, operator: Any, tmp_path: Path
+) -> None:
+    """A rolling update of the decode pool, then of the prefill pool (new engine flags: a new pod template),
+    while streams start every 0.4 s: every stream ends whole. An old decode pod, deleted once its successor is
+    Ready, drains: after 5 s (--drain-handoff) it hands the streams it still runs back to the router, which
+    continues them on another decode pod; it exits long before its grace period. Simulated: the kubelet's part
+    (starting each new pod's process, SIGTERM then SIGKILL after the grace period on deletion); everything
+    else (the operator, the Deployment and ReplicaSet controllers' rollout, the router's discovery) is real."""
+    name = "roll"
+    service = _cpu_example(name)
+    service["spec"]["decode"]["replicas"] = 2
+    cluster.create(service, namespace=NAMESPACE)
+    processes = PodProcesses(cluster, kubelet, tmp_path, name)
+    streams: list[Stream] = []
+    stop = threading.Event()
+    try:
+        processes.start_healthy([*running_pods(cluster, name, "prefill", 1), *running_pods(cluster, name, "decode", 2)])
+        (router,) = processes.start_healthy(running_pods(cluster, name, "router", 1))
+        wait_for(lambda: _answers(router.url, name), timeout=60, what="a completion through the router")
+
+        def kubelet_starts_new_pods() -> None:
+            while not stop.is_set():
+                processes.start_new(name)
+                stop.wait(0.3)
+
+        def load() -> None:
+            while not stop.is_set():
+                stream = Stream(router.url, name, max_tokens=96)
+                stream.thread.start()
+                streams.append(stream)
+                stop.wait(0.4)
+
+        helpers = [threading.Thread(target=kubelet_starts_new_pods, daemon=True), threading.Thread(target=load)]
+        for helper in helpers:
+            helper.start()
+        started = time.monotonic()
+        rollouts = {}
+        for role in ("decode", "prefill"):
+            began = time.monotonic()
+            patch = {"spec": {role: {"engineArgs": ["--max-num-seqs", "48"]}}}
+            cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "pdservices", name, patch)
+            wait_for(lambda: _rolled_out(cluster, name, role), timeout=180, what=f"the {role} rollout")  # noqa: B023
+            rollouts[role] = time.monotonic() - began
+        time.sleep(2)  # streams started during the last pod's drain run on
+        stop.set()
+        helpers[1].join()
+        for stream in streams:
+            stream.thread.join(180)
+        migrations = {key: value for key, value in scrape(router.url).items() if key.startswith("pdserve_router_migra")}
+    finally:
+        stop.set()
+        processes.stop_all()
+        cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "pdservices", name)
+    outcomes = [(s.error, s.finish_reason, s.tokens) for s in streams]
+    failed = [outcome for outcome in outcomes if outcome != (None, "length", 96)]
+    gaps = sorted(s.longest_gap for s in streams)
+    print(
+        f"rollouts under load ({time.monotonic() - started:.0f} s; decode {rollouts['decode']:.0f} s, prefill "
+        f"{rollouts['prefill']:.0f} s): {len(streams)} streams, {len(failed)} failed; migrations {migrations}; "
+        f"longest gap per stream p50 {gaps[len(gaps) // 2]:.2f} s, p99 {gaps[int(len(gaps) * 0.99)]:.2f} s, "
+        f"max {gaps[-1]:.2f} s"
+    )
+    assert not failed, failed[:5]
+    assert sum(migrations.values()) > 0, "no stream was handed over: the rollout did not test the hand-off"
+
+
+def _answers(url: str, model: str) -> bool:
+    try:
+        return completion(url, model)["usage"]["completion_tokens"] == 8
+    except OSError:  # until the router's discovery has seen the pods Ready
+        return False
+
+
+def _rolled_out(cluster: Cluster, service: str, role: str) -> bool:
+    """The role's Deployment runs only pods of its latest template, all of them Ready."""
+    deployment = cluster.apps.read_namespaced_deployment(f"{service}-{role}", NAMESPACE)
+    status = deployment.status
+    wanted = deployment.spec.replicas
+    done = (
+        (status.observed_generation or 0) >= deployment.metadata.generation
+        and status.updated_replicas == wanted
+        and status.ready_replicas == wanted
+        and status.replicas == wanted
+    )
+    return done and len(pods(cluster, service, role)) == wanted
 
 
 def _ready(obj: dict[str, Any] | None) -> bool:

@@ -200,10 +200,16 @@ def test_engine_pods_are_annotated_with_their_tensor_parallel_size():
     assert "annotations" not in router_pod("llm", "ns", full())["metadata"]
 
 
-def test_grace_period_covers_the_kv_lease():
+def test_grace_period_covers_the_kv_lease_on_prefill_and_the_drain_on_decode():
     assert engine_pod("llm", "prefill", full())["spec"]["terminationGracePeriodSeconds"] == 60
     pod = engine_pod("llm", "prefill", full(kvTransfer={"leaseSeconds": 2.5}))
     assert pod["spec"]["terminationGracePeriodSeconds"] == 33
+    # A decode pod hands its streams to the router instead of waiting for them: its drain is short.
+    decode = engine_pod("llm", "decode", full(kvTransfer={"leaseSeconds": 120}))
+    assert decode["spec"]["terminationGracePeriodSeconds"] == 35
+    command = decode["spec"]["containers"][0]["command"]
+    assert command[command.index("--drain-timeout") + 1] == "30"
+    assert "--drain-timeout" not in engine_pod("llm", "prefill", full())["spec"]["containers"][0]["command"]
 
 
 @pytest.mark.parametrize(

@@ -3,20 +3,20 @@ prefill and decode processes on 127.0.0.1. A decode pod killed (SIGKILL) or stal
 token deadline) or told to stop (SIGTERM, with --drain-handoff 0: it hands its streams back at once) mid-stream: the
 router continues the stream on another decode pod from the tokens the client
 has, and the client's stream is whole: one id, no token twice or missing, the text of an uninterrupted run, one
-usage over the whole generation. The stalled pod, once it runs again, holds nothing of the abandoned stream."""
+usage over the whole generation. The stalled pod, once it runs again, holds nothing of the abandoned stream. A
+whole (not streamed) answer broken by a kill is answered whole by another pod."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import signal
+import threading
 import time
-import urllib.parse
 
 import pytest
 
 from pdserve.testing.metrics import idle, metric, scrape
-from tests.pd.cluster import Cluster, wait_for
+from tests.pd.cluster import Cluster, post, wait_for
+from tests.pd.streams import LiveStream
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -37,52 +37,6 @@ def cluster(tmp_path_factory):
         if decode.process is not None and decode.process.poll() is None:
             decode.process.send_signal(signal.SIGCONT)
     cluster.stop()
-
-
-class _Stream:
-    """A streamed completion read event by event as it comes, through the router."""
-
-    def __init__(self, url: str, body: dict) -> None:
-        address = urllib.parse.urlsplit(url)
-        self.connection = http.client.HTTPConnection(address.hostname, address.port, timeout=120)
-        self.connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        self.response = self.connection.getresponse()
-        assert self.response.status == 200, self.response.read()
-        self.chunks: list[dict] = []
-        self.done = False
-
-    def read_event(self) -> dict | None:
-        """The next data event's object (None at [DONE]); comments are skipped."""
-        lines = []
-        while True:
-            line = self.response.readline()
-            assert line, "the stream ended before [DONE]"
-            if line == b"\n":
-                break
-            lines.append(line.rstrip(b"\n"))
-        event = b"\n".join(lines)
-        assert not event.startswith(b":"), f"a router-only comment reached the client: {event[:80]!r}"
-        assert event.startswith(b"data: "), event
-        if event == b"data: [DONE]":
-            self.done = True
-            return None
-        value = json.loads(event[6:])
-        assert "error" not in value, value
-        self.chunks.append(value)
-        return value
-
-    def read_all(self) -> None:
-        while self.read_event() is not None:
-            pass
-        self.connection.close()
-
-    @property
-    def text(self) -> str:
-        return "".join(choice["text"] for chunk in self.chunks for choice in chunk["choices"])
-
-    @property
-    def usage(self) -> dict:
-        return self.chunks[-1]["usage"]
 
 
 def _body(seed: int | None) -> dict:
@@ -116,14 +70,14 @@ def _migrations(cluster: Cluster, cause: str) -> float:
     return metric(scrape(cluster.router.url), "pdserve_router_migrations_total", cause=cause)
 
 
-def _uninterrupted(cluster: Cluster, seed: int | None) -> _Stream:
+def _uninterrupted(cluster: Cluster, seed: int | None) -> LiveStream:
     assert cluster.router is not None
-    stream = _Stream(cluster.router.url, _body(seed))
+    stream = LiveStream(cluster.router.url, _body(seed))
     stream.read_all()
     return stream
 
 
-def _assert_whole_like(stream: _Stream, reference: _Stream) -> None:
+def _assert_whole_like(stream: LiveStream, reference: LiveStream) -> None:
     assert stream.done
     assert len({chunk["id"] for chunk in stream.chunks}) == 1, "one id across the splice"
     assert len({chunk["created"] for chunk in stream.chunks}) == 1
@@ -139,7 +93,7 @@ def test_a_decode_pod_killed_mid_stream_is_not_noticed(cluster, seed):
     reference = _uninterrupted(cluster, seed)
     assert cluster.router is not None
     before = _migrations(cluster, "broken")
-    stream = _Stream(cluster.router.url, _body(seed))
+    stream = LiveStream(cluster.router.url, _body(seed))
     for _ in range(10):
         assert stream.read_event() is not None
     victim = _serving_decode(cluster)
@@ -155,7 +109,7 @@ def test_a_stalled_decode_pod_is_left_and_frees_the_stream_once_it_runs(cluster)
     reference = _uninterrupted(cluster, 11)
     assert cluster.router is not None
     before = _migrations(cluster, "stall")
-    stream = _Stream(cluster.router.url, _body(11))
+    stream = LiveStream(cluster.router.url, _body(11))
     for _ in range(10):
         assert stream.read_event() is not None
     victim = _serving_decode(cluster)
@@ -177,7 +131,7 @@ def test_a_draining_decode_pod_hands_its_stream_over_and_exits(cluster):
     reference = _uninterrupted(cluster, 12)
     assert cluster.router is not None
     before = _migrations(cluster, "drain")
-    stream = _Stream(cluster.router.url, _body(12))
+    stream = LiveStream(cluster.router.url, _body(12))
     for _ in range(10):
         assert stream.read_event() is not None
     victim = _serving_decode(cluster)
@@ -188,3 +142,21 @@ def test_a_draining_decode_pod_hands_its_stream_over_and_exits(cluster):
     assert _migrations(cluster, "drain") == before + 1
     # Its stream gone elsewhere, it has nothing left to wait for: it exits long before its drain timeout.
     assert victim.process.wait(30) == 0
+
+
+def test_a_whole_answer_broken_by_a_kill_is_answered_by_another_pod(cluster):
+    assert cluster.router is not None
+    body = {**_body(None), "stream": False, "max_tokens": 700}
+    del body["stream_options"]
+    status, reference = post(cluster.router.url + "/v1/completions", body)
+    assert status == 200, reference
+    answer: list = []
+    worker = threading.Thread(target=lambda: answer.extend(post(cluster.router.url + "/v1/completions", body)))
+    worker.start()
+    victim = _serving_decode(cluster)
+    victim.kill()
+    worker.join(120)
+    status, whole = answer
+    assert status == 200, whole
+    assert whole["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert whole["usage"]["completion_tokens"] == 700
