@@ -73,6 +73,45 @@ async def _unless_left_rotation(awaitable: Any, left_rotation: asyncio.Event | N
     raise _LeftRotation()
 
 
+class _StallWatch:
+    """Ends the current task's wait for a leg's next chunk once ``deadline`` seconds pass without one (it is
+    cancelled, and ``stalled()`` says why): one timer per deadline, not one per chunk, so a stream's relay stays
+    as cheap as a pass-through. Only a wait for the leg is cancelled, never a write to the client."""
+
+    def __init__(self, deadline: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.deadline = deadline
+        self.last = self.loop.time()
+        self.reading = False
+        self._fired = False
+        self._timer = self.loop.call_later(deadline, self._check)
+
+    def fed(self) -> None:
+        self.last = self.loop.time()
+        self.reading = False
+
+    def stalled(self) -> bool:
+        """Whether the cancellation just raised was this watch's alone (then it is taken back)."""
+        if not self._fired or self.task.cancelling() > 1:
+            return False
+        self.task.uncancel()
+        return True
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+    def _check(self) -> None:
+        idle = self.loop.time() - self.last
+        if idle < self.deadline or not self.reading:
+            self._timer = self.loop.call_later(max(self.deadline - idle, 0.05), self._check)
+            return
+        self._fired = True
+        self.task.cancel()
+
+
 class DecodeLegs:
     def __init__(
         self, config: RouterConfig, upstream: Upstream, pods: PodSet, chooser: Chooser, metrics: RouterMetrics
@@ -226,30 +265,41 @@ class DecodeLegs:
         """One leg's events to the client until it ends: ``whole`` ([DONE] passed, or the engine closed a stream
         it answered with an error), ``client_gone``, or why it broke: ``broken`` (connection lost, or closed
         before [DONE]), ``stall`` (nothing within the token deadline), ``engine_error`` (its server error)."""
-        deadline = self.config.token_deadline or None
+        watch = _StallWatch(self.config.token_deadline) if self.config.token_deadline else None
         pending = first
-        while True:
-            if pending is not None:
-                chunk, pending = pending, None
-            else:
-                try:
-                    chunk = await asyncio.wait_for(chunks.__anext__(), deadline)
-                except StopAsyncIteration:
-                    return "whole" if splice.done else "broken"
-                except TimeoutError:
-                    return "stall"
-                except aiohttp.ClientError:
-                    return "broken"
-            events = splice.feed(chunk)
-            if events:
-                try:
-                    await response.write(events)
-                except ConnectionResetError:
-                    return "client_gone"
-            if splice.failed_engine:
-                return "engine_error"
-            if splice.handed_off:
-                return "drain"
+        try:
+            while True:
+                if pending is not None:
+                    chunk, pending = pending, None
+                else:
+                    try:
+                        if watch is not None:
+                            watch.reading = True
+                        chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        return "whole" if splice.done else "broken"
+                    except asyncio.CancelledError:
+                        if watch is None or not watch.stalled():
+                            raise
+                        return "stall"
+                    except aiohttp.ClientError:
+                        return "broken"
+                    finally:
+                        if watch is not None:
+                            watch.fed()
+                events = splice.feed(chunk)
+                if events:
+                    try:
+                        await response.write(events)
+                    except ConnectionResetError:
+                        return "client_gone"
+                if splice.failed_engine:
+                    return "engine_error"
+                if splice.handed_off:
+                    return "drain"
+        finally:
+            if watch is not None:
+                watch.close()
 
     async def _continue(self, exchange: Exchange, splice: StreamSplice, cause: str, tried: list[Pod]) -> str:
         """Continue a broken stream on other decode pods (at most ``migration_limit`` continuations; pods that

@@ -28,7 +28,7 @@ def cluster(tmp_path_factory):
     cluster = Cluster.start(
         tmp_path_factory.mktemp("migration"),
         "tcp",
-        num_decode=4,
+        num_decode=5,  # one for each kill and drain, and one left with the stalled one
         decode_flags=("--drain-handoff", "0"),
         router_flags=("--token-deadline", "3"),
     )
@@ -105,6 +105,24 @@ def test_a_decode_pod_killed_mid_stream_is_not_noticed(cluster, seed):
         wait_for(lambda d=decode: idle(scrape(d.url)), 30, f"{decode.name} still holds KV after the migrated stream")
 
 
+def test_a_whole_answer_broken_by_a_kill_is_answered_by_another_pod(cluster):
+    assert cluster.router is not None
+    body = {**_body(None), "stream": False, "max_tokens": 700}
+    del body["stream_options"]
+    status, reference = post(cluster.router.url + "/v1/completions", body)
+    assert status == 200, reference
+    answer: list = []
+    worker = threading.Thread(target=lambda: answer.extend(post(cluster.router.url + "/v1/completions", body)))
+    worker.start()
+    victim = _serving_decode(cluster)
+    victim.kill()
+    worker.join(120)
+    status, whole = answer
+    assert status == 200, whole
+    assert whole["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert whole["usage"]["completion_tokens"] == 700
+
+
 def test_a_stalled_decode_pod_is_left_and_frees_the_stream_once_it_runs(cluster):
     reference = _uninterrupted(cluster, 11)
     assert cluster.router is not None
@@ -142,21 +160,3 @@ def test_a_draining_decode_pod_hands_its_stream_over_and_exits(cluster):
     assert _migrations(cluster, "drain") == before + 1
     # Its stream gone elsewhere, it has nothing left to wait for: it exits long before its drain timeout.
     assert victim.process.wait(30) == 0
-
-
-def test_a_whole_answer_broken_by_a_kill_is_answered_by_another_pod(cluster):
-    assert cluster.router is not None
-    body = {**_body(None), "stream": False, "max_tokens": 700}
-    del body["stream_options"]
-    status, reference = post(cluster.router.url + "/v1/completions", body)
-    assert status == 200, reference
-    answer: list = []
-    worker = threading.Thread(target=lambda: answer.extend(post(cluster.router.url + "/v1/completions", body)))
-    worker.start()
-    victim = _serving_decode(cluster)
-    victim.kill()
-    worker.join(120)
-    status, whole = answer
-    assert status == 200, whole
-    assert whole["choices"][0]["text"] == reference["choices"][0]["text"]
-    assert whole["usage"]["completion_tokens"] == 700
