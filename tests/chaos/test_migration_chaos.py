@@ -1,7 +1,8 @@
 """Chaos for streams that survive their decode pod (docs/faults.md, "Streams that survive a decode pod"): real
 router, one prefill and three decode processes; 32 concurrent streams (greedy, seeded, and sampled without a
 seed), and at a random point mid-stream the decode pod running the most of them is killed (SIGKILL), drained
-(SIGTERM, handing its streams back after 1 s) or stalled (SIGSTOP, past the router's 3 s token deadline).
+(SIGTERM, with --drain-handoff 0: handing its streams back at once) or stalled (SIGSTOP, past the router's 3 s
+token deadline).
 
 Every stream ends whole: [DONE], one id, one usage of all its tokens, no router-only comment, every token's
 logprob once (none twice, none missing). Greedy and seeded streams are compared with an uninterrupted run of the
@@ -26,14 +27,14 @@ from tests.pd.streams import LiveStream
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 NUM_STREAMS = 32
-MAX_TOKENS = 48
+MAX_TOKENS = 96
 KINDS = ("greedy", "seeded", "unseeded")
 
 
 @pytest.fixture(scope="module", params=["recompute", "shared-tier"])
 def cluster(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"migration-chaos-{request.param}")
-    flags: tuple[str, ...] = ("--drain-handoff", "1")
+    flags: tuple[str, ...] = ("--drain-handoff", "0")
     if request.param == "shared-tier":
         flags += ("--kv-tier-shared", str(folder / "shared"), "--kv-tier-always-load")
     cluster = Cluster.start(folder, "tcp", num_decode=3, decode_flags=flags, router_flags=("--token-deadline", "3"))
@@ -146,6 +147,12 @@ def test_thirty_two_streams_survive_their_decode_pod(cluster, fault):
     assert migrated > 0
     if cluster.variant == "shared-tier":
         assert same == len(compared)
+        loaded = sum(
+            metric(scrape(d.url), "pdserve_kv_tier_hit_tokens_total", medium="shared")
+            for d in cluster.decodes
+            if d.process is not None and d.process.poll() is None
+        )
+        assert loaded > 0, "no continuation loaded its history from the shared tier"
     else:
         assert same >= len(compared) - 2
     if fault == "drain":
