@@ -305,12 +305,21 @@ class DecodeLegs:
         """Continue a broken stream on other decode pods (at most ``migration_limit`` continuations; pods that
         cannot be reached or refuse it for now are tried once each, uncounted); how it ended."""
         migrations = 0
+        # Pods of the first leg's model revision (its KV compatibility hash) continue it as the first would have.
+        revision = tried[0].compat_hash
+        other_revisions = [pod for pod in self.pods.pods if pod.compat_hash != revision] if revision else []
         while migrations < self.config.migration_limit:
             continuation = splice.continuation()
             if continuation is None:  # it broke before its first event: nothing to answer under
                 logger.warning("request %s: its stream ended (%s) before its first event", exchange.request_id, cause)
                 return cause
-            exchange.hold(self.chooser.choose(self.pods, exchange.prompt, exchange.session, exclude=tried))
+            choice = self.chooser.choose(self.pods, exchange.prompt, exchange.session, exclude=tried + other_revisions)
+            if choice is None and other_revisions:
+                # A rollout left none of its revision: another model's tokens from here on, said in a metric.
+                choice = self.chooser.choose(self.pods, exchange.prompt, exchange.session, exclude=tried)
+                if choice is not None:
+                    self.metrics.migrations_across_revisions.inc()
+            exchange.hold(choice)
             if exchange.decode is None:
                 logger.warning("request %s: no decode pod left to continue its stream (%s)", exchange.request_id, cause)
                 return cause

@@ -159,6 +159,12 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.migrations = {cause: migrations.labels(cause) for cause in MIGRATION_CAUSES}
+        self.migrations_across_revisions = Counter(
+            "pdserve_router_migrations_across_revisions",
+            "Streams continued on a decode pod of another model revision (KV compatibility hash) because none of "
+            "theirs was left: the tokens after the break are that revision's",
+            registry=self.registry,
+        )
         self.malformed_events = Counter(
             "pdserve_router_kv_events_malformed",
             "KV-event frames dropped: malformed, oversized, not signed with events.key, naming another engine than "

@@ -135,6 +135,7 @@ class PodProcesses:
         self.cluster, self.kubelet, self.folder, self.service = cluster, kubelet, folder, service
         self.model = str(ensure_demo_model())
         self.processes: dict[str, Process] = {}
+        self.stopped: list[tuple[str, float]] = []  # (pod, seconds from SIGTERM to its exit) of deleted pods
         self.lock = threading.Lock()  # the kubelet stops pods from its own threads
         kubelet.on_terminating = self.stop
 
@@ -186,7 +187,9 @@ class PodProcesses:
         with self.lock:
             process = self.processes.pop(pod.metadata.uid, None)
         if process is not None:
+            began = time.monotonic()
             process.stop(timeout=pod.spec.termination_grace_period_seconds or 30)
+            self.stopped.append((pod.metadata.name, time.monotonic() - began))
 
     def start_new(self, service: str) -> None:
         """Start the engine pods of ``service`` that run but have no process yet (a rollout's new pods)."""
@@ -413,22 +416,28 @@ def test_pdservice_lifecycle(cluster: Cluster, kubelet: FakeKubelet, operator: A
     wait_for(everything_gone, timeout=60, what="garbage collection of everything the PDService owned")
 
 
+TOKENS = 300  # per stream of the rollout test: a few seconds each, so that drains find streams to hand over
+
+
 def test_rolling_updates_under_load_lose_no_request(
     cluster: Cluster, kubelet: FakeKubelet, operator: Any, tmp_path: Path
 ) -> None:
     """A rolling update of the decode pool, then of the prefill pool (new engine flags: a new pod template),
-    while streams start every 0.4 s: every stream ends whole. An old decode pod, deleted once its successor is
-    Ready, drains: after 5 s (--drain-handoff) it hands the streams it still runs back to the router, which
+    while streams start every 0.3 s: every stream ends whole. An old decode pod, deleted once its successor is
+    Ready, drains: after 1 s (--drain-handoff) it hands the streams it still runs back to the router, which
     continues them on another decode pod; it exits long before its grace period. Simulated: the kubelet's part
     (starting each new pod's process, SIGTERM then SIGKILL after the grace period on deletion); everything
     else (the operator, the Deployment and ReplicaSet controllers' rollout, the router's discovery) is real."""
     name = "roll"
     service = _cpu_example(name)
     service["spec"]["decode"]["replicas"] = 2
+    # Hand streams over after 1 s, not 5: the test's streams (300 tokens) run a few seconds each.
+    service["spec"]["decode"]["engineArgs"] = ["--drain-handoff", "1"]
     cluster.create(service, namespace=NAMESPACE)
     processes = PodProcesses(cluster, kubelet, tmp_path, name)
     streams: list[Stream] = []
     stop = threading.Event()
+    helpers: list[threading.Thread] = []
     try:
         processes.start_healthy([*running_pods(cluster, name, "prefill", 1), *running_pods(cluster, name, "decode", 2)])
         (router,) = processes.start_healthy(running_pods(cluster, name, "router", 1))
@@ -441,40 +450,48 @@ def test_rolling_updates_under_load_lose_no_request(
 
         def load() -> None:
             while not stop.is_set():
-                stream = Stream(router.url, name, max_tokens=96)
+                stream = Stream(router.url, name, max_tokens=TOKENS)
                 stream.thread.start()
                 streams.append(stream)
-                stop.wait(0.4)
+                stop.wait(0.3)
 
-        helpers = [threading.Thread(target=kubelet_starts_new_pods, daemon=True), threading.Thread(target=load)]
+        helpers += [threading.Thread(target=kubelet_starts_new_pods, daemon=True), threading.Thread(target=load)]
         for helper in helpers:
             helper.start()
         started = time.monotonic()
         rollouts = {}
         for role in ("decode", "prefill"):
             began = time.monotonic()
-            patch = {"spec": {role: {"engineArgs": ["--max-num-seqs", "48"]}}}
+            before = cluster.apps.read_namespaced_deployment(f"{name}-{role}", NAMESPACE).metadata.generation
+            args = service["spec"][role].get("engineArgs", [])
+            patch = {"spec": {role: {"engineArgs": [*args, "--max-num-seqs", "48"]}}}
             cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "pdservices", name, patch)
-            wait_for(lambda: _rolled_out(cluster, name, role), timeout=180, what=f"the {role} rollout")  # noqa: B023
+            wait_for(lambda: _rolled_out(cluster, name, role, before), timeout=180, what=f"the {role} rollout")  # noqa: B023
             rollouts[role] = time.monotonic() - began
         time.sleep(2)  # streams started during the last pod's drain run on
         stop.set()
         helpers[1].join()
         for stream in streams:
             stream.thread.join(180)
-        migrations = {key: value for key, value in scrape(router.url).items() if key.startswith("pdserve_router_migra")}
+        migrations = {
+            key: value
+            for key, value in scrape(router.url).items()
+            if key.startswith("pdserve_router_migrations_total") and value
+        }
     finally:
         stop.set()
+        for helper in helpers:  # no process may start after the others are stopped
+            helper.join(120)
         processes.stop_all()
         cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "pdservices", name)
     outcomes = [(s.error, s.finish_reason, s.tokens) for s in streams]
-    failed = [outcome for outcome in outcomes if outcome != (None, "length", 96)]
+    failed = [outcome for outcome in outcomes if outcome != (None, "length", TOKENS)]
     gaps = sorted(s.longest_gap for s in streams)
     print(
         f"rollouts under load ({time.monotonic() - started:.0f} s; decode {rollouts['decode']:.0f} s, prefill "
         f"{rollouts['prefill']:.0f} s): {len(streams)} streams, {len(failed)} failed; migrations {migrations}; "
         f"longest gap per stream p50 {gaps[len(gaps) // 2]:.2f} s, p99 {gaps[int(len(gaps) * 0.99)]:.2f} s, "
-        f"max {gaps[-1]:.2f} s"
+        f"max {gaps[-1]:.2f} s; deleted pods stopped in {', '.join(f'{s:.1f}' for _, s in processes.stopped)} s"
     )
     assert not failed, failed[:5]
     assert sum(migrations.values()) > 0, "no stream was handed over: the rollout did not test the hand-off"
@@ -487,13 +504,14 @@ def _answers(url: str, model: str) -> bool:
         return False
 
 
-def _rolled_out(cluster: Cluster, service: str, role: str) -> bool:
-    """The role's Deployment runs only pods of its latest template, all of them Ready."""
+def _rolled_out(cluster: Cluster, service: str, role: str, generation: int) -> bool:
+    """The role's Deployment, changed since ``generation``, runs only pods of its latest template, all Ready."""
     deployment = cluster.apps.read_namespaced_deployment(f"{service}-{role}", NAMESPACE)
     status = deployment.status
     wanted = deployment.spec.replicas
     done = (
-        (status.observed_generation or 0) >= deployment.metadata.generation
+        deployment.metadata.generation > generation
+        and (status.observed_generation or 0) >= deployment.metadata.generation
         and status.updated_replicas == wanted
         and status.ready_replicas == wanted
         and status.replicas == wanted

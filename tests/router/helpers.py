@@ -20,6 +20,7 @@ import zmq.asyncio
 from aiohttp import web
 from multidict import CIMultiDict
 
+from pdserve.api.continuation import CONTINUED_HEADER, TOKENS_HEADER, StreamTokens, tokens_comment
 from pdserve.api.kv_events import EngineLoad, EventSigner, KVEventBatch, TierEvents, encode_batch
 from pdserve.launcher import free_port
 from pdserve.router import RouterConfig, RunningRouter, start_router
@@ -155,6 +156,10 @@ class Stub:
         self.hung = False  # /health answers nothing (with wait_before_answer: a stopped process)
         self.delay = 0.0
         self.die_after: int | None = None  # decode: drop the connection after this many tokens
+        # As a decode engine does for the router: token comments (token i is 100 + i) and continuations.
+        self.compat_hash: str | None = None
+        self.continue_status = 200  # the answer to a continuation (a 4xx: its history refused)
+        self.error_after: int | None = None  # decode: end the stream with a 503 error event after this many tokens
         self.cancelled = threading.Event()  # a handler of ours was cancelled or found its client gone
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -230,9 +235,10 @@ class Stub:
     async def health(self, request: web.Request) -> web.Response:
         if self.hung:
             await asyncio.sleep(60)
-        if self.kv_events_port is None:
-            return web.json_response({"status": "ok", "engine_id": self.engine_id})
-        return web.json_response({"status": "ok", "kv_events_port": self.kv_events_port, "engine_id": self.engine_id})
+        health = {"status": "ok", "engine_id": self.engine_id, "kv_compat_hash": self.compat_hash}
+        if self.kv_events_port is not None:
+            health["kv_events_port"] = self.kv_events_port
+        return web.json_response(health)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -272,15 +278,33 @@ class Stub:
                     ),
                     headers=self.answer_headers,
                 )
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self.answer_headers})
+            continued = (body.get("kv_transfer_params") or {}).get("continue")
+            headers = {"Content-Type": "text/event-stream", **self.answer_headers}
+            if continued is not None:
+                if self.continue_status != 200:
+                    error = {"message": "history refused", "type": "invalid_request_error", "code": 400}
+                    return web.json_response({"error": error}, status=self.continue_status)
+                headers[CONTINUED_HEADER] = "1"
+            response = web.StreamResponse(headers=headers)
             await response.prepare(request)
             events = stream_bytes(request.path, self.tokens).split(b"\n\n")[:-1]
             if self.cached_tokens is not None and (body.get("stream_options") or {}).get("include_usage"):
                 events.insert(-1, usage_event(request.path, self.cached_tokens)[:-2])
+            start = len(continued["choices"][0]["token_ids"]) if continued and continued["choices"] else 0
+            with_tokens = request.headers.get(TOKENS_HEADER) == "1"
             for i, event in enumerate(events):
+                if i < start:
+                    continue
                 if i == self.die_after:
                     request.transport.close()
                     return response
+                if i == self.error_after:  # as an engine whose core died mid-stream ends it
+                    error = {"message": "the engine core died", "type": "service_unavailable", "code": 503}
+                    await response.write(b"data: " + msgspec.json.encode({"error": error}) + b"\n\ndata: [DONE]\n\n")
+                    return response
+                if with_tokens and i < self.tokens:
+                    finish = "length" if i == self.tokens - 1 else None
+                    event = tokens_comment(StreamTokens(0, [100 + i], finish))[:-2] + b"\n\n" + event
                 await response.write(event + b"\n\n")
                 await asyncio.sleep(self.delay)
             await response.write_eof()

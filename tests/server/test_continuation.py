@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from pdserve.api.continuation import CONTINUED_HEADER, TOKENS_HEADER, read_tokens_comment
+from pdserve.testing.scripted_runner import SCRIPT_MARKER, SCRIPTED_RUNNER
 from tests.server.helpers import ServerThread, demo_engine_args
 
 WEATHER = {
@@ -116,8 +117,10 @@ def _usage_and_ids(whole: list[_Event], spliced: list[_Event]) -> None:
         {"temperature": 0.0},
         {"temperature": 0.9, "top_p": 0.9, "seed": 5},
         {"temperature": 1.0, "top_k": 20, "seed": 6, "frequency_penalty": 0.5, "presence_penalty": 0.3},
+        {"temperature": 0.6, "min_p": 0.1, "seed": 8, "repetition_penalty": 1.3},
+        {"temperature": 1.3, "top_p": 0.8, "top_k": 50, "seed": -(2**40)},
     ],
-    ids=["greedy", "seeded", "penalties"],
+    ids=["greedy", "seeded", "penalties", "repetition", "negative-seed"],
 )
 def test_a_continued_completion_is_the_uninterrupted_one(server, sampling):
     body = {
@@ -274,3 +277,43 @@ def test_an_unseeded_stream_gets_a_seed_that_a_continuation_draws_from(server):
     )
     with urllib.request.urlopen(request, timeout=60) as response:
         assert b"pdserve-tokens" not in response.read()
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    """A model that writes what its prompt's script says (pdserve/testing/scripted_runner.py): thinking, content
+    and tool calls in the formats the qwen3 reasoning parser and the hermes tool parser read."""
+    args = demo_engine_args(tmp_path_factory.mktemp("scripted"), kv_cache_memory=32 << 20, max_model_len=1024)
+    args.model_runner_cls = SCRIPTED_RUNNER
+    args.reasoning_parser = "qwen3"
+    thread = ServerThread(args, tool_call_parser="hermes")
+    yield thread
+    thread.close()
+
+
+def test_the_parsers_read_one_continuous_text_across_the_splice(scripted):
+    script = (
+        "<think>Two cities, one call each.</think>I will look both up.\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+    )
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": f"What now? {SCRIPT_MARKER} {script}"}],
+        "tools": TOOLS,
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+    }
+    whole, _ = _stream(scripted, "/v1/chat/completions", body)
+    reference = whole
+    for cut in range(1, len(whole) - 1, len(whole) // 7):  # in the thinking, the content, and inside each call
+        rest, _ = _stream(scripted, "/v1/chat/completions", {**body, "kv_transfer_params": _continuation(whole, cut)})
+        spliced = whole[:cut] + rest
+        for field in ("reasoning_content", "content"):
+            assert _texts(spliced, field) == _texts(reference, field)
+        calls = [c for e in spliced for ch in e.data["choices"] for c in ch["delta"].get("tool_calls") or []]
+        expected = [c for e in reference for ch in e.data["choices"] for c in ch["delta"].get("tool_calls") or []]
+        assert "".join(json.dumps(c) for c in calls) == "".join(json.dumps(c) for c in expected)
+        assert [c["finish_reason"] for e in spliced for c in e.data["choices"] if c["finish_reason"]] == ["tool_calls"]
+    assert _texts(whole, "reasoning_content") == {0: "Two cities, one call each."}
