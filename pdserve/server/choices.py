@@ -109,7 +109,7 @@ class ChoiceRunner:
             result.logprobs.extend(new_logprobs)
             if output.prompt_logprobs is not None:
                 result.prompt_logprobs = output.prompt_logprobs
-            # (Cached prompt tokens: a continuation's cache hits may cover its output too.)
+            # num_cached_tokens counts prompt tokens only: a continuation's cache hits may cover its output too.
             if detokenizer.stop_string is not None:
                 await self.client.abort([child_id])
                 result.finish_reason, result.stop_reason = "stop", detokenizer.stop_string
