@@ -302,3 +302,19 @@ def test_events_relayed_from_another_pod_replayed_or_signed_for_another_engine_a
     assert inner.index.pods[second.url].hashes == {b"b" * 32} and inner.index.pods[first.url].hashes == {b"a" * 32}
     # The real streams carry on.
     publish_until(loop, second, router, has([b"c" * 32]), stored=[b"c" * 32])
+
+
+def test_two_router_replicas_keep_a_session_on_the_same_pod(loop, cluster):
+    """Replicas behind one Service share no state: each session lands on the pod a rendezvous hash of it gives,
+    whichever replica the client reaches (a restarted replica too: it keeps nothing the hash needs)."""
+    pods = [cluster.stub("decode") for _ in range(4)]
+    replicas = [cluster.router([], [pod.url for pod in pods], session_affinity=True) for _ in range(2)]
+
+    def landed(router, session: str) -> int:
+        before = [len(pod.seen) for pod in pods]
+        headers = {"X-Session-Id": session}
+        assert loop.run(post(router.url + "/v1/completions", {"prompt": "hi"}, headers))[0] == 200
+        return next(i for i, pod in enumerate(pods) if len(pod.seen) > before[i])
+
+    for session in ("alpha", "beta", "gamma", "delta", "epsilon"):
+        assert len({landed(router, session) for router in replicas for _ in range(2)}) == 1
