@@ -96,8 +96,8 @@ def engine_command(service: str, role: str, spec: dict[str, Any]) -> list[str]:
         kv["loadFailure"],
         "--kv-keys",
         KV_KEYS_DIR,
-        *(["--tensor-parallel-size", str(ranks)] if ranks > 1 else []),
         *(["--drain-timeout", str(DECODE_DRAIN_S)] if role == "decode" else []),
+        *(["--tensor-parallel-size", str(ranks)] if ranks > 1 else []),
         *_kv_tier_flags(spec[role].get("kvCache") or {}),
         *spec[role].get("engineArgs", []),
     ]

@@ -1,13 +1,15 @@
 """Streams that survive their decode pod (docs/faults.md, "Streams that survive a decode pod"): real router,
-prefill and decode processes on 127.0.0.1. A decode pod killed (SIGKILL) or stalled (SIGSTOP, past the router's
-token deadline) or told to stop (SIGTERM, with --drain-handoff 0: it hands its streams back at once) mid-stream: the
-router continues the stream on another decode pod from the tokens the client
-has, and the client's stream is whole: one id, no token twice or missing, the text of an uninterrupted run, one
-usage over the whole generation. The stalled pod, once it runs again, holds nothing of the abandoned stream. A
-whole (not streamed) answer broken by a kill is answered whole by another pod."""
+prefill and decode processes on 127.0.0.1. A decode pod killed (SIGKILL), stalled (SIGSTOP, past the router's
+token deadline) or told to stop (SIGTERM, with --drain-handoff 0: it hands its streams back at once) mid-stream:
+the router continues the stream on another decode pod from the tokens the client has, and the client's stream is
+whole: one id, no token twice or missing, the text of an uninterrupted run, one usage over the whole generation.
+The stalled pod, once it runs again, holds nothing of the abandoned stream. A whole (not streamed) answer broken
+by a kill is answered whole by another pod. A killed router: its client gets a connection error, and the engines
+free what its legs held."""
 
 from __future__ import annotations
 
+import http.client
 import signal
 import threading
 import time
@@ -20,7 +22,7 @@ from tests.pd.streams import LiveStream
 
 pytestmark = [pytest.mark.timeout(300)]
 
-MAX_TOKENS = 120
+MAX_TOKENS = 200  # long enough that the test finds the stream running after its first events
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +162,18 @@ def test_a_draining_decode_pod_hands_its_stream_over_and_exits(cluster):
     assert _migrations(cluster, "drain") == before + 1
     # Its stream gone elsewhere, it has nothing left to wait for: it exits long before its drain timeout.
     assert victim.process.wait(30) == 0
+
+
+def test_a_killed_router_is_a_connection_error_and_its_legs_are_freed(cluster):
+    """The last of the module: the router goes (and comes back for nothing else)."""
+    assert cluster.router is not None
+    stream = LiveStream(cluster.router.url, _body(None))
+    for _ in range(10):
+        assert stream.read_event() is not None
+    cluster.router.kill()
+    with pytest.raises((http.client.IncompleteRead, ConnectionError, AssertionError)):
+        stream.read_all()  # never a stream that ends as if whole
+    assert not stream.done
+    # Its upstream connections closed with it: the engines abort the legs and free their KV.
+    for decode in _alive(cluster):
+        wait_for(lambda d=decode: idle(scrape(d.url)), 30, f"{decode.name} still holds the orphaned leg's KV")
