@@ -147,11 +147,7 @@ class DecodeLegs:
             except _LeftRotation:
                 self.metrics.errors["decode_hung"].inc()
             except aiohttp.ClientConnectionError as error:
-                self.metrics.errors["decode_unreachable"].inc()
-                if isinstance(error, aiohttp.ClientConnectorError):  # nothing listens there: out at once
-                    self.upstream.eject(self.pods, pod, f"connection failed: {error}")
-                else:
-                    self.upstream.failed(self.pods, pod, f"{type(error).__name__}: {error}")
+                self._unreachable(pod, error)
             else:
                 try:
                     if answer.status == 503 and not last:
@@ -331,11 +327,7 @@ class DecodeLegs:
             try:
                 answer = await self.upstream.post(pod, exchange.request.path, body, self._headers(exchange))
             except aiohttp.ClientConnectionError as error:
-                self.metrics.errors["decode_unreachable"].inc()
-                if isinstance(error, aiohttp.ClientConnectorError):  # nothing listens there: out at once
-                    self.upstream.eject(self.pods, pod, f"connection failed: {error}")
-                else:
-                    self.upstream.failed(self.pods, pod, f"{type(error).__name__}: {error}")
+                self._unreachable(pod, error)
                 continue
             try:
                 if answer.status != 200 or answer.headers.get(CONTINUED_HEADER) != "1":
@@ -373,6 +365,13 @@ class DecodeLegs:
         except ConnectionResetError:
             return "client_gone"
         return "whole"
+
+    def _unreachable(self, pod: Pod, error: aiohttp.ClientConnectionError) -> None:
+        self.metrics.errors["decode_unreachable"].inc()
+        if isinstance(error, aiohttp.ClientConnectorError):  # nothing listens there: out at once
+            self.upstream.eject(self.pods, pod, f"connection failed: {error}")
+        else:
+            self.upstream.failed(self.pods, pod, f"{type(error).__name__}: {error}")
 
     def _broken(self, pod: Pod, cause: str) -> None:
         if cause == "drain":  # not a failure: the pod stops, and its health probe takes it out of rotation

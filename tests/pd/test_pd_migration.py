@@ -79,6 +79,18 @@ def _uninterrupted(cluster: Cluster, seed: int | None) -> LiveStream:
     return stream
 
 
+def _mid_stream(cluster: Cluster, seed: int | None, cause: str):
+    """An uninterrupted run of the request, then the same request through the router, 10 events in; the
+    migrations counted so far for ``cause``; and the decode pod running it."""
+    assert cluster.router is not None
+    reference = _uninterrupted(cluster, seed)
+    before = _migrations(cluster, cause)
+    stream = LiveStream(cluster.router.url, _body(seed))
+    for _ in range(10):
+        assert stream.read_event() is not None
+    return reference, before, stream, _serving_decode(cluster)
+
+
 def _assert_whole_like(stream: LiveStream, reference: LiveStream) -> None:
     assert stream.done
     assert len({chunk["id"] for chunk in stream.chunks}) == 1, "one id across the splice"
@@ -92,13 +104,7 @@ def _assert_whole_like(stream: LiveStream, reference: LiveStream) -> None:
 
 @pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
 def test_a_decode_pod_killed_mid_stream_is_not_noticed(cluster, seed):
-    reference = _uninterrupted(cluster, seed)
-    assert cluster.router is not None
-    before = _migrations(cluster, "broken")
-    stream = LiveStream(cluster.router.url, _body(seed))
-    for _ in range(10):
-        assert stream.read_event() is not None
-    victim = _serving_decode(cluster)
+    reference, before, stream, victim = _mid_stream(cluster, seed, "broken")
     victim.kill()
     stream.read_all()
     _assert_whole_like(stream, reference)
@@ -126,13 +132,7 @@ def test_a_whole_answer_broken_by_a_kill_is_answered_by_another_pod(cluster):
 
 
 def test_a_stalled_decode_pod_is_left_and_frees_the_stream_once_it_runs(cluster):
-    reference = _uninterrupted(cluster, 11)
-    assert cluster.router is not None
-    before = _migrations(cluster, "stall")
-    stream = LiveStream(cluster.router.url, _body(11))
-    for _ in range(10):
-        assert stream.read_event() is not None
-    victim = _serving_decode(cluster)
+    reference, before, stream, victim = _mid_stream(cluster, 11, "stall")
     assert victim.process is not None
     victim.process.send_signal(signal.SIGSTOP)
     started = time.monotonic()
@@ -148,13 +148,7 @@ def test_a_stalled_decode_pod_is_left_and_frees_the_stream_once_it_runs(cluster)
 
 
 def test_a_draining_decode_pod_hands_its_stream_over_and_exits(cluster):
-    reference = _uninterrupted(cluster, 12)
-    assert cluster.router is not None
-    before = _migrations(cluster, "drain")
-    stream = LiveStream(cluster.router.url, _body(12))
-    for _ in range(10):
-        assert stream.read_event() is not None
-    victim = _serving_decode(cluster)
+    reference, before, stream, victim = _mid_stream(cluster, 12, "drain")
     assert victim.process is not None
     victim.process.send_signal(signal.SIGTERM)
     stream.read_all()
