@@ -165,7 +165,8 @@ class ChoiceRunner:
         delta), so that another engine could continue it drawing the same tokens."""
         merged: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
         if continuation is not None:
-            # Core ids of its own: the broken leg's requests (same response id) may still be ending on this engine.
+            # Core ids of its own: the broken leg's (same response id) may have just ended here, their last outputs
+            # still on their way to this process, which routes outputs by id.
             request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         child_ids = [f"{request_id}-{index}" for _, index in children]
         per_choice = self.processor.choice_params(params)
