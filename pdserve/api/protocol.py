@@ -78,6 +78,7 @@ class _SamplingFields(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    priority: int | None = None  # lower first (vLLM's); engines take it under --scheduling-policy priority
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     kv_transfer_params: dict[str, Any] | None = None

@@ -127,6 +127,7 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig]:
             enable_prefix_caching=args.enable_prefix_caching,
             num_state_slots=cache_size.num_state_slots,
             rows_per_state_slot=cache_size.rows_per_state_slot,
+            scheduling_policy=args.scheduling_policy,
         ),
         connector,
         loaded.generations,

@@ -57,6 +57,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     remote_decode: bool = False
     peer: PeerKV | None = None  # peer reads: hold its blocks for peers when it ends, or read its prefix from one
     output_token_ids: list[int] = []  # a continued stream's output so far (another engine's)
+    priority: int = 0  # lower first, under the priority scheduling policy
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -93,6 +94,7 @@ class CoreReady(msgspec.Struct, tag="ready"):
     # Where and how long this engine serves peer reads of finished turns' blocks: its side channel's host, each
     # rank's port and the hold time (None: it serves none).
     kv_peer_source: tuple[str, list[int], float] | None = None
+    scheduling_policy: str = "fcfs"  # the API process refuses priorities the policy would ignore
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):
@@ -165,6 +167,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                 core.kv_compat_hash,
                 engine_id,
                 core.scheduler.connector.peer_source(),
+                scheduler_config.scheduling_policy,
             )
         )
     )
@@ -199,6 +202,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                                 message.remote_decode,
                                 message.peer,
                                 message.output_token_ids,
+                                message.priority,
                             )
                         )
                     except ValueError as error:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pdserve.api.flags import add_flags, flag, flag_values, parse_size
 from pdserve.api.roles import COLOCATED, engine_role
 from pdserve.engine.reasoning import REASONING_PARSERS
+from pdserve.engine.scheduler_config import SCHEDULING_POLICIES
 from pdserve.engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connectors import KV_CONNECTORS
@@ -71,6 +72,14 @@ class EngineArgs:
     tensor_parallel_size: int = field(
         default=1,
         metadata=flag("split the model over this many ranks, one worker process each (implies mp)", aliases=("-tp",)),
+    )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata=flag(
+            "fcfs: requests run in arrival order; priority: by the request's priority (lower first), a request "
+            "that finds no room preempting running ones of a larger value",
+            choices=SCHEDULING_POLICIES,
+        ),
     )
     async_scheduling: bool = field(
         default=False,

@@ -104,6 +104,20 @@ class KVCacheManager:
             hit_blocks.append(block)
         return hit_blocks, len(hit_blocks) * block_size
 
+    def can_start(self, request: Request, max_new_tokens: int | None) -> bool:
+        """Whether a request that owns no blocks could take, now, blocks for its prefix hits and up to
+        ``max_new_tokens`` more tokens (None: all of them), and a state slot when the model has them."""
+        slots = self.state_slots
+        if slots is not None and not slots.num_free_slots:
+            return False
+        hit_blocks, num_hit_tokens = self.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit_tokens
+        if max_new_tokens is not None:
+            num_new = min(num_new, max_new_tokens)
+        num_new_blocks = -(-(num_hit_tokens + num_new) // self.block_size) - len(hit_blocks)
+        num_evictable_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        return num_new_blocks <= self.block_pool.num_free_blocks - num_evictable_hits
+
     def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """A request admitted after a prefix-cache lookup: counted once, however often it was looked up while
         it waited for room."""

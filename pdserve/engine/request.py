@@ -64,6 +64,7 @@ class Request:
         "num_prompt_tokens",
         "output_token_ids",
         "peer",
+        "priority",
         "prompt_logprobs",
         "prompt_token_ids",
         "remote_decode",
@@ -87,12 +88,14 @@ class Request:
         remote_decode: bool = False,
         peer: PeerKV | None = None,
         output_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> None:
         """``remote_prefill``: a P/D decode leg's remote blocks, screened by the API process (pdserve/server/
         pd_gate.py); ``remote_decode``: a P/D prefill leg, whose KV is held for a decode engine when it ends;
         ``peer``: hold its blocks for peer reads when it ends, or read its prompt's leading blocks from a peer;
         ``output_token_ids``: output another engine generated (a continued stream): the request starts as a
-        preempted one resumes, computing prompt and output, and samples what follows them."""
+        preempted one resumes, computing prompt and output, and samples what follows them; ``priority``: under
+        the priority scheduling policy, lower values go first (vLLM's semantics; ignored under fcfs)."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         self.request_id = request_id
@@ -105,6 +108,7 @@ class Request:
         self.remote_prefill = remote_prefill
         self.remote_decode = remote_decode
         self.peer = peer
+        self.priority = priority
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = list(output_token_ids or ())
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids

@@ -6,6 +6,11 @@ the token budget, ``max_num_seqs`` and KV memory allow. When a running request c
 block, the most recently admitted running request is preempted (its blocks freed, recomputed
 later; its own freed blocks usually come back as prefix-cache hits). Aborts work in any state.
 
+Under the priority policy (``--scheduling-policy priority``, vLLM's semantics) the queue and the running list
+are kept in (priority, arrival) order, lower values first: running requests are preempted from the other end
+(the largest value, latest arrival), and a waiting request that cannot start for want of blocks or a
+``max_num_seqs`` seat displaces running requests of a larger value before the step is scheduled.
+
 A step that will sample a token for a request counts that token as a placeholder until its output
 comes back, so the next step can be scheduled before it does (async scheduling, ``EngineCore``):
 a running request's next token is scheduled ahead, unless its length cap makes the placeholder its
@@ -23,6 +28,7 @@ the reader computes from.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -54,6 +60,11 @@ def _before_last_prompt_token(request: Request, num_computed: int, num_new: int)
     return min(num_new, last - num_computed) if num_computed < last else num_new
 
 
+def _order(request: Request) -> tuple[int, float]:
+    """Where a request stands under the priority policy: lower priority values first, then earlier arrivals."""
+    return request.priority, request.arrival_time
+
+
 def _waiting_status(request: Request) -> RequestStatus:
     """A queued request waits for its grammar until the grammar is compiled."""
     grammar = request.structured_output
@@ -70,6 +81,7 @@ class Scheduler:
         """``block_generations``: the pool's generation array when a KV connector made (and
         registered) it first; else the pool makes its own."""
         self.config = config
+        self.by_priority = config.scheduling_policy == "priority"
         self.connector = connector or NoKVConnector()
         self.kv_cache_manager = KVCacheManager(
             config.num_blocks,
@@ -115,7 +127,10 @@ class Scheduler:
         self.remote_kv.request_added(request)
         self.requests[request.request_id] = request
         request.status = _waiting_status(request)
-        self.waiting.append(request)
+        if self.by_priority:
+            self._enqueue(request)
+        else:
+            self.waiting.append(request)
         self.connector.request_added(request)
 
     def finish_requests(
@@ -213,7 +228,8 @@ class Scheduler:
         num_scheduled: list[int] = []
         start_positions: list[int] = []
         block_tables: list[list[int]] = []
-        preempted_ids: set[str] = set()
+        preempted_ids: set[str] = self._make_room_by_priority() if self.by_priority and self.waiting else set()
+        shedding = False  # the running requests are preempting each other for blocks
         grammar_rows: list[int] = []  # scheduled requests whose sampled token a grammar constrains
 
         hands_over = self.remote_kv.hands_over
@@ -232,9 +248,10 @@ class Scheduler:
             if hands_over and request.request_id in hands_over:
                 num_new = _before_last_prompt_token(request, num_computed, num_new)
             while self._allocate(request, num_new) is None:
-                victim = running.pop()
+                victim = running.pop()  # the latest admitted; under the priority policy, the largest value
                 self._preempt(victim)
                 preempted_ids.add(victim.request_id)
+                shedding = True
                 if victim is request:
                     break
             else:
@@ -253,7 +270,7 @@ class Scheduler:
             break  # the request preempted itself: everyone after it is already preempted
 
         # Admitting new work while the running set is shedding blocks would just thrash.
-        if not preempted_ids:
+        if not shedding:
             budget = self._schedule_waiting(
                 budget, scheduled, num_scheduled, start_positions, block_tables, grammar_rows
             )
@@ -372,7 +389,10 @@ class Scheduler:
                 continue
 
             request.status = _RUNNING
-            running.append(request)
+            if self.by_priority:
+                bisect.insort(running, request, key=_order)
+            else:
+                running.append(request)
             scheduled.append(request)
             num_scheduled.append(num_new)
             start_positions.append(num_computed)
@@ -406,15 +426,53 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        # Back to the head of the queue, but behind requests whose remote KV has landed: they own
-        # blocks, and going ahead of them could leave this one preempting itself for want of
-        # exactly those blocks, forever.
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Queue a new or preempted request: behind the requests whose remote KV has landed (they own blocks, and
+        going ahead of them could leave this one preempting itself for want of exactly those blocks, forever),
+        then at the head (fcfs: a preempted request goes on first) or in its (priority, arrival) place."""
         waiting = self.waiting
         owns_blocks = self.kv_cache_manager.owns_blocks
         position = 0
         while position < len(waiting) and owns_blocks(waiting[position].request_id):
             position += 1
+        if self.by_priority:
+            key = _order(request)
+            while position < len(waiting) and _order(waiting[position]) <= key:
+                position += 1
         waiting.insert(position, request)
+
+    def _make_room_by_priority(self) -> set[str]:
+        """Priority policy: the first waiting request able to start now, when it finds no seat or not the blocks for
+        its first chunk, displaces running requests of a larger priority value (the largest, latest first) until
+        it fits. Done before the step is scheduled, so nothing displaced was scheduled in it."""
+        candidate = next(
+            (
+                r
+                for r in self.waiting
+                if r.status in (RequestStatus.WAITING, _PREEMPTED)
+                and not r.num_output_placeholders
+                and not self.kv_cache_manager.owns_blocks(r.request_id)
+            ),
+            None,
+        )
+        preempted: set[str] = set()
+        if candidate is None:
+            return preempted
+        running = self.running
+        config = self.config
+        # A request whose prompt is pulled from a P/D prefill takes blocks for all of it at once.
+        whole = self.connector.expects_remote_kv(candidate)
+        while running and running[-1].priority > candidate.priority:  # equals never displace each other
+            if len(running) < config.max_num_seqs and self.kv_cache_manager.can_start(
+                candidate, None if whole else config.max_num_batched_tokens
+            ):
+                break
+            victim = running.pop()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+        return preempted
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput[Request], runner_output: ModelRunnerOutput

@@ -200,6 +200,7 @@ class EngineShape:
     enable_prefix_caching: bool = True
     num_state_slots: int = 0  # hybrid models: linear-attention state slots, a cap on running requests
     rows_per_state_slot: int = 0
+    scheduling_policy: str = "fcfs"
 
     @classmethod
     def of(cls, config: SchedulerConfig, kv_bytes_per_token: int) -> EngineShape:

@@ -49,6 +49,7 @@ class ChoiceRunner:
         cache_salt: str | None,
         result: ChoiceResult,
         continued: ContinuedChoice | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[ChoiceDelta, None]:
         """Run one choice, updating ``result`` and yielding what it produced at each output; ``continued``:
         its output so far on another engine."""
@@ -84,6 +85,7 @@ class ChoiceRunner:
             leg.remote_decode,
             leg.peer,
             old_token_ids,
+            priority,
         )
         if old_token_ids:
             yield ChoiceDelta(0, result.text, [], [], None, replayed=True)
@@ -157,6 +159,7 @@ class ChoiceRunner:
         results: list[ChoiceResult],
         continuation: Continuation | None = None,
         pick_seeds: bool = False,
+        priority: int = 0,
     ) -> AsyncGenerator[ChoiceDelta, None]:
         """Run every choice concurrently, yielding their deltas as they come; aborts what is still
         running if the consumer stops early (client gone) or anything fails. ``continuation``: the
@@ -188,6 +191,7 @@ class ChoiceRunner:
                     cache_salt,
                     results[position],
                     continued,
+                    priority,
                 ):
                     delta.index = index
                     merged.put_nowait(delta)
@@ -223,9 +227,11 @@ class ChoiceRunner:
         params: SamplingParams,
         leg: PDLeg,
         cache_salt: str | None,
+        priority: int = 0,
     ) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in children]
-        async with aclosing(self.stream(request_id, children, params, leg, cache_salt, results)) as deltas:
+        stream = self.stream(request_id, children, params, leg, cache_salt, results, priority=priority)
+        async with aclosing(stream) as deltas:
             async for _ in deltas:
                 pass
         return results

@@ -136,10 +136,11 @@ class EngineCoreClient:
         remote_decode: bool = False,
         peer: PeerKV | None = None,
         output_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> asyncio.Queue[EngineCoreOutput | Exception]:
         """Send a request; its outputs (then possibly an exception) arrive on the returned queue.
         ``remote_prefill``, ``remote_decode``, ``peer``: its P/D leg, as the P/D gate parsed and screened it;
-        ``output_token_ids``: a continued stream's output so far."""
+        ``output_token_ids``: a continued stream's output so far; ``priority``: lower first (priority policy)."""
         if self._dead is not None:
             raise self._dead
         if request_id in self._queues:
@@ -159,6 +160,7 @@ class EngineCoreClient:
                     remote_decode,
                     peer,
                     output_token_ids or [],
+                    priority,
                 )
             )
         )

@@ -199,6 +199,7 @@ class OpenAIServing:
 
     async def _completions(self, request: web.Request, body: CompletionRequest, leg: PDLeg) -> web.StreamResponse:
         self._check_model(body.model)
+        self._priority(body)  # a bad one is refused before anything is computed or held
         prompts = [prompt.token_ids for prompt in self.processor.prompts(body.prompt)]
         echo = bool(body.echo)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
@@ -222,7 +223,9 @@ class OpenAIServing:
         leg = await self.gate.screen(request, leg, prompts, params.prompt_logprobs is not None)
         if body.stream:
             return await self._stream_completion(request, body, leg, request_id, created, children, params)
-        results = await self.choices.gather(request_id, children, params, leg, _cache_salt(request, body))
+        results = await self.choices.gather(
+            request_id, children, params, leg, _cache_salt(request, body), self._priority(body)
+        )
         choices = []
         for (prompt, index), result in zip(children, results, strict=True):
             text = result.text
@@ -251,6 +254,7 @@ class OpenAIServing:
         self, request: web.Request, body: ChatCompletionRequest, leg: PDLeg
     ) -> web.StreamResponse:
         self._check_model(body.model)
+        self._priority(body)  # a bad one is refused before anything is computed or held
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= self.processor.max_logprobs:
             raise InputError("top_logprobs", f"top_logprobs must be between 0 and {self.processor.max_logprobs}")
         try:
@@ -282,7 +286,9 @@ class OpenAIServing:
         readers = [self.chat_parsers.reader(prompt, tools, call_ids(request_id, index)) for _, index in children]
         if body.stream:
             return await self._stream_chat(request, body, leg, request_id, created, children, params, readers)
-        results = await self.choices.gather(request_id, children, params, leg, _cache_salt(request, body))
+        results = await self.choices.gather(
+            request_id, children, params, leg, _cache_salt(request, body), self._priority(body)
+        )
         choices = []
         for (_, index), result, reader in zip(children, results, readers, strict=True):
             message = ChatResponseMessage(content=result.text)
@@ -339,6 +345,17 @@ class OpenAIServing:
                 param="model",
                 error_type="not_found_error",
             )
+
+    def _priority(self, body: CompletionRequest | ChatCompletionRequest) -> int:
+        """The request's priority (lower first); as in vLLM, one other than 0 is an error on an engine that
+        schedules first come, first served, which would ignore it."""
+        if not body.priority:
+            return 0
+        if self.client.ready.scheduling_policy != "priority":
+            raise InputError(
+                "priority", "this engine schedules first come, first served: it takes priority 0 (or none) only"
+            )
+        return body.priority
 
     def _sampling_params(
         self,
@@ -403,6 +420,7 @@ class OpenAIServing:
                 results,
                 leg.continued,
                 events.with_tokens,
+                self._priority(body),
             )
         ) as deltas:
             try:
@@ -479,6 +497,7 @@ class OpenAIServing:
                 results,
                 leg.continued,
                 events.with_tokens,
+                self._priority(body),
             )
         ) as deltas:
             try:

@@ -32,8 +32,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         enable_prefix_caching=st.booleans(),
         prefixes=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=24), min_size=1, max_size=3),
         async_scheduling=st.booleans(),
+        scheduling_policy=st.sampled_from(["fcfs", "priority"]),
     )
-    def setup(self, block_size, num_blocks, budget, max_num_seqs, enable_prefix_caching, prefixes, async_scheduling):
+    def setup(
+        self,
+        block_size,
+        num_blocks,
+        budget,
+        max_num_seqs,
+        enable_prefix_caching,
+        prefixes,
+        async_scheduling,
+        scheduling_policy,
+    ):
         self.connector = FakeRemoteConnector()
         self.max_placeholders = 2 if async_scheduling else 0
         self.engine = make_engine(
@@ -45,6 +56,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             enable_prefix_caching=enable_prefix_caching,
+            scheduling_policy=scheduling_policy,
         )
         self.scheduler = self.engine.scheduler
         self.prefixes = prefixes
@@ -62,8 +74,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         remote=st.sampled_from([None, "do_remote_prefill", "do_remote_decode"]),
         delay=st.integers(0, 3),
         fail=st.booleans(),
+        priority=st.integers(-2, 2),
     )
-    def add(self, data, max_tokens, min_tokens, ignore_eos, stop_token_ids, remote, delay, fail):
+    def add(self, data, max_tokens, min_tokens, ignore_eos, stop_token_ids, remote, delay, fail, priority):
         max_prompt = self.scheduler.config.max_model_len - 1
         prefix = data.draw(st.sampled_from(self.prefixes))[:max_prompt]
         suffix = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=max_prompt - len(prefix)))
@@ -77,7 +90,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         request_id = f"r{self.next_id}"
         self.next_id += 1
         script = {remote: True, "delay": delay, "fail": fail} if remote else {}
-        request = ScriptedRequest(request_id, prompt, params, EOS, script=script)
+        request = ScriptedRequest(request_id, prompt, params, EOS, script=script, priority=priority)
         self.engine.add_request(request)
         self.requests[request_id] = request
 
@@ -135,6 +148,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"remote loads: {self.connector.num_loads > 0}")
         event(f"checked outputs: {min(len(self.checked), 5)}")
         event(f"async scheduling: {self.engine.async_scheduling}")
+        event(f"policy: {self.scheduler.config.scheduling_policy}")
 
 
 SchedulerMachine.TestCase.settings = settings(

@@ -147,6 +147,9 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"prompt": [5] * 600}), 400),
     ("/v1/completions", '{"prompt": "x", "stop": 7}', 400),
     ("/v1/completions", '{"prompt": "x", "presence_penalty": 5}', 400),
+    ("/v1/completions", '{"prompt": "x", "priority": -1}', 400),  # this engine schedules fcfs
+    ("/v1/completions", '{"prompt": "x", "priority": "high"}', 400),
+    ("/v1/completions", '{"prompt": "x", "priority": 1e30}', 400),
     ("/v1/chat/completions", '{"messages": []}', 400),
     ("/v1/chat/completions", '{"messages": "hi"}', 400),
     ("/v1/chat/completions", '{"messages": [{"content": "no role"}]}', 400),
