@@ -33,8 +33,8 @@ def json_response(payload: msgspec.Struct, status: int = 200, headers: dict[str,
     )
 
 
-def api_key_middleware(api_key: str | None) -> Middleware:
-    """With a key, requests under PROTECTED_PREFIXES need ``Authorization: Bearer <key>`` (401 otherwise).
+def api_key_middleware(api_key: str | None, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> Middleware:
+    """With a key, requests under ``prefixes`` need ``Authorization: Bearer <key>`` (401 otherwise).
 
     Compared in constant time, so the key cannot be guessed byte by byte from response times.
     """
@@ -42,7 +42,7 @@ def api_key_middleware(api_key: str | None) -> Middleware:
 
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if expected is not None and request.path.startswith(PROTECTED_PREFIXES):
+        if expected is not None and request.path.startswith(prefixes):
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
                 raise ProtocolError("invalid or missing API key", status=401, error_type="authentication_error")

@@ -134,6 +134,43 @@ class RouterConfig:
             "elsewhere (0: no deadline); generous, since a busy CPU engine or a long preemption may pause a stream"
         ),
     )
+    # Flow control (pdserve/router/admission.py) and tenants (pdserve/router/tenants.py).
+    tenants: str | None = field(
+        default=None,
+        metadata=flag(
+            "the tenant table (JSON or YAML): API keys, weights, priority ranges, per-minute limits, queue bounds",
+            metavar="PATH",
+        ),
+    )
+    tenant_header: str | None = field(
+        default=None,
+        metadata=flag(
+            "take the tenant from this header, which a gateway in front sets and strips from clients' requests "
+            "(never set it on a router clients reach directly)",
+            metavar="NAME",
+        ),
+    )
+    priority_range: str = field(
+        default="-10:10",
+        metadata=flag(
+            "without a tenant table: the priorities requests may ask for (clamped into it)", metavar="MIN:MAX"
+        ),
+    )
+    flow_control: bool = field(
+        default=True,
+        metadata=flag("queue requests while the pods' signals say the fleet is saturated (else send at once)"),
+    )
+    saturation_queue: int = field(
+        default=5, metadata=flag("a pod with this many requests waiting is saturated (flow control)")
+    )
+    saturation_kv: float = field(
+        default=0.9, metadata=flag("a pod whose KV cache is this full (0..1) is saturated (flow control)")
+    )
+    max_queued: int = field(default=1024, metadata=flag("requests waiting per priority band before 429s"))
+    router_replicas: int = field(
+        default=1,
+        metadata=flag("router replicas sharing the tenants' per-minute limits: each applies its share"),
+    )
     # None: from the prompt's length and the pod's measured prefill speed (pdserve/router/prefill_leg.py).
     prefill_timeout: float | None = field(
         default=None,
@@ -146,6 +183,10 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         self.medium_weights = parse_tier_weights(self.tier_weights)
+        if self.router_replicas < 1:
+            raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
+        if self.saturation_queue < 1 or not 0 < self.saturation_kv <= 1:
+            raise ValueError("saturation_queue must be >= 1 and saturation_kv in (0, 1]")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -380,6 +380,7 @@ class DecodeLegs:
         self.upstream.failed(self.pods, pod, f"stream broken ({cause})")
 
     def _reported(self, exchange: Exchange, report: Report | None) -> None:
+        exchange.report = report
         if report is not None:
             self.metrics.observe_report(report, exchange.decode_sent - exchange.started)
 

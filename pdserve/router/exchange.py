@@ -8,6 +8,7 @@ import msgspec
 from aiohttp import web
 
 from pdserve.api.continuation import Continuation
+from pdserve.api.report import Report
 from pdserve.router.policy import Choice
 from pdserve.router.prompt import Prompt
 
@@ -32,6 +33,7 @@ class Exchange:
     decode_answered: bool = False  # a decode pod has answered (so it has the request, and its params)
     started: float = 0.0  # time.perf_counter() at its arrival
     decode_sent: float = 0.0  # ... when the decode leg that answered was sent
+    report: Report | None = None  # the decode engine's account of the answer (token counts), when it gave one
 
     def hold(self, choice: Choice | None) -> None:
         """Make ``choice`` the request's decode pod (counted in flight there), instead of any previous one."""

@@ -103,12 +103,16 @@ class PromptReader:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def read(
-        self, parsed: CompletionRequest | ChatCompletionRequest, chat: bool, authorization: str | None = None
+        self,
+        parsed: CompletionRequest | ChatCompletionRequest,
+        chat: bool,
+        authorization: str | None = None,
+        tenant: str | None = None,
     ) -> Prompt | None:
-        """The request's single prompt, salted as the engines salt it (``api.tenancy``: by its
-        ``authorization`` header and cache_salt); None when there is none to route by (several prompts) or it
-        cannot be tokenized here (the engine will say why)."""
-        salt = request_cache_salt(authorization, parsed.cache_salt)
+        """The request's single prompt, salted as the engines salt it (``api.tenancy``: by the ``authorization``
+        and ``tenant`` headers its legs carry, and its cache_salt); None when there is none to route by (several
+        prompts) or it cannot be tokenized here (the engine will say why)."""
+        salt = request_cache_salt(authorization, parsed.cache_salt, tenant)
         try:
             if chat:
                 return Prompt(await self._chat_ids(parsed), salt)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ connection, which makes the engine abort the request and free its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from typing import Any
@@ -31,6 +32,8 @@ from aiohttp import web
 
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request
 from pdserve.api.report import REPORT_HEADER
+from pdserve.api.tenancy import TENANT_HEADER
+from pdserve.router.admission import Admission, Ticket
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_leg import DecodeLegs
 from pdserve.router.exchange import REQUEST_ID, REQUEST_ID_KEY, Exchange
@@ -40,9 +43,14 @@ from pdserve.router.pods import PodSet
 from pdserve.router.policy import Chooser, uncached_tokens
 from pdserve.router.prefill_leg import PrefillLegs
 from pdserve.router.prompt import PromptReader
+from pdserve.router.tenants import Tenant, Tenants
 from pdserve.router.upstream import Upstream
 
 SESSION_ID = "X-Session-Id"
+# Seconds a request accepts to wait for a saturated fleet (the shorter of it and its tenant's queue_timeout).
+QUEUE_TIMEOUT_HEADER = "X-PDServe-Queue-Timeout"
+# The output a request without max_tokens is expected to cost (flow control's estimate; its real cost replaces it).
+_UNBOUNDED_OUTPUT_ESTIMATE = 512
 
 
 class Proxy:
@@ -54,8 +62,14 @@ class Proxy:
         metrics: RouterMetrics,
         chooser: Chooser,
         prompts: PromptReader | None = None,
+        tenants: Tenants | None = None,
+        admission: Admission | None = None,
     ) -> None:
+        """``tenants``, ``admission``: who sends each request and whether it may go now (None: one tenant, no flow
+        control)."""
         self.config = config
+        self.tenants = tenants or Tenants(None)
+        self.admission = admission
         self.prefill = prefill
         self.decode = decode
         self.metrics = metrics
@@ -71,7 +85,9 @@ class Proxy:
         """Serve one /v1/completions (or, with ``chat``, /v1/chat/completions) request."""
         started = time.perf_counter()
         exchange: Exchange | None = None
+        ticket: Ticket | None = None
         try:
+            tenant = self.tenants.identify(request.headers)
             raw = await request.read()
             parsed = decode_request(raw, ChatCompletionRequest if chat else CompletionRequest)
             self.metrics.received.inc()
@@ -79,10 +95,17 @@ class Proxy:
             request[REQUEST_ID_KEY] = request_id
             # The report (pdserve/api/report.py) feeds the length and latency histograms.
             headers = {"Content-Type": "application/json", REQUEST_ID: request_id, REPORT_HEADER: "1"}
-            authorization = request.headers.get("Authorization")
-            if authorization is not None:
-                headers["Authorization"] = authorization
+            headers.update(self.engine_headers(request, tenant))
+            priority = tenant.clamp(parsed.priority)
+            if priority != (parsed.priority or 0):
+                body = msgspec.json.decode(raw)
+                body["priority"] = priority
+                raw = msgspec.json.encode(body)
             exchange = Exchange(request, headers, request_id, started=started)
+            if self.admission is not None:
+                ticket = await self.admission.admit(
+                    tenant, priority, len(raw) // 4, _output_bound(parsed), _queue_timeout(request)
+                )
             try:
                 async with asyncio.timeout(self.config.request_timeout):
                     return await self._serve(exchange, raw, parsed, chat)
@@ -100,7 +123,31 @@ class Proxy:
         finally:
             if exchange is not None and exchange.decode is not None:
                 exchange.decode.pod.in_flight -= 1
+            if ticket is not None:
+                assert self.admission is not None and exchange is not None
+                report = exchange.report
+                if report is None:
+                    self.admission.done(ticket)
+                else:
+                    self.admission.done(ticket, report.completion_tokens, report.prompt_tokens)
             self.metrics.latency.observe(time.perf_counter() - started)
+
+    def engine_headers(self, request: web.Request, tenant: Tenant) -> dict[str, str]:
+        """What the legs to engines carry of the client's identity. With tenant keys, the router's own key (the
+        engines') and the tenant's name, which salts its cached blocks; else the client's key, and the tenant's
+        name when a trusted gateway named it."""
+        headers: dict[str, str] = {}
+        if self.tenants.keyed:
+            if self.config.api_key is not None:
+                headers["Authorization"] = f"Bearer {self.config.api_key}"
+            headers[TENANT_HEADER] = tenant.name
+            return headers
+        authorization = request.headers.get("Authorization")
+        if authorization is not None:
+            headers["Authorization"] = authorization
+        if self.tenants.header is not None:
+            headers[TENANT_HEADER] = tenant.name
+        return headers
 
     async def _serve(self, exchange: Exchange, raw: bytes, parsed: Any, chat: bool) -> web.StreamResponse:
         if parsed.kv_transfer_params is not None:
@@ -117,7 +164,9 @@ class Proxy:
             and (self.chooser.prefix_aware or not local)
             and (chat or not _several_prompts(parsed.prompt))
         ):
-            exchange.prompt = await self.prompts.read(parsed, chat, exchange.request.headers.get("Authorization"))
+            exchange.prompt = await self.prompts.read(
+                parsed, chat, exchange.headers.get("Authorization"), exchange.headers.get(TENANT_HEADER)
+            )
         if self.config.session_affinity:
             exchange.session = exchange.request.headers.get(SESSION_ID) or parsed.user
         exchange.hold(self.chooser.choose(self.decode, exchange.prompt, exchange.session))
@@ -187,6 +236,27 @@ class Proxy:
             self.peer_holds.record(exchange.decode.pod, held, exchange.prompt)
             self.metrics.peer_holds.inc()
         return response
+
+
+def _output_bound(parsed: Any) -> int:
+    """The most output a request asks for (all its choices), or an estimate when it sets no bound."""
+    bound = getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
+    if bound is None:
+        bound = _UNBOUNDED_OUTPUT_ESTIMATE if getattr(parsed, "max_completion_tokens", 0) is not None else 16
+    return max(bound, 1) * max(parsed.n or 1, 1)
+
+
+def _queue_timeout(request: web.Request) -> float | None:
+    text = request.headers.get(QUEUE_TIMEOUT_HEADER)
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ProtocolError(f"{QUEUE_TIMEOUT_HEADER} must be a number of seconds > 0, got {text[:32]!r}")
+    return seconds
 
 
 def _several_prompts(prompt: Any) -> bool:

@@ -13,10 +13,11 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from pdserve.api.http import api_key_middleware, error_middleware, start_app
+from pdserve.api.http import PROTECTED_PREFIXES, api_key_middleware, error_middleware, start_app
 from pdserve.api.keys import EVENTS_KEY, load_secret
 from pdserve.api.openapi import MAX_BODY_BYTES, ApiLimits, openapi_document, read_limits
 from pdserve.api.protocol import ProtocolError
+from pdserve.router.admission import Admission, FlowMetrics, FlowSettings, PodSignals, Saturation
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import KubernetesDiscovery
 from pdserve.router.exchange import REQUEST_ID, REQUEST_ID_KEY
@@ -28,6 +29,7 @@ from pdserve.router.policy import Chooser
 from pdserve.router.prompt import PromptReader
 from pdserve.router.proxy import Proxy
 from pdserve.router.subscriber import KVSubscriber
+from pdserve.router.tenants import Tenants, parse_priority_range
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +62,25 @@ class Router:
             or (config.pd_min_prefill_tokens > 0 and (config.prefill_urls or config.discovery != "static"))
         ):
             prompts = PromptReader(config.tokenizer)
-        self.proxy = Proxy(config, self.prefill, self.decode, self.metrics, self.chooser, prompts)
-        # The engines' KV-cache events matter only to prefix routing.
+        self.tenants = Tenants.load(config.tenants, config.tenant_header, parse_priority_range(config.priority_range))
+        self.admission = Admission(
+            FlowSettings(config.max_queued, config.router_replicas),
+            PodSignals(self.prefill, self.decode, self.index, config.saturation_queue, config.saturation_kv)
+            if config.flow_control
+            else _never_saturated,
+            FlowMetrics(self.metrics.registry),
+        )
+        self.proxy = Proxy(
+            config, self.prefill, self.decode, self.metrics, self.chooser, prompts, self.tenants, self.admission
+        )
+        # The engines' KV-cache events: prefix routing matches prompts against them, flow control reads their load.
         self.subscriber = (
             KVSubscriber(
                 self.index,
                 self.metrics.malformed_events.inc,
                 load_secret(config.keys_dir, EVENTS_KEY) if config.keys_dir else None,
             )
-            if self.chooser.prefix_aware
+            if self.chooser.prefix_aware or config.flow_control
             else None
         )
         self._health: HealthChecker | None = None
@@ -80,7 +92,12 @@ class Router:
     def app(self) -> web.Application:
         app = web.Application(
             client_max_size=MAX_BODY_BYTES,
-            middlewares=[error_middleware(extra_headers=_request_id_header), api_key_middleware(self.config.api_key)],
+            middlewares=[
+                error_middleware(extra_headers=_request_id_header),
+                # Tenant keys authenticate clients on /v1/ (the proxy asks the tenant table); --api-key is then the
+                # key of /debug/ and of the engines.
+                api_key_middleware(self.config.api_key, ("/debug/",) if self.tenants.keyed else PROTECTED_PREFIXES),
+            ],
         )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -157,7 +174,7 @@ class Router:
 
     async def models(self, request: web.Request) -> web.Response:
         """The first healthy decode pod's model list (every pod serves the same model)."""
-        headers = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else {}
+        headers = self.proxy.engine_headers(request, self.tenants.identify(request.headers))
         ordered = sorted(self.decode.pods, key=lambda pod: not pod.healthy)
         for pod in ordered:
             try:
@@ -219,6 +236,11 @@ class Router:
             except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
                 continue
         return None
+
+
+def _never_saturated(pending: object) -> Saturation:
+    """--no-flow-control: every request goes at once (the tenants' limits still apply)."""
+    return Saturation(None, PodSignals.UNKNOWN)
 
 
 def _own_namespace() -> str:

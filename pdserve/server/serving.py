@@ -50,7 +50,7 @@ from pdserve.api.protocol import (
     sse_event,
 )
 from pdserve.api.report import REPORT_HEADER, comment, header_value
-from pdserve.api.tenancy import request_cache_salt
+from pdserve.api.tenancy import TENANT_HEADER, request_cache_salt
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from pdserve.server.chat_output import ChatOutputReader, ChatParsers
@@ -537,5 +537,7 @@ class OpenAIServing:
 
 
 def _cache_salt(request: web.Request, body: CompletionRequest | ChatCompletionRequest) -> str | None:
-    """The salt of the request's block hashes: its tenant's (the API key it presents) and its own cache_salt."""
-    return request_cache_salt(request.headers.get("Authorization"), body.cache_salt)
+    """The salt of the request's block hashes: its tenant's (named by the router, else the API key it presents) and
+    its own cache_salt."""
+    headers = request.headers
+    return request_cache_salt(headers.get("Authorization"), body.cache_salt, headers.get(TENANT_HEADER))

@@ -29,3 +29,11 @@ def test_tenants_block_hashes_differ_for_the_same_tokens():
     bob = hash_prompt_blocks(tokens, 16, request_cache_salt("Bearer bob", None))
     assert not set(alice) & set(bob)
     assert alice == hash_prompt_blocks(tokens, 16, request_cache_salt("Bearer alice", None))
+
+
+def test_a_tenant_the_router_names_is_the_salt_whatever_key_the_leg_carries():
+    alpha = request_cache_salt("Bearer engine-key", None, "alpha")
+    assert alpha == request_cache_salt("Bearer other-key", None, "alpha") == request_cache_salt(None, None, "alpha")
+    assert alpha != request_cache_salt("Bearer engine-key", None, "beta")
+    assert alpha != request_cache_salt("Bearer alpha", None)  # a key and a name never meet
+    assert request_cache_salt(None, "s", "alpha").startswith(alpha)

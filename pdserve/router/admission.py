@@ -1,0 +1,387 @@
+"""Flow control: which request goes to the fleet now, which waits, and which is told to come back later (429 with
+``Retry-After``, never a timeout). One core, used by the router (and by anything else that admits requests to the
+same pods).
+
+- **Limits per tenant** (``tenants.py``): requests and tokens per minute, token buckets; each router replica
+  applies ``1 / --router-replicas`` of the deployment's limit. Tokens are the prompt's when a request arrives and
+  its output's when it ends, so a tenant that spent more than its minute's tokens waits until the debt is paid.
+- **Saturation, from the pods' own signals** (their KV-event batches: queue depth and KV-cache usage): a pod is
+  saturated when its waiting queue reaches ``--saturation-queue`` or its KV usage ``--saturation-kv``; the fleet is,
+  when every decode pod is, or every prefill pod (when there are prefill pods). Requests admitted since a pod's
+  last signal count against its headroom, so a burst between two signals cannot all go at once. Without signals
+  (engines publishing no KV events) nothing is saturated: only the limits apply.
+- **Queues**, only while the fleet is saturated: one band per priority value (lower first, strictly), and in a
+  band one queue per tenant, served by virtual token counters (VTC): the tenant with the fewest tokens served,
+  weighed by its ``weight``, goes next; a tenant that comes back after its queue emptied starts at the least
+  counter of those waiting, so idleness banks no credit. Queues are bounded per tenant (``max_queued``) and per
+  band (``--max-queued``); a request that waits past its deadline (the tenant's ``queue_timeout``, or the
+  request's ``X-PDServe-Queue-Timeout`` header in seconds, whichever is shorter) is refused before it costs a
+  prefill.
+
+A request admitted holds its place until ``done``; what a continuation (a migrated stream) does inside it never
+passes through here again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pdserve.api.protocol import ProtocolError
+from pdserve.router.kv_index import KVIndex
+from pdserve.router.pods import PodSet
+from pdserve.router.tenants import Tenant
+
+REJECT_CAUSES = ("requests_per_minute", "tokens_per_minute", "queue_full", "deadline")
+QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_DISPATCH_POLL_S = 0.01  # while requests wait, how often pod signals are looked at again
+
+
+class Overloaded(ProtocolError):
+    """A 429 the client may retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, cause: str, retry_after: float) -> None:
+        seconds = max(1, math.ceil(retry_after))
+        super().__init__(message, 429, error_type="rate_limit_exceeded", headers={"Retry-After": str(seconds)})
+        self.cause = cause
+
+
+@dataclass
+class Saturation:
+    """Whether the fleet can take another request now: ``stage`` names the saturated P/D stage (None: it can)."""
+
+    stage: str | None
+    headroom: int  # requests it can take before it is saturated, as far as the signals tell (large: no signal)
+
+
+class PodSignals:
+    """Saturation from the pods' KV-event batches (``KVIndex``): a pod is saturated when its waiting queue reaches
+    ``queue_limit`` or its KV usage ``kv_limit``; a stage, when each of its healthy pods is, or when the requests
+    admitted since its pods' signals take the headroom they showed. A healthy pod without a signal younger than
+    ``max_age`` leaves its stage unsaturated: there is nothing to go by (engines without KV events)."""
+
+    UNKNOWN = 1 << 30  # the headroom of a stage nothing is known of
+
+    def __init__(
+        self, prefill: PodSet, decode: PodSet, index: KVIndex, queue_limit: int, kv_limit: float, max_age: float = 3.0
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.index = index
+        self.queue_limit = queue_limit
+        self.kv_limit = kv_limit
+        self.max_age = max_age
+
+    def __call__(self, pending: Callable[[float], int]) -> Saturation:
+        decode = self._stage(self.decode, pending)
+        if decode.stage is not None or not self.prefill.pods:
+            return decode
+        prefill = self._stage(self.prefill, pending)
+        return prefill if prefill.stage is not None else Saturation(None, min(decode.headroom, prefill.headroom))
+
+    def _stage(self, podset: PodSet, pending: Callable[[float], int]) -> Saturation:
+        now = time.monotonic()
+        headroom = 0
+        oldest = now
+        considered = False
+        for pod in podset.pods:
+            if not pod.healthy:
+                continue
+            considered = True
+            known = self.index.pods.get(pod.url)
+            load = known.load if known is not None and now - known.updated <= self.max_age else None
+            if load is None:
+                return Saturation(None, self.UNKNOWN)
+            oldest = min(oldest, known.updated)  # type: ignore[union-attr]
+            if load.num_waiting < self.queue_limit and load.kv_cache_usage < self.kv_limit:
+                headroom += self.queue_limit - load.num_waiting
+        if not considered:  # no pod up: the request is answered by what routing says of that, not queued
+            return Saturation(None, self.UNKNOWN)
+        left = headroom - pending(oldest)
+        return Saturation(None if left > 0 else podset.role, left)
+
+
+class TokenBucket:
+    """``rate`` units a second up to ``capacity``; ``take`` may leave a debt (tokens spent after the fact)."""
+
+    def __init__(self, per_minute: float) -> None:
+        self.rate = per_minute / 60.0
+        self.capacity = per_minute
+        self.level = per_minute
+        self.updated = time.monotonic()
+
+    def _refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+        self.updated = now
+
+    def wait_for(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` is there (0: now)."""
+        self._refill(now)
+        return 0.0 if self.level >= amount else (amount - self.level) / self.rate
+
+    def take(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.level -= amount
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request at the door: queued until ``granted`` is set, then admitted until ``done``."""
+
+    tenant: Tenant
+    band: int
+    cost: float  # tokens it is expected to cost (prompt + output bound), what VTC charges when it goes
+    arrived: float
+    deadline: float | None
+    granted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    charged: float = 0.0  # what its tenant's counter was charged
+
+
+@dataclass
+class _Band:
+    queues: dict[str, deque[Ticket]] = field(default_factory=dict)  # tenant name -> its waiting requests
+    counters: dict[str, float] = field(default_factory=dict)  # virtual tokens served per tenant (VTC)
+    queued: int = 0
+
+    def next_ticket(self) -> Ticket:
+        name = min(self.queues, key=lambda flow: (self.counters.get(flow, 0.0), self.queues[flow][0].arrived))
+        queue = self.queues[name]
+        ticket = queue.popleft()
+        if not queue:
+            del self.queues[name]
+        self.queued -= 1
+        return ticket
+
+    def remove(self, ticket: Ticket) -> None:
+        queue = self.queues.get(ticket.tenant.name)
+        if queue is None or ticket not in queue:
+            return
+        queue.remove(ticket)
+        if not queue:
+            del self.queues[ticket.tenant.name]
+        self.queued -= 1
+
+
+class FlowMetrics:
+    """Per tenant label (configured tenants; others as ``other``) and band: admitted, rejected by cause, queue time,
+    and waiting now."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.admitted = Counter(
+            "pdserve_router_flow_admitted",
+            "Requests admitted to the fleet, by tenant and priority band",
+            ["tenant", "band"],
+            registry=registry,
+        )
+        self.queued = Counter(
+            "pdserve_router_flow_queued",
+            "Requests that waited in the router's queue (the fleet was saturated), by tenant and band",
+            ["tenant", "band"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "pdserve_router_flow_rejected",
+            "Requests answered 429, by tenant, band and cause",
+            ["tenant", "band", "cause"],
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            "pdserve_router_flow_queue_seconds",
+            "Time from arrival to admission, by tenant and band",
+            ["tenant", "band"],
+            buckets=QUEUE_BUCKETS,
+            registry=registry,
+        )
+        self.saturated = Counter(
+            "pdserve_router_flow_saturated",
+            "Admissions that found the fleet saturated, by the P/D stage that was",
+            ["stage"],
+            registry=registry,
+        )
+
+
+@dataclass
+class FlowSettings:
+    max_queued: int = 1024  # per band, in this replica
+    replicas: int = 1  # router replicas sharing the tenants' limits
+
+
+class Admission:
+    """The door. ``saturation(pending)`` reads the pods' signals; ``pending`` is how many requests were admitted
+    since the oldest signal it reads (it answers with the headroom left after them)."""
+
+    def __init__(
+        self,
+        settings: FlowSettings,
+        saturation: Callable[[Callable[[float], int]], Saturation],
+        metrics: FlowMetrics,
+    ) -> None:
+        self.settings = settings
+        self.saturation = saturation
+        self.metrics = metrics
+        self.bands: dict[int, _Band] = {}
+        self.queued = 0
+        self._grants: deque[float] = deque()  # when recent requests were admitted
+        self._buckets: dict[tuple[str, str], TokenBucket] = {}
+        self._dispatcher: asyncio.Task[None] | None = None
+
+    # ----- limits ----------------------------------------------------------------------------------------------
+
+    def _bucket(self, tenant: Tenant, kind: str) -> TokenBucket | None:
+        per_minute = tenant.spec.requests_per_minute if kind == "requests" else tenant.spec.tokens_per_minute
+        if per_minute is None:
+            return None
+        key = (tenant.label if tenant.label != tenant.name else tenant.name, kind)  # unlisted tenants share one
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = TokenBucket(per_minute / self.settings.replicas)
+        return bucket
+
+    def _check_limits(self, tenant: Tenant, band: str, prompt_tokens: int, now: float) -> None:
+        requests = self._bucket(tenant, "requests")
+        tokens = self._bucket(tenant, "tokens")
+        for bucket, amount, cause in ((requests, 1.0, "requests_per_minute"), (tokens, 1.0, "tokens_per_minute")):
+            if bucket is None:
+                continue
+            wait = bucket.wait_for(amount, now)
+            if wait > 0:
+                self.metrics.rejected.labels(tenant.label, band, cause).inc()
+                raise Overloaded(f"tenant {tenant.label!r} is over its {cause.replace('_', ' ')}", cause, wait)
+        if requests is not None:
+            requests.take(1.0, now)
+        if tokens is not None:
+            tokens.take(prompt_tokens, now)
+
+    # ----- admission -------------------------------------------------------------------------------------------
+
+    def _pending(self, since: float) -> int:
+        grants = self._grants
+        while grants and grants[0] < time.monotonic() - 60.0:
+            grants.popleft()
+        return sum(1 for granted in reversed(grants) if granted > since)  # newest first: stops early in practice
+
+    async def admit(
+        self, tenant: Tenant, priority: int, prompt_tokens: int, max_output_tokens: int, queue_timeout: float | None
+    ) -> Ticket:
+        """Wait until the request may go; Overloaded (429) when it may not. The caller calls ``done`` afterwards."""
+        now = time.monotonic()
+        band = str(priority)
+        self._check_limits(tenant, band, prompt_tokens, now)
+        timeouts = [t for t in (tenant.spec.queue_timeout, queue_timeout) if t is not None]
+        deadline = now + min(timeouts) if timeouts else None
+        ticket = Ticket(tenant, priority, prompt_tokens + max_output_tokens, now, deadline)
+        if not self._ahead_of(priority):
+            saturation = self.saturation(self._pending)
+            if saturation.stage is None:
+                self._grant(ticket, now)
+                return ticket
+            self.metrics.saturated.labels(saturation.stage).inc()
+        self._enqueue(ticket)
+        try:
+            if ticket.deadline is None:
+                await ticket.granted
+            else:
+                async with asyncio.timeout_at(asyncio.get_running_loop().time() + ticket.deadline - now):
+                    await ticket.granted
+        except TimeoutError:
+            if ticket.granted.done() and not ticket.granted.cancelled():
+                return ticket  # granted as its deadline came
+            self._dequeue(ticket)
+            self.metrics.rejected.labels(tenant.label, band, "deadline").inc()
+            message = "the fleet is saturated and the request's queue deadline passed"
+            raise Overloaded(message, "deadline", 1.0) from None
+        except asyncio.CancelledError:
+            if ticket.granted.done() and not ticket.granted.cancelled():
+                self.done(ticket)  # granted just as its client left
+            else:
+                self._dequeue(ticket)
+            raise
+        return ticket
+
+    def _ahead_of(self, priority: int) -> bool:
+        """Whether requests of this priority or a better one are waiting (a newcomer goes behind them)."""
+        return any(band <= priority and queue.queued for band, queue in self.bands.items())
+
+    def _enqueue(self, ticket: Ticket) -> None:
+        tenant, label, band_label = ticket.tenant, ticket.tenant.label, str(ticket.band)
+        band = self.bands.setdefault(ticket.band, _Band())
+        queue = band.queues.get(tenant.name)
+        if (queue is not None and len(queue) >= tenant.spec.max_queued) or tenant.spec.max_queued == 0:
+            self.metrics.rejected.labels(label, band_label, "queue_full").inc()
+            raise Overloaded(f"tenant {label!r} has too many requests waiting", "queue_full", 1.0)
+        if band.queued >= self.settings.max_queued:
+            self.metrics.rejected.labels(label, band_label, "queue_full").inc()
+            raise Overloaded("too many requests are waiting at this priority", "queue_full", 1.0)
+        if queue is None:
+            queue = band.queues[tenant.name] = deque()
+            # VTC: a tenant that starts waiting again starts no lower than the least counter of those waiting.
+            waiting = [band.counters.get(name, 0.0) for name in band.queues if name != tenant.name]
+            if waiting:
+                band.counters[tenant.name] = max(band.counters.get(tenant.name, 0.0), min(waiting))
+        queue.append(ticket)
+        band.queued += 1
+        self.queued += 1
+        self.metrics.queued.labels(label, band_label).inc()
+        if self._dispatcher is None or self._dispatcher.done():
+            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch_while_waiting())
+
+    def _dequeue(self, ticket: Ticket) -> None:
+        band = self.bands.get(ticket.band)
+        if band is not None and band.queued:
+            before = band.queued
+            band.remove(ticket)
+            self.queued -= before - band.queued
+
+    def _grant(self, ticket: Ticket, now: float) -> None:
+        self._grants.append(now)
+        labels = (ticket.tenant.label, str(ticket.band))
+        self.metrics.admitted.labels(*labels).inc()
+        self.metrics.queue_time.labels(*labels).observe(now - ticket.arrived)
+        if not ticket.granted.done():
+            ticket.granted.set_result(None)
+
+    def dispatch(self) -> None:
+        """Admit waiting requests while the fleet has room: the best band first, in it the tenant VTC picks."""
+        while self.queued:
+            saturation = self.saturation(self._pending)
+            if saturation.stage is not None:
+                return
+            band_value = min(value for value, band in self.bands.items() if band.queued)
+            band = self.bands[band_value]
+            ticket = band.next_ticket()
+            self.queued -= 1
+            if ticket.granted.done():  # its client left; already counted out
+                continue
+            charge = ticket.cost / ticket.tenant.spec.weight
+            band.counters[ticket.tenant.name] = band.counters.get(ticket.tenant.name, 0.0) + charge
+            ticket.charged = charge
+            if not band.queues:
+                band.counters.clear()  # nobody waits at this priority: no unfairness left to remember
+            self._grant(ticket, time.monotonic())
+
+    async def _dispatch_while_waiting(self) -> None:
+        while self.queued:
+            self.dispatch()
+            if self.queued:
+                await asyncio.sleep(_DISPATCH_POLL_S)
+
+    def done(self, ticket: Ticket, output_tokens: int | None = None, prompt_tokens: int | None = None) -> None:
+        """An admitted request ended: its tokens count against its tenant's per-minute tokens, and its VTC charge is
+        corrected from the expected cost to the real one (when the decode engine reported it)."""
+        tenant = ticket.tenant
+        if output_tokens is not None:
+            tokens = self._bucket(tenant, "tokens")
+            if tokens is not None:
+                tokens.take(output_tokens, time.monotonic())
+            band = self.bands.get(ticket.band)
+            if band is not None and ticket.charged and tenant.name in band.counters:
+                real = ((prompt_tokens or 0) + output_tokens) / tenant.spec.weight
+                band.counters[tenant.name] += real - ticket.charged
+        if self.queued:
+            self.dispatch()
