@@ -97,6 +97,9 @@ def engine_command(service: str, role: str, spec: dict[str, Any]) -> list[str]:
         "--kv-keys",
         KV_KEYS_DIR,
         *(["--drain-timeout", str(DECODE_DRAIN_S)] if role == "decode" else []),
+        # The router clamps each tenant's priority; the engines honour it (a pool's engineArgs may say fcfs).
+        "--scheduling-policy",
+        "priority",
         *(["--tensor-parallel-size", str(ranks)] if ranks > 1 else []),
         *_kv_tier_flags(spec[role].get("kvCache") or {}),
         *spec[role].get("engineArgs", []),

@@ -76,6 +76,8 @@ def test_engine_command_has_the_cli_flags_then_the_users():
         "fail",
         "--kv-keys",
         "/etc/pdserve/kv-keys",
+        "--scheduling-policy",
+        "priority",
         "--max-model-len",
         "8192",
     ]
@@ -88,7 +90,7 @@ def test_engine_command_passes_the_tensor_parallel_size_before_the_users_flags()
     fields = {"prefill": {"tensorParallelSize": 2, "engineArgs": ["--max-model-len", "8192"]}}
     command = container(engine_pod("llm", "prefill", full(**fields)))["command"]
     assert command[-4:] == ["--tensor-parallel-size", "2", "--max-model-len", "8192"]
-    assert command[command.index("--kv-keys") + 2] == "--tensor-parallel-size"
+    assert command[command.index("--scheduling-policy") + 2] == "--tensor-parallel-size"
     # Size 1 is the engine's default: the command stays as it was.
     decode = container(engine_pod("llm", "decode", full(**fields)))["command"]
     assert "--tensor-parallel-size" not in decode and "-tp" not in decode
@@ -536,7 +538,7 @@ def test_kv_tiers_are_mounted_and_passed_to_the_engine():
         {"name": "kv-shared", "mountPath": "/var/cache/pdserve/kv-shared"},
     ]
     command = container(pod)["command"]
-    assert command[command.index("--kv-keys") + 2 :] == [
+    assert command[command.index("--scheduling-policy") + 2 :] == [
         "--kv-tier-host-bytes",
         str(8 << 30),
         "--kv-tier-disk",
