@@ -161,6 +161,9 @@ def router_command(service: str, namespace: str, spec: dict[str, Any]) -> list[s
         f"app.kubernetes.io/instance={service}",
         "--kv-keys",
         KV_KEYS_DIR,
+        # The tenants' per-minute limits are the deployment's: each replica applies its share.
+        "--router-replicas",
+        str(spec[ROUTER]["replicas"]),
         *(["--tokenizer", _model_dir(spec["model"])] if _router_reads_model(spec["model"]) else []),
         *spec[ROUTER].get("args", []),
     ]

@@ -25,6 +25,7 @@ import asyncio
 import math
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -95,7 +96,7 @@ class Proxy:
             request[REQUEST_ID_KEY] = request_id
             # The report (pdserve/api/report.py) feeds the length and latency histograms.
             headers = {"Content-Type": "application/json", REQUEST_ID: request_id, REPORT_HEADER: "1"}
-            headers.update(self.engine_headers(request, tenant))
+            headers.update(self.engine_headers(request.headers, tenant))
             priority = tenant.clamp(parsed.priority)
             if priority != (parsed.priority or 0):
                 body = msgspec.json.decode(raw)
@@ -104,7 +105,11 @@ class Proxy:
             exchange = Exchange(request, headers, request_id, started=started)
             if self.admission is not None:
                 ticket = await self.admission.admit(
-                    tenant, priority, len(raw) // 4, _output_bound(parsed), _queue_timeout(request)
+                    tenant,
+                    priority,
+                    len(raw) // 4,
+                    output_bound(parsed),
+                    queue_timeout(request.headers.get(QUEUE_TIMEOUT_HEADER)),
                 )
             try:
                 async with asyncio.timeout(self.config.request_timeout):
@@ -132,7 +137,7 @@ class Proxy:
                     self.admission.done(ticket, report.completion_tokens, report.prompt_tokens)
             self.metrics.latency.observe(time.perf_counter() - started)
 
-    def engine_headers(self, request: web.Request, tenant: Tenant) -> dict[str, str]:
+    def engine_headers(self, client_headers: Mapping[str, str], tenant: Tenant) -> dict[str, str]:
         """What the legs to engines carry of the client's identity. With tenant keys, the router's own key (the
         engines') and the tenant's name, which salts its cached blocks; else the client's key, and the tenant's
         name when a trusted gateway named it."""
@@ -142,7 +147,7 @@ class Proxy:
                 headers["Authorization"] = f"Bearer {self.config.api_key}"
             headers[TENANT_HEADER] = tenant.name
             return headers
-        authorization = request.headers.get("Authorization")
+        authorization = client_headers.get("Authorization")
         if authorization is not None:
             headers["Authorization"] = authorization
         if self.tenants.header is not None:
@@ -238,7 +243,7 @@ class Proxy:
         return response
 
 
-def _output_bound(parsed: Any) -> int:
+def output_bound(parsed: Any) -> int:
     """The most output a request asks for (all its choices), or an estimate when it sets no bound."""
     bound = getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
     if bound is None:
@@ -246,8 +251,8 @@ def _output_bound(parsed: Any) -> int:
     return max(bound, 1) * max(parsed.n or 1, 1)
 
 
-def _queue_timeout(request: web.Request) -> float | None:
-    text = request.headers.get(QUEUE_TIMEOUT_HEADER)
+def queue_timeout(text: str | None) -> float | None:
+    """The seconds a request's ``X-PDServe-Queue-Timeout`` header gives (None: none); 400 when it is no number."""
     if text is None:
         return None
     try:

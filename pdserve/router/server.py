@@ -174,7 +174,7 @@ class Router:
 
     async def models(self, request: web.Request) -> web.Response:
         """The first healthy decode pod's model list (every pod serves the same model)."""
-        headers = self.proxy.engine_headers(request, self.tenants.identify(request.headers))
+        headers = self.proxy.engine_headers(request.headers, self.tenants.identify(request.headers))
         ordered = sorted(self.decode.pods, key=lambda pod: not pod.healthy)
         for pod in ordered:
             try:

@@ -113,6 +113,8 @@ def test_router_command_discovers_its_own_pods():
         "app.kubernetes.io/instance=llm",
         "--kv-keys",
         "/etc/pdserve/kv-keys",
+        "--router-replicas",
+        "1",
         "--tokenizer",
         "/models/model",
         "--routing",
