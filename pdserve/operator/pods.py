@@ -30,6 +30,7 @@ from pdserve.operator.spec import disk_tier_bytes, duration_seconds, quantity_by
 # emptyDir so scratch files stay off the container's writable layer.
 USER_ID = 1000
 SCRATCH_DIR = "/tmp"
+TENANTS_DIR = "/etc/pdserve/tenants"  # the router's tenant table (spec.router.tenantsSecret)
 
 # Tensor-parallel ranks exchange tensors through /dev/shm (shared-memory files, gloo, NCCL), which
 # container runtimes cap at 64 MiB: engine pods of more than one rank mount a memory-backed emptyDir
@@ -165,8 +166,13 @@ def router_command(service: str, namespace: str, spec: dict[str, Any]) -> list[s
         "--router-replicas",
         str(spec[ROUTER]["replicas"]),
         *(["--tokenizer", _model_dir(spec["model"])] if _router_reads_model(spec["model"]) else []),
+        *(["--tenants", _tenants_file(spec[ROUTER]["tenantsSecret"])] if spec[ROUTER].get("tenantsSecret") else []),
         *spec[ROUTER].get("args", []),
     ]
+
+
+def _tenants_file(secret: dict[str, Any]) -> str:
+    return f"{TENANTS_DIR}/{secret.get('key', 'tenants.yaml')}"
 
 
 def _field_env(name: str, field: str) -> dict[str, Any]:
@@ -371,6 +377,10 @@ def router_pod(service: str, namespace: str, spec: dict[str, Any]) -> dict[str, 
         **_probes(ROUTER_STARTUP_FAILURES),
     }
     volumes = [{"name": "scratch", "emptyDir": {}}, _kv_keys_volume(service, spec, ROUTER_FILES)]
+    tenants = spec[ROUTER].get("tenantsSecret")
+    if tenants is not None:
+        container["volumeMounts"].append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
+        volumes.append({"name": "tenants", "secret": {"secretName": tenants["name"]}})
     if _router_reads_model(spec["model"]):
         container["volumeMounts"].append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
         volumes.append(_model_volume(spec["model"]))

@@ -40,7 +40,9 @@ from pdserve.router.tenants import Tenant
 
 REJECT_CAUSES = ("requests_per_minute", "tokens_per_minute", "queue_full", "deadline")
 QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_DISPATCH_POLL_S = 0.01  # while requests wait, how often pod signals are looked at again
+# While requests wait, how often the pods' signals are looked at again besides each new batch of them (admissions
+# age out of the pending count with time too).
+_DISPATCH_POLL_S = 0.025
 
 
 class Overloaded(ProtocolError):
@@ -364,6 +366,11 @@ class Admission:
             if not band.queues:
                 band.counters.clear()  # nobody waits at this priority: no unfairness left to remember
             self._grant(ticket, time.monotonic())
+
+    def signals_changed(self) -> None:
+        """A pod reported its load: requests waiting may go now."""
+        if self.queued:
+            self.dispatch()
 
     async def _dispatch_while_waiting(self) -> None:
         while self.queued:

@@ -79,6 +79,7 @@ class Router:
                 self.index,
                 self.metrics.malformed_events.inc,
                 load_secret(config.keys_dir, EVENTS_KEY) if config.keys_dir else None,
+                self.admission.signals_changed,
             )
             if self.chooser.prefix_aware or config.flow_control
             else None

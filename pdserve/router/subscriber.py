@@ -39,12 +39,17 @@ def events_endpoint(pod_url: str, port: int) -> str:
 
 class KVSubscriber:
     def __init__(
-        self, index: KVIndex, on_malformed: Callable[[], None] | None = None, keys: KeyRing[bytes] | None = None
+        self,
+        index: KVIndex,
+        on_malformed: Callable[[], None] | None = None,
+        keys: KeyRing[bytes] | None = None,
+        on_batch: Callable[[], None] | None = None,
     ) -> None:
         """``on_malformed``: called for each message dropped (malformed, not signed with ``keys``, another
-        engine's, or old)."""
+        engine's, or old); ``on_batch``: after each batch applied (a pod's load changed)."""
         self.index = index
         self.on_malformed = on_malformed
+        self.on_batch = on_batch
         self.signer = EventSigner(keys) if keys is not None else None
         self._context: zmq.asyncio.Context | None = None
         # pod URL -> ((endpoint, engine id), reader)
@@ -120,6 +125,8 @@ class KVSubscriber:
                     continue
                 last_seq = batch.seq
                 index.apply(url, batch)
+                if self.on_batch is not None:
+                    self.on_batch()
         except zmq.ZMQError as error:  # a bad endpoint: say so, keep routing without this pod's picture
             logger.warning("KV events of %s at %s: %s", url, endpoint, error)
         finally:

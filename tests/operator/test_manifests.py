@@ -587,3 +587,12 @@ def test_each_tier_alone():
     assert [volume["name"] for volume in disk["spec"]["volumes"]] == ["model", "scratch", "kv-keys", "kv-disk"]
     config = tier_config(container(disk)["command"])
     assert (config.disk_bytes, config.max_age_s, config.host_bytes) == (9 * 10**9, 60.0, 0)
+
+
+def test_a_tenants_secret_is_mounted_into_the_router_and_passed_as_its_table():
+    pod = router_pod("llm", "ns", full(router={"tenantsSecret": {"name": "llm-tenants", "key": "table.yaml"}}))
+    command = container(pod)["command"]
+    assert command[command.index("--tenants") + 1] == "/etc/pdserve/tenants/table.yaml"
+    assert {"name": "tenants", "mountPath": "/etc/pdserve/tenants", "readOnly": True} in container(pod)["volumeMounts"]
+    assert {"name": "tenants", "secret": {"secretName": "llm-tenants"}} in pod["spec"]["volumes"]
+    assert "--tenants" not in container(router_pod("llm", "ns", full()))["command"]
