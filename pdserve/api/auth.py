@@ -206,22 +206,46 @@ class RouterVerifier:
     def problem(self, header: str | None, method: str, path: str, body: bytes) -> str | None:
         """None if ``header`` proves the router made this request for this engine, else why not (the
         :data:`WRONG_TARGET` reason when it was made for another)."""
-        if not header:
-            return "missing"
-        try:
-            sent_at, nonce, target, signature_hex = header.split(" ")
-            signature = bytes.fromhex(signature_hex)
-            when = float(sent_at)
-        except ValueError:
-            return "malformed"
+        parsed = _parse_leg_header(header)
+        if isinstance(parsed, str):
+            return parsed
+        sent_at, nonce, target, signature = parsed
         if target != self.engine_id:
             return WRONG_TARGET
-        if self.replays.stale(when):
+        problem = self._signature_problem(sent_at, nonce, target, signature, method, path, body)
+        return problem or self.replays.problem(float(sent_at), nonce.encode())
+
+    def made_for_another(self, header: str | None, method: str, path: str, body: bytes) -> str | None:
+        """None if ``header`` proves the router made this request, recently, for whichever engine it names (which
+        checks it again, and takes its nonce): a decode engine asked to send a prefill leg the picker signed
+        sends only what the router made. Else why not."""
+        parsed = _parse_leg_header(header)
+        if isinstance(parsed, str):
+            return parsed
+        return self._signature_problem(*parsed, method, path, body)
+
+    def _signature_problem(
+        self, sent_at: str, nonce: str, target: str, signature: bytes, method: str, path: str, body: bytes
+    ) -> str | None:
+        if self.replays.stale(float(sent_at)):
             return "stale"
         message = _leg_message(sent_at, nonce, method, path, target, body)
         if not any(_valid(key, signature, message) for key in self.keys.accepted):
             return "bad signature"
-        return self.replays.problem(when, nonce.encode())
+        return None
+
+
+def _parse_leg_header(header: str | None) -> tuple[str, str, str, bytes] | str:
+    """(time, nonce, target, signature) of an ``X-PDServe-Router-Auth`` value, or why it is none."""
+    if not header:
+        return "missing"
+    try:
+        sent_at, nonce, target, signature_hex = header.split(" ")
+        signature = bytes.fromhex(signature_hex)
+        float(sent_at)
+    except ValueError:
+        return "malformed"
+    return sent_at, nonce, target, signature
 
 
 def _valid(key: Ed25519PublicKey, signature: bytes, message: bytes) -> bool:

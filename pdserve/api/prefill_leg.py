@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 # Request fields that could end the leg before its one token by length: neither side lets them through.
 ENDING_FIELDS = ("stop", "stop_token_ids", "min_tokens")
 # Request fields of answers the leg does not give (a stream, several choices): the router leaves them out
@@ -20,6 +22,23 @@ ANSWER_FIELDS = ("stream_options", "n")
 ROUTER_DROPPED = frozenset((*ENDING_FIELDS, *ANSWER_FIELDS))
 # What marks a request as a prefill leg.
 REMOTE_DECODE = {"do_remote_decode": True}
+# Behind a gateway (``pdserve epp``) the picker names the prefill pod and signs its leg; the decode engine the
+# request goes to sends the leg itself, then decodes with the answer's params (``pdserve.server.gateway_prefill``).
+PREFILL_VIA_HEADER = "X-PDServe-Prefill-Via"  # the prefill pod's URL
+PREFILL_AUTH_HEADER = "X-PDServe-Prefill-Auth"  # the router's signature of the leg, for the prefill engine
+
+# How long a prefill leg may take when nothing else says: a floor plus a margin over what the prompt needs at an
+# assumed speed (a slow CPU engine's order), so that a hung prefill costs seconds, not the request's timeout.
+PREFILL_TIMEOUT_FLOOR_S = 2.0
+PREFILL_TIMEOUT_MARGIN = 4.0
+ASSUMED_PREFILL_TOKENS_PER_S = 500.0
+
+
+def prefill_timeout_s(prompt_tokens: int, tokens_per_s: float | None = None) -> float:
+    """Seconds a prefill leg of ``prompt_tokens`` may take on a pod measured at ``tokens_per_s`` (None: the assumed
+    speed)."""
+    speed = tokens_per_s or ASSUMED_PREFILL_TOKENS_PER_S
+    return PREFILL_TIMEOUT_FLOOR_S + PREFILL_TIMEOUT_MARGIN * prompt_tokens / speed
 
 
 def leg_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -31,6 +50,19 @@ def leg_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     leg["stream"] = False
     leg["kv_transfer_params"] = REMOTE_DECODE
     return leg
+
+
+def encoded_leg(raw: bytes, chat: bool) -> bytes:
+    """The bytes of the prefill leg of a request whose body is ``raw``. The picker signs them and the decode engine
+    sends them: computed by this one function from the same body, they are the same bytes on both sides.
+    ValueError when ``raw`` is not a JSON object."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as error:
+        raise ValueError(f"the body is not JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise ValueError("the body is not a JSON object")
+    return msgspec.json.encode(leg_body(body, chat))
 
 
 def leg_sampling(fields: dict[str, Any]) -> dict[str, Any]:

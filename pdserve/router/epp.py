@@ -12,9 +12,11 @@ picker counts the request out of the pod's load and out of its tenant's admissio
 What the picker decides is what the router decides, with the same parts (``Router``): the tenant (a tenant key or
 the trusted gateway header), the clamped priority (written into the body), admission (429 with ``Retry-After``
 as an immediate response while the fleet is saturated past the request's patience), the pod by the routing policy
-over the KV-event index. Refusals are immediate responses with the OpenAI error body. The picker chooses among the
-decode pods (colocated engines are decode pods that prefill themselves); a P/D pair behind a gateway (the decode
-pod running the prefill leg itself) is not built yet: with prefill pods configured, requests still go decode-only.
+over the KV-event index. Refusals are immediate responses with the OpenAI error body. The picker chooses a decode
+pod (colocated engines are decode pods that prefill themselves) and, when there are prefill pods and the request is
+worth a prefill leg (the router's rules), names one of the decode pod's KV layout in ``X-PDServe-Prefill-Via`` with
+the router's signature of the leg in ``X-PDServe-Prefill-Auth``: the decode pod sends the leg itself
+(``pdserve.server.gateway_prefill``), the GIE ecosystem's P/D shape.
 
 What the proxy does when the picker is down is its own setting (Envoy's ``failure_mode_allow``: false, the default,
 answers 500; docs/kubernetes.md).
@@ -36,12 +38,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from pdserve.api.prefill_leg import PREFILL_AUTH_HEADER, PREFILL_VIA_HEADER, encoded_leg
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request
 from pdserve.api.tenancy import TENANT_HEADER
 from pdserve.router.admission import Ticket
 from pdserve.router.exchange import REQUEST_ID
 from pdserve.router.pods import Pod
-from pdserve.router.proxy import QUEUE_TIMEOUT_HEADER, SESSION_ID, output_bound, queue_timeout
+from pdserve.router.policy import Choice, uncached_tokens
+from pdserve.router.proxy import QUEUE_TIMEOUT_HEADER, SESSION_ID, needs_local_prefill, output_bound, queue_timeout
 from pdserve.router.server import Router
 
 logger = logging.getLogger(__name__)
@@ -160,7 +164,9 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                 parsed, chat, engine_headers.get("Authorization"), engine_headers.get(TENANT_HEADER)
             )
         session = (headers.get(SESSION_ID) or parsed.user) if router.config.session_affinity else None
-        response = self._route(headers, engine_headers, held, ticket, prompt, session)
+        # A P/D pair: the decode pod sends the prefill leg itself (pdserve/server/gateway_prefill.py).
+        leg = encoded_leg(raw, chat) if router.prefill.pods and not needs_local_prefill(parsed, chat) else None
+        response = self._route(headers, engine_headers, held, ticket, prompt, session, (path, leg))
         if rewrite and response.HasField("request_headers"):
             common = response.request_headers.response
             response = ext_proc.ProcessingResponse(
@@ -191,8 +197,10 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         ticket: Ticket | None = None,
         prompt: Any = None,
         session: str | None = None,
+        prefill_leg: tuple[str, bytes | None] = ("", None),
     ) -> ext_proc.ProcessingResponse:
-        """The answer naming the chosen decode pod (as a headers answer; ``_pick`` turns it into a body answer)."""
+        """The answer naming the chosen decode pod (as a headers answer; ``_pick`` turns it into a body answer), and
+        the prefill pod when ``prefill_leg`` (path, bytes) has a leg worth sending."""
         router = self.router
         choice = router.chooser.choose(router.decode, prompt, session)
         if choice is None:
@@ -205,9 +213,12 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         held.append((pod, ticket))
         router.metrics.chose("decode", pod.url, choice.policy)
         destination = urlsplit(pod.url).netloc
-        mutation = ext_proc.HeaderMutation(
-            set_headers=[_set(DESTINATION_HEADER, destination)], remove_headers=[TENANT_HEADER.lower()]
-        )
+        # Clients' copies of what only the picker may say never pass.
+        removed = [TENANT_HEADER.lower(), PREFILL_VIA_HEADER.lower(), PREFILL_AUTH_HEADER.lower()]
+        mutation = ext_proc.HeaderMutation(set_headers=[_set(DESTINATION_HEADER, destination)], remove_headers=removed)
+        path, leg = prefill_leg
+        if leg is not None:
+            mutation.set_headers.extend(self._prefill_headers(choice, prompt, session, path, leg))
         if engine_headers is not None:
             if "Authorization" not in engine_headers:
                 mutation.remove_headers.append("authorization")
@@ -220,6 +231,29 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
             request_headers=ext_proc.HeadersResponse(response=ext_proc.CommonResponse(header_mutation=mutation)),
             dynamic_metadata=metadata,
         )
+
+    def _prefill_headers(
+        self, decode: Choice, prompt: Any, session: str | None, path: str, leg: bytes
+    ) -> list[base_pb2.HeaderValueOption]:
+        """The prefill pod the decode pod is to send ``leg`` to, and the router's signature of it for that pod's
+        engine; none when the leg is not worth sending (the decode pod has the prompt nearly all cached) or no
+        prefill pod of the decode pod's KV layout is up: then the decode pod computes the prompt."""
+        router = self.router
+        threshold = router.config.pd_min_prefill_tokens
+        if threshold and prompt is not None and uncached_tokens(prompt, decode) < threshold:
+            router.metrics.prefill_skipped.inc()
+            return []
+        incompatible = [pod for pod in router.prefill.pods if pod.compat_hash != decode.pod.compat_hash]
+        choice = router.chooser.choose(router.prefill, prompt, session, exclude=incompatible, healthy_only=True)
+        if choice is None:
+            router.metrics.errors["no_prefill"].inc()
+            return []
+        router.metrics.chose("prefill", choice.pod.url, choice.policy)
+        headers = [_set(PREFILL_VIA_HEADER, choice.pod.url)]
+        signature = router.proxy.upstream.sign(choice.pod, path, leg)
+        if signature is not None:
+            headers.append(_set(PREFILL_AUTH_HEADER, signature))
+        return headers
 
 
 def _continue(kind: str) -> Any:

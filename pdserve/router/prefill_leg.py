@@ -18,7 +18,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from pdserve.api.prefill_leg import leg_body
+from pdserve.api.prefill_leg import leg_body, prefill_timeout_s
 from pdserve.router.config import RouterConfig
 from pdserve.router.exchange import REQUEST_ID, Exchange
 from pdserve.router.metrics import RouterMetrics
@@ -29,10 +29,6 @@ from pdserve.router.upstream import Upstream, Usage
 
 logger = logging.getLogger(__name__)
 
-# The prefill-leg timeout without --prefill-timeout: floor + margin x (prompt tokens / pod speed).
-PREFILL_TIMEOUT_FLOOR_S = 2.0
-PREFILL_TIMEOUT_MARGIN = 4.0
-ASSUMED_PREFILL_TOKENS_PER_S = 500.0  # until a pod's legs have been measured (a slow CPU engine's order)
 # Where a prefill engine frees a leg's held blocks that no decode will pull (pdserve/server/app.py).
 RELEASE_PATH = "/v1/kv_transfer/release"
 RELEASE_TIMEOUT_S = 5.0
@@ -44,8 +40,7 @@ def prefill_timeout(config: RouterConfig, pod: Pod, prompt_tokens: int) -> float
     short prompt on a hung pod costs a few seconds, not the request timeout."""
     if config.prefill_timeout is not None:
         return config.prefill_timeout
-    speed = pod.prefill_speed or ASSUMED_PREFILL_TOKENS_PER_S
-    return min(PREFILL_TIMEOUT_FLOOR_S + PREFILL_TIMEOUT_MARGIN * prompt_tokens / speed, config.request_timeout)
+    return min(prefill_timeout_s(prompt_tokens, pod.prefill_speed), config.request_timeout)
 
 
 class _PrefillAnswer(msgspec.Struct):

@@ -162,7 +162,7 @@ class Proxy:
             del body["kv_transfer_params"]
             raw = msgspec.json.encode(body)
         exchange.body = raw
-        local = not self.prefill or _needs_local_prefill(parsed, chat)
+        local = not self.prefill or needs_local_prefill(parsed, chat)
         # The prompt is read for prefix routing, or for the decider when there is a prefill leg to skip.
         if (
             self.prompts is not None
@@ -268,7 +268,7 @@ def _several_prompts(prompt: Any) -> bool:
     return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
 
 
-def _needs_local_prefill(parsed: Any, chat: bool) -> bool:
+def needs_local_prefill(parsed: Any, chat: bool) -> bool:
     """Requests one prefill leg cannot serve: one ``kv_transfer_params`` carries one prompt's blocks for one
     sequence, and pulled KV has no prompt logprobs."""
     if parsed.n is not None and parsed.n > 1:

@@ -70,6 +70,11 @@ class Upstream:
             answer.release()
         raise AssertionError("unreachable")
 
+    def sign(self, pod: Pod, path: str, body: bytes) -> str | None:
+        """The router's signature of a POST of ``body`` to ``path`` on ``pod``'s engine, for someone else to send
+        (a decode engine behind a gateway sends the prefill leg the picker signed); None without keys."""
+        return None if self._signer is None else self._signer.header("POST", path, body, pod.engine_id or "")
+
     def capability(self, reader: str, holder: str, handle: str, expires_at: float) -> str:
         """A peer-read capability for engine ``reader`` (``RouterSigner.capability``); empty without keys."""
         return "" if self._signer is None else self._signer.capability(reader, holder, handle, expires_at)

@@ -213,6 +213,8 @@ class RunningServer:
 
     async def close(self) -> None:
         await self.runner.cleanup()  # stops accepting, closes connections (their handlers abort)
+        if self.server.serving.gateway_prefill is not None:
+            await self.server.serving.gateway_prefill.close()
         await self.server.client.shutdown()
 
 

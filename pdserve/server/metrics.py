@@ -248,6 +248,13 @@ class EngineMetrics:
             ["kind"],
             registry=self.registry,
         )
+        self.gateway_prefill = Counter(
+            "pdserve_gateway_prefill",
+            "Prefill legs this decode engine sent itself behind a gateway, by outcome: disagg (params used), "
+            "fallback (computed here), rejected (the prefill's 4xx went to the client)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.streams_handed_off = Counter(
             "pdserve_streams_handed_off",
             "Streams a draining engine handed back to the router to continue on another decode engine",

@@ -111,10 +111,14 @@ class PDGate:
         self.serves_blocks = serves_blocks
         self.router_verifier = router_verifier
 
-    async def open(self, request: web.Request, raw: bytes, request_type: type[RequestT]) -> tuple[RequestT, PDLeg]:
-        """The request's body and its P/D leg. Raises ProtocolError for a body that does not decode (400) or P/D
-        params not from the router (403), InputError (400, naming the field) for params this engine cannot act
-        on; a decode leg refused after its params were read tells its prefill engine to free."""
+    async def open(
+        self, request: web.Request, raw: bytes, request_type: type[RequestT], own_params: bool = False
+    ) -> tuple[RequestT, PDLeg]:
+        """The request's body and its P/D leg (``own_params``: its params are this engine's own prefill leg's
+        answer, behind a gateway: taken without the router's signature). Raises ProtocolError for a body that does
+        not decode (400) or P/D params not from the router (403), InputError (400, naming the field) for params
+        this engine cannot act on; a decode leg refused after its params were read tells its prefill engine to
+        free."""
         try:
             body = decode_request(raw, request_type)
         except ProtocolError as error:
@@ -122,7 +126,8 @@ class PDGate:
             # ``max_tokens`` 1, took it) still names its prefill engine's hold, freed now rather than by lease.
             params = _params_of(raw) if self.kv_transfer else None
             if params:
-                self.verify_router(request, raw)
+                if not own_params:
+                    self.verify_router(request, raw)
                 await self._release_refused(_remote_prefill_or_none(params), error)
             raise
         continued = None
@@ -143,7 +148,7 @@ class PDGate:
         if not params:
             leg = PDLeg(continued=continued)
         else:
-            if continued is None:
+            if continued is None and not own_params:
                 self.verify_router(request, raw)
             if wants_remote_decode(params) and not self.serves_blocks:
                 raise InputError(

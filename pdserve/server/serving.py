@@ -56,6 +56,7 @@ from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError, 
 from pdserve.server.chat_output import ChatOutputReader, ChatParsers
 from pdserve.server.choices import ChoiceRunner
 from pdserve.server.core_client import EngineCoreClient
+from pdserve.server.gateway_prefill import GatewayPrefill
 from pdserve.server.input_processor import InputError, InputProcessor, structured_outputs_from
 from pdserve.server.metrics import EngineMetrics
 from pdserve.server.pd_gate import PDGate, PDLeg, leg_headers
@@ -183,19 +184,31 @@ class OpenAIServing:
         self.draining = False  # set on shutdown: new requests are refused, running ones finish
         self.handing_off = False  # set later in a drain: streams the router relays are handed back to it
         self.gate = PDGate(client, metrics, kv_transfer, serves_blocks, router_verifier)
+        # Behind a gateway a decode engine sends its request's prefill leg itself (the P/D decode role only).
+        self.gateway_prefill = GatewayPrefill(metrics, router_verifier) if kv_transfer and not serves_blocks else None
         self.chat_parsers = chat_parsers or ChatParsers()
 
     # ----- endpoints ----------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body, leg = await self.gate.open(request, await request.read(), CompletionRequest)
+        raw, own_params = await self._prefill_first(request, chat=False)
+        body, leg = await self.gate.open(request, raw, CompletionRequest, own_params)
         async with self.gate.releasing_refused(request):
             return await self._completions(request, body, leg)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body, leg = await self.gate.open(request, await request.read(), ChatCompletionRequest)
+        raw, own_params = await self._prefill_first(request, chat=True)
+        body, leg = await self.gate.open(request, raw, ChatCompletionRequest, own_params)
         async with self.gate.releasing_refused(request):
             return await self._chat_completions(request, body, leg)
+
+    async def _prefill_first(self, request: web.Request, chat: bool) -> tuple[bytes, bool]:
+        """The request's body, with the params of the prefill leg this engine sent itself when a gateway's picker
+        named a prefill pod (then True)."""
+        raw = await request.read()
+        if self.gateway_prefill is None:
+            return raw, False
+        return await self.gateway_prefill.run(request, raw, chat)
 
     async def _completions(self, request: web.Request, body: CompletionRequest, leg: PDLeg) -> web.StreamResponse:
         self._check_model(body.model)
