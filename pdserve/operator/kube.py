@@ -13,7 +13,7 @@ from typing import Any
 
 import kubernetes
 
-from pdserve.operator.names import GROUP, PDPOOLS, PDSERVICES, VERSION
+from pdserve.operator.names import GROUP, INFERENCE_POOL, PDPOOLS, PDSERVICES, VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,12 @@ _BUILTIN: dict[str, tuple[Any, str, str]] = {
         "autoscaling/v2",
     ),
 }
-_CUSTOM = {"PDService": PDSERVICES, "PDPool": PDPOOLS}
+# kind -> (group, version, plural) of the custom resources the operator writes or reads.
+_CUSTOM = {
+    "PDService": (GROUP, VERSION, PDSERVICES),
+    "PDPool": (GROUP, VERSION, PDPOOLS),
+    INFERENCE_POOL[3]: INFERENCE_POOL[:3],
+}
 
 
 def is_subset(wanted: Any, actual: Any) -> bool:
@@ -87,10 +92,10 @@ class Kube:
         self._served: dict[str, bool] = {}
 
     def served(self, kind: str) -> bool:
-        """Whether the API server serves this built-in kind at the apiVersion the operator writes
-        (API discovery, asked once; the answer is logged when it is no)."""
+        """Whether the API server serves this kind (built-in, or another project's custom resource) at the
+        apiVersion the operator writes (API discovery, asked once; the answer is logged when it is no)."""
         if kind not in self._served:
-            api_version = _BUILTIN[kind][2]
+            api_version = f"{_CUSTOM[kind][0]}/{_CUSTOM[kind][1]}" if kind in _CUSTOM else _BUILTIN[kind][2]
             # The group version's discovery document, asked as kubectl asks (the client's generated
             # get_api_resources adds a trailing slash that not every server takes).
             path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
@@ -126,7 +131,8 @@ class Kube:
             api: Any = kubernetes.client.CustomObjectsApi(self.client)
             suffix = "namespaced_custom_object" + ("_status" if status else "")
             method = getattr(api, f"{'get' if verb == 'read' else verb}_{suffix}")
-            args = (GROUP, VERSION, args[0], _CUSTOM[kind], *args[1:])
+            group, version, plural = _CUSTOM[kind]
+            args = (group, version, args[0], plural, *args[1:])
         else:
             api_class, suffix, _ = _BUILTIN[kind]
             method = getattr(api_class(self.client), f"{verb}_{suffix}{'_status' if status else ''}")

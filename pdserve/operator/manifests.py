@@ -3,7 +3,8 @@
 Per PDService N: PDPools N-prefill and N-decode, Deployments and Services N-router, N-prefill,
 N-decode, the router's ServiceAccount, Role and RoleBinding N-router, the NetworkPolicy N-engines
 on the engine pods, a PodDisruptionBudget per engine pool (N-prefill, N-decode), and (unless
-spec.kvTransfer.secretName names the user's own) the Secret N-kv-keys whose items the pods mount by role.
+spec.kvTransfer.secretName names the user's own) the Secret N-kv-keys whose items the pods mount by role; with
+spec.endpointPicker on, the picker's Deployment and Service N-epp and the Inference Extension's InferencePool N.
 Owner references are not set here: the handlers adopt the objects into the live PDService.
 """
 
@@ -12,8 +13,12 @@ from typing import Any
 
 from pdserve.operator.names import (
     API_VERSION,
+    DECODE,
     ENGINE_ROLES,
     ENGINES,
+    EPP,
+    EPP_GRPC_PORT,
+    INFERENCE_POOL,
     KV_KEYS,
     KV_SIDE_CHANNEL_PORT,
     LABEL_ROLE,
@@ -28,6 +33,7 @@ from pdserve.operator.names import (
     service_labels,
 )
 from pdserve.operator.pods import engine_pod, router_pod
+from pdserve.operator.spec import EPP_SPEC
 
 
 def _meta(service: str, namespace: str, role: str) -> dict[str, Any]:
@@ -89,7 +95,10 @@ def service(service: str, namespace: str, role: str) -> dict[str, Any]:
     """ClusterIP for the router (the serving endpoint); headless for engines (for people and monitoring)."""
     ports = [{"name": "http", "port": PORTS[role], "targetPort": "http", "protocol": "TCP"}]
     spec: dict[str, Any] = {"selector": selector(service, role), "ports": ports}
-    if role == ROUTER:
+    if role == EPP:  # the gateway's ext_proc calls, and /health and /metrics
+        spec["type"] = "ClusterIP"
+        ports.append({"name": "grpc", "port": EPP_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"})
+    elif role == ROUTER:
         spec["type"] = "ClusterIP"
     else:
         spec["clusterIP"] = "None"
@@ -164,19 +173,41 @@ def disruption_budget(service: str, namespace: str, role: str, max_unavailable: 
     }
 
 
+def inference_pool(service: str, namespace: str, failure_mode: str) -> dict[str, Any]:
+    """The Inference Extension's pool of this PDService's decode pods (where requests go; a decode pod sends the
+    prefill leg itself), with the picker as its endpoint picker."""
+    group, version, _, kind = INFERENCE_POOL
+    return {
+        "apiVersion": f"{group}/{version}",
+        "kind": kind,
+        "metadata": {"name": service, "namespace": namespace, "labels": service_labels(service, EPP)},
+        "spec": {
+            "selector": {"matchLabels": selector(service, DECODE)},
+            "targetPorts": [{"number": PORTS[DECODE]}],
+            "endpointPickerRef": {
+                "name": object_name(service, EPP),
+                "port": {"number": EPP_GRPC_PORT},
+                "failureMode": failure_mode,
+            },
+        },
+    }
+
+
 def owned_objects(
     service_name: str,
     namespace: str,
     spec: dict[str, Any],
     pool_replicas: dict[str, int],
     disruption_budgets: bool = True,
+    inference_pools: bool = True,
 ) -> list[dict[str, Any]]:
     """Everything but the PDPools and the KV Secret, in creation order (the NetworkPolicy before
     any engine runs, RBAC before the router that needs it).
 
     `spec` has its defaults filled (`spec.with_defaults`); `pool_replicas` maps each engine role
     to its PDPool's spec.replicas, the authoritative size of that pool. `disruption_budgets`: False
-    where the API server does not serve `DISRUPTION_BUDGET`.
+    where the API server does not serve `DISRUPTION_BUDGET`; `inference_pools`: False where it does not serve the
+    Inference Extension's InferencePool (the picker still runs: a gateway may be configured by hand).
     """
     objects = [engines_policy(service_name, namespace), *router_rbac(service_name, namespace)]
     for role in (ROUTER, *ENGINE_ROLES):
@@ -189,4 +220,11 @@ def owned_objects(
         objects.append(deployment(service_name, namespace, role, pool_replicas[role], template))
         if disruption_budgets:
             objects.append(disruption_budget(service_name, namespace, role, spec[role]["maxUnavailable"]))
+    picker = spec[EPP_SPEC]
+    if picker["enabled"]:
+        objects.append(service(service_name, namespace, EPP))
+        template = router_pod(service_name, namespace, spec, EPP)
+        objects.append(deployment(service_name, namespace, EPP, picker["replicas"], template))
+        if inference_pools:
+            objects.append(inference_pool(service_name, namespace, picker["failureMode"]))
     return objects

@@ -17,10 +17,16 @@ PREFILL = roles.PREFILL.name
 DECODE = roles.DECODE.name
 ENGINE_ROLES = tuple(role.name for role in roles.POOL_ROLES)
 ROLES = (ROUTER, PREFILL, DECODE)
+# The endpoint picker (`pdserve epp`) a gateway with the Inference Extension consults, when spec.endpointPicker is on.
+EPP = "epp"
+EPP_GRPC_PORT = 9002
+# The Inference Extension's pool of model servers, which the operator writes for the picker (the gateway's setup
+# installs its CRD).
+INFERENCE_POOL = ("inference.networking.k8s.io", "v1", "inferencepools", "InferencePool")
 
 # Container ports: the defaults of `pdserve router|prefill|decode` (pdserve.api.roles), fixed so
 # that Services, probes and the router's discovery never have to ask the pods.
-PORTS = {ROUTER: roles.ROUTER_PORT, **{role.name: role.default_port for role in roles.POOL_ROLES}}
+PORTS = {ROUTER: roles.ROUTER_PORT, EPP: 9003, **{role.name: role.default_port for role in roles.POOL_ROLES}}
 KV_SIDE_CHANNEL_PORT = roles.POD_KV_SIDE_CHANNEL_PORT
 MODEL_DIR = "/models/model"
 

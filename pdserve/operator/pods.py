@@ -11,6 +11,8 @@ from typing import Any
 from pdserve.api.auth import API_KEY_ENV
 from pdserve.api.keys import ENGINE_FILES, ROUTER_FILES
 from pdserve.operator.names import (
+    EPP,
+    EPP_GRPC_PORT,
     KV_DISK_DIR,
     KV_KEYS,
     KV_KEYS_DIR,
@@ -24,7 +26,7 @@ from pdserve.operator.names import (
     labels,
     object_name,
 )
-from pdserve.operator.spec import disk_tier_bytes, duration_seconds, quantity_bytes
+from pdserve.operator.spec import EPP_SPEC, disk_tier_bytes, duration_seconds, quantity_bytes
 
 # The image's non-root user (its HOME is writable: Triton and CPU kernel caches); /tmp is an
 # emptyDir so scratch files stay off the container's writable layer.
@@ -146,14 +148,18 @@ def _kv_tier_volumes(cache: dict[str, Any]) -> tuple[list[dict[str, Any]], list[
     return volumes, mounts
 
 
-def router_command(service: str, namespace: str, spec: dict[str, Any]) -> list[str]:
+def router_command(service: str, namespace: str, spec: dict[str, Any], command: str = ROUTER) -> list[str]:
+    """The router's command line, or (``command`` EPP) the endpoint picker's: the same pod choice, discovery, keys
+    and tenants; the picker also serves gRPC (ext_proc) on its own port."""
+    part = spec[EPP_SPEC] if command == EPP else spec[ROUTER]
     return [
         "pdserve",
-        ROUTER,
+        command,
         "--host",
         "0.0.0.0",
         "--port",
-        str(PORTS[ROUTER]),
+        str(PORTS[command]),
+        *(["--grpc-port", str(EPP_GRPC_PORT)] if command == EPP else []),
         "--discovery",
         "kubernetes",
         "--namespace",
@@ -164,15 +170,15 @@ def router_command(service: str, namespace: str, spec: dict[str, Any]) -> list[s
         KV_KEYS_DIR,
         # The tenants' per-minute limits are the deployment's: each replica applies its share.
         "--router-replicas",
-        str(spec[ROUTER]["replicas"]),
+        str(part["replicas"]),
         *(["--tokenizer", _model_dir(spec["model"])] if _router_reads_model(spec["model"]) else []),
         *(["--tenants", _tenants_file(spec[ROUTER]["tenantsSecret"])] if spec[ROUTER].get("tenantsSecret") else []),
-        *spec[ROUTER].get("args", []),
+        *part.get("args", []),
     ]
 
 
 def _tenants_file(secret: dict[str, Any]) -> str:
-    return f"{TENANTS_DIR}/{secret.get('key', 'tenants.yaml')}"
+    return f"{TENANTS_DIR}/{secret['key']}"
 
 
 def _field_env(name: str, field: str) -> dict[str, Any]:
@@ -358,20 +364,25 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"metadata": {"labels": labels(service, role), "annotations": annotations}, "spec": pod_spec}
 
 
-def router_pod(service: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """The pod template of the router (discovers the engines through the Kubernetes API)."""
+def router_pod(service: str, namespace: str, spec: dict[str, Any], command: str = ROUTER) -> dict[str, Any]:
+    """The pod template of the router (discovers the engines through the Kubernetes API), or (``command`` EPP) of
+    the endpoint picker, which runs as the router's principal: its ServiceAccount, its keys, its tenants."""
+    part = spec[EPP_SPEC] if command == EPP else spec[ROUTER]
+    ports = [{"name": "http", "containerPort": PORTS[command], "protocol": "TCP"}]
+    if command == EPP:
+        ports.append({"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"})
     container = {
-        "name": ROUTER,
+        "name": command,
         "image": spec["image"],
         "imagePullPolicy": spec["imagePullPolicy"],
-        "command": router_command(service, namespace, spec),
+        "command": router_command(service, namespace, spec, command),
         "env": [
             _field_env("POD_NAME", "metadata.name"),
             _field_env("POD_NAMESPACE", "metadata.namespace"),
             *_api_key_env(spec),
         ],
-        "ports": [{"name": "http", "containerPort": PORTS[ROUTER], "protocol": "TCP"}],
-        "resources": dict(spec[ROUTER].get("resources") or {}),
+        "ports": ports,
+        "resources": dict(part.get("resources") or {}),
         "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH_DIR}, _kv_keys_mount()],
         "securityContext": _container_security(),
         **_probes(ROUTER_STARTUP_FAILURES),
@@ -390,4 +401,4 @@ def router_pod(service: str, namespace: str, spec: dict[str, Any]) -> dict[str, 
         "volumes": volumes,
         "securityContext": _pod_security(),
     }
-    return {"metadata": {"labels": labels(service, ROUTER)}, "spec": pod_spec}
+    return {"metadata": {"labels": labels(service, command)}, "spec": pod_spec}

@@ -19,7 +19,7 @@ from pdserve.api.keys import new_bundle
 from pdserve.operator import manifests, scale_down, status
 from pdserve.operator.kube import Kube, is_subset
 from pdserve.operator.names import ENGINE_ROLES, ROLES, ROUTER, object_name, selector_string
-from pdserve.operator.spec import problems, with_defaults
+from pdserve.operator.spec import EPP_SPEC, problems, with_defaults
 
 # One pass at a time per PDService: kopf runs handlers of different objects in parallel threads; a
 # sync that read older counts must not write after one that read newer ones, and two passes must
@@ -61,7 +61,14 @@ def _ensure_objects(kube: Kube, body: kopf.Body, name: str, namespace: str) -> N
     if secret is not None:
         kopf.adopt(secret, owner=body)
         kube.apply(secret, create_only=manifests.KV_KEYS_CREATE_ONLY)
-    objects = manifests.owned_objects(name, namespace, spec, replicas, disruption_budgets=not _not_served(kube))
+    objects = manifests.owned_objects(
+        name,
+        namespace,
+        spec,
+        replicas,
+        disruption_budgets=kube.served(manifests.DISRUPTION_BUDGET[1]),
+        inference_pools=spec[EPP_SPEC]["enabled"] is True and kube.served(manifests.INFERENCE_POOL[3]),
+    )
     kopf.adopt(objects, owner=body)
     for obj in objects:
         kube.apply(obj)
@@ -97,7 +104,8 @@ def sync(kube: Kube, namespace: str, name: str) -> None:
         # The autoscaler's condition stays while it runs; turned off, its condition goes.
         autoscaling = with_defaults(service.get("spec") or {})["autoscaling"]
         kept = [status.SCALING_CONFLICT] if isinstance(autoscaling, dict) and autoscaling.get("enabled") is True else []
-        new = status.service_status(name, namespace, found, desired, ready, previous, _not_served(kube), kept)
+        not_served = _not_served(kube, with_defaults(service.get("spec") or {}))
+        new = status.service_status(name, namespace, found, desired, ready, previous, not_served, kept)
         if not is_subset(new, service.get("status") or {}):
             kube.patch("PDService", namespace, name, {"status": new}, status=True)
 
@@ -109,10 +117,17 @@ def _rank_for_removal(kube: Kube, namespace: str, name: str, role: str) -> None:
         kube.patch("Pod", namespace, pod_name, {"metadata": {"annotations": annotation}})
 
 
-def _not_served(kube: Kube) -> list[str]:
-    """The optional kinds the operator creates that this API server lacks (it says so once in its log)."""
+def _not_served(kube: Kube, spec: Mapping[str, Any]) -> list[str]:
+    """The optional kinds the operator would create for this spec that this API server lacks (it says so once in
+    its log)."""
     api_version, kind = manifests.DISRUPTION_BUDGET
-    return [] if kube.served(kind) else [f"{api_version} {kind}"]
+    missing = [] if kube.served(kind) else [f"{api_version} {kind}"]
+    picker = spec.get(EPP_SPEC)
+    if isinstance(picker, Mapping) and picker.get("enabled") is True:
+        group, version, _, pool_kind = manifests.INFERENCE_POOL
+        if not kube.served(pool_kind):
+            missing.append(f"{group}/{version} {pool_kind}")
+    return missing
 
 
 def _router_size(service: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> int:

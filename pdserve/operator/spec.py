@@ -158,7 +158,15 @@ def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
     kv.setdefault("ucxTransports", DEFAULT_UCX_TRANSPORTS)
     if isinstance(full.get("apiKeySecret"), dict):
         full["apiKeySecret"].setdefault("key", "api-key")
-    full.setdefault(ROUTER, {}).setdefault("replicas", 1)
+    router = full.setdefault(ROUTER, {})
+    router.setdefault("replicas", 1)
+    if isinstance(router, dict) and isinstance(router.get("tenantsSecret"), dict):
+        router["tenantsSecret"].setdefault("key", "tenants.yaml")
+    picker = full.setdefault(EPP_SPEC, {})
+    if isinstance(picker, dict):
+        picker.setdefault("enabled", False)
+        picker.setdefault("replicas", 1)
+        picker.setdefault("failureMode", "FailClose")
     _autoscaling_defaults(full.setdefault("autoscaling", {}))
     for role in ENGINE_ROLES:
         pool = full.setdefault(role, {})
@@ -177,7 +185,7 @@ def problems(name: str, spec: Mapping[str, Any]) -> list[str]:
     """Why this PDService cannot be served, one sentence each; empty when it can."""
     if not _NAME.match(name) or len(name) > MAX_NAME_LENGTH:
         return [f"name {name!r} must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters"]
-    sections = ("model", "kvTransfer", "autoscaling", ROUTER, PREFILL, DECODE)
+    sections = ("model", "kvTransfer", "autoscaling", ROUTER, EPP_SPEC, PREFILL, DECODE)
     wrong = [key for key in sections if not isinstance(spec.get(key, {}), Mapping)]
     if wrong:
         return [f"spec.{key} must be an object" for key in wrong]
@@ -193,6 +201,7 @@ def problems(name: str, spec: Mapping[str, Any]) -> list[str]:
     found += _count_problems(f"spec.{ROUTER}.replicas", spec[ROUTER]["replicas"])
     found += _args_problems(f"spec.{ROUTER}.args", spec[ROUTER].get("args", []), RESERVED_ROUTER_FLAGS)
     found += _resources_problems(f"spec.{ROUTER}.resources", spec[ROUTER].get("resources", {}))
+    found += _picker_problems(spec[EPP_SPEC])
     for role in (PREFILL, DECODE):
         found += _pool_problems(f"spec.{role}", spec[role])
     found += _autoscaling_problems(spec["autoscaling"])
@@ -216,6 +225,8 @@ AUTOSCALING_DEFAULTS: dict[str, Any] = {
     DECODE: {"minReplicas": 1, "maxReplicas": 16},
 }
 METRICS_SOURCES = ("router", "prometheus")
+EPP_SPEC = "endpointPicker"
+FAILURE_MODES = ("FailClose", "FailOpen")  # the InferencePool's endpointPickerRef.failureMode
 _CONFIG_MAP_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 
 
@@ -450,6 +461,17 @@ def _tensor_parallel_problems(where: str, pool: dict[str, Any]) -> list[str]:
             "each tensor-parallel rank needs a GPU of its own"
         ]
     return []
+
+
+def _picker_problems(picker: Mapping[str, Any]) -> list[str]:
+    where = f"spec.{EPP_SPEC}"
+    found = [] if isinstance(picker["enabled"], bool) else [f"{where}.enabled must be true or false"]
+    found += _count_problems(f"{where}.replicas", picker["replicas"])
+    found += _args_problems(f"{where}.args", picker.get("args", []), (*RESERVED_ROUTER_FLAGS, "--grpc-port"))
+    found += _resources_problems(f"{where}.resources", picker.get("resources", {}))
+    if picker["failureMode"] not in FAILURE_MODES:
+        found.append(f"{where}.failureMode must be one of {', '.join(FAILURE_MODES)}")
+    return found
 
 
 def _count_problems(where: str, value: Any) -> list[str]:

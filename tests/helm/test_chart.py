@@ -52,6 +52,7 @@ OPERATOR_RULES = {
     ("", "secrets"): {"get", "list", "watch", "create", "patch"},
     ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch"},
+    ("inference.networking.k8s.io", "inferencepools"): {"get", "list", "watch", "create", "patch"},
     ("", "pods"): {"get", "list", "watch", "patch"},
     ("", "events"): {"create"},
     ("", "configmaps"): {"get"},

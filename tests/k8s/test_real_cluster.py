@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import kubernetes
 import pytest
 import yaml
 
@@ -33,6 +34,7 @@ from tests.k8s.conftest import (
     RELEASE_NAMESPACE,
     SKIPPED,
     Cluster,
+    _established,
     create_or_skip,
     render_chart,
     wait_for,
@@ -123,6 +125,66 @@ def test_kv_tiers_reach_the_deployments(cluster: Cluster, operator: Any) -> None
         assert "--kv-tier-shared-read-only" in decode["containers"][0]["command"]
     finally:
         cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "pdservices", name)
+
+
+def test_an_endpoint_picker_runs_beside_an_inference_pool_of_the_decode_pods(cluster: Cluster, operator: Any) -> None:
+    """spec.endpointPicker through the real server: with the Inference Extension's InferencePool served (a minimal
+    CRD written here), the operator, under its own RBAC, writes the pool of the decode pods naming the picker, and
+    the picker's Deployment and Service, which the server validates. Every pool at 0 replicas."""
+    crds = kubernetes.client.ApiextensionsV1Api(cluster.api)
+    crd = yaml.safe_load((Path(__file__).parent / "inferencepool-crd.yaml").read_text())
+    try:
+        crds.create_custom_resource_definition(crd)
+    except kubernetes.client.ApiException as error:
+        raise AssertionError(error.body) from None
+    wait_for(lambda: _established(crds, crd["metadata"]["name"]), timeout=30, what="the InferencePool CRD")
+    cluster.refresh()
+    name = "picked"
+    service = _cpu_example(name)
+    for role in ("router", "prefill", "decode"):
+        service["spec"][role]["replicas"] = 0
+    service["spec"]["endpointPicker"] = {"enabled": True, "replicas": 0}
+    cluster.create(service, namespace=NAMESPACE)
+    try:
+        pool = wait_for(
+            lambda: _get_custom(cluster, "inference.networking.k8s.io", "v1", "inferencepools", name),
+            timeout=30,
+            what="the InferencePool",
+        )
+        assert pool["spec"]["selector"]["matchLabels"] == {
+            "app.kubernetes.io/instance": name,
+            "pdserve.io/role": "decode",
+        }
+        assert pool["spec"]["endpointPickerRef"] == {
+            "name": f"{name}-epp",
+            "port": {"number": 9002},
+            "failureMode": "FailClose",
+        }
+        picker = wait_for(
+            lambda: _read_or_none(lambda: cluster.apps.read_namespaced_deployment(f"{name}-epp", NAMESPACE)),
+            timeout=30,
+            what="the picker's Deployment",
+        )
+        assert picker.spec.template.spec.containers[0].command[:2] == ["pdserve", "epp"]
+        ports = {
+            port.name: port.port for port in cluster.core.read_namespaced_service(f"{name}-epp", NAMESPACE).spec.ports
+        }
+        assert ports == {"http": 9003, "grpc": 9002}
+    finally:
+        cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "pdservices", name)
+
+
+def _get_custom(cluster: Cluster, group: str, version: str, plural: str, name: str) -> dict[str, Any] | None:
+    return _read_or_none(lambda: cluster.custom.get_namespaced_custom_object(group, version, NAMESPACE, plural, name))
+
+
+def _read_or_none(read: Any) -> Any:
+    try:
+        return read()
+    except kubernetes.client.ApiException as error:
+        if error.status == 404:
+            return None
+        raise
 
 
 class PodProcesses:

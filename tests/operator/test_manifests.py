@@ -596,3 +596,37 @@ def test_a_tenants_secret_is_mounted_into_the_router_and_passed_as_its_table():
     assert {"name": "tenants", "mountPath": "/etc/pdserve/tenants", "readOnly": True} in container(pod)["volumeMounts"]
     assert {"name": "tenants", "secret": {"secretName": "llm-tenants"}} in pod["spec"]["volumes"]
     assert "--tenants" not in container(router_pod("llm", "ns", full()))["command"]
+
+
+def test_an_endpoint_picker_runs_as_the_router_beside_an_inference_pool_of_the_decode_pods():
+    fields = {"endpointPicker": {"enabled": True, "replicas": 2, "failureMode": "FailOpen"}}
+    found = by_kind_name(objects(**fields))
+    picker = found[("Deployment", "llm-epp")]
+    command = container(picker["spec"]["template"])["command"]
+    assert command[:9] == [
+        "pdserve",
+        "epp",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9003",
+        "--grpc-port",
+        "9002",
+        "--discovery",
+    ]
+    assert command[command.index("--router-replicas") + 1] == "2" and picker["spec"]["replicas"] == 2
+    assert picker["spec"]["template"]["spec"]["serviceAccountName"] == "llm-router"  # the router's principal
+    ports = {port["name"]: port["port"] for port in found[("Service", "llm-epp")]["spec"]["ports"]}
+    assert ports == {"http": 9003, "grpc": 9002}
+    pool = found[("InferencePool", "llm")]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"] == {
+        "selector": {"matchLabels": {"app.kubernetes.io/instance": "llm", "pdserve.io/role": "decode"}},
+        "targetPorts": [{"number": 8200}],
+        "endpointPickerRef": {"name": "llm-epp", "port": {"number": 9002}, "failureMode": "FailOpen"},
+    }
+    without_pools = manifests.owned_objects(
+        "llm", "ns", full(**fields), {"prefill": 2, "decode": 3}, inference_pools=False
+    )
+    assert ("InferencePool", "llm") not in by_kind_name(without_pools)
+    assert not any(obj["metadata"]["name"] == "llm-epp" for obj in objects())  # off by default
