@@ -1,5 +1,6 @@
 """Prefix-aware routing against round-robin on a shared-prefix workload: prefix-cache hit rate, TTFT, throughput.
-About 3 minutes on 2 cores.
+About 3 minutes on 2 cores (4-5 with ``--policies prefix-load prefix-load-gateway round-robin``: the same choice
+made by ``pdserve epp`` behind a real Envoy, whose hit rate should match the router's).
 
 Setup: two engines, each pinned to its own core (taskset, 1 torch thread), behind `pdserve router` (unpinned,
 sharing the cores with the load generator in this process). The engines are `pdserve decode` processes with no
@@ -32,11 +33,13 @@ from pd_vs_colocated import build_model, free_port, start
 from plots import add_plot_argument, bar_chart
 from prefix_cache import prefix_counters, shared_prefix_load
 
+from pdserve.testing.envoy import Envoy
 from pdserve.testing.metrics import metric, scrape
 from pdserve.testing.processes import cpu_engine_flags, router_argv
 
 ENGINE_FLAGS = cpu_engine_flags("112MiB", served_model_name="bench")
 POLICIES = ("prefix-load", "round-robin")
+GATEWAY = "-gateway"  # a policy's choice made by `pdserve epp` behind Envoy instead of by the router
 
 
 def run(folder: Path, policy: str, args: argparse.Namespace, scratch: Path) -> dict:
@@ -50,11 +53,24 @@ def run(folder: Path, policy: str, args: argparse.Namespace, scratch: Path) -> d
         for process in processes:
             process.wait_healthy(300)
         port = free_port()
-        flags = ("--routing", policy, "--tokenizer", str(folder), "--load-weight", str(args.load_weight))
-        router = start(f"{policy}-router", port, router_argv(port, [], engines, *flags), scratch)
+        routing = policy.removesuffix(GATEWAY)
+        flags = ("--routing", routing, "--tokenizer", str(folder), "--load-weight", str(args.load_weight))
+        argv = router_argv(port, [], engines, *flags)
+        envoy = None
+        if policy.endswith(GATEWAY):  # the same choice made by the endpoint picker, behind a real Envoy
+            grpc_port = free_port()
+            argv = ["epp", "--grpc-port", str(grpc_port), *argv[1:]]
+        router = start(f"{policy}-router", port, argv, scratch)
         processes.append(router)
         router.wait_healthy(300)
-        summary = shared_prefix_load(router.url, args, seed=7)
+        if policy.endswith(GATEWAY):
+            envoy = Envoy(scratch, free_port(), grpc_port, free_port())
+            envoy.wait_ready()
+        try:
+            summary = shared_prefix_load(envoy.url if envoy else router.url, args, seed=7)
+        finally:
+            if envoy is not None:
+                envoy.stop()
         hits = queries = 0.0
         for url in engines:
             engine_hits, engine_queries = prefix_counters(url)
@@ -64,7 +80,7 @@ def run(folder: Path, policy: str, args: argparse.Namespace, scratch: Path) -> d
         summary["predicted"] = metric(counters, "pdserve_router_prefix_blocks_predicted_total", role="decode")
         summary["realised"] = metric(counters, "pdserve_router_prefix_blocks_realised_total", role="decode")
         summary["split"] = [
-            metric(counters, "pdserve_router_choices_total", pod=url, policy=policy, role="decode") for url in engines
+            metric(counters, "pdserve_router_choices_total", pod=url, policy=routing, role="decode") for url in engines
         ]
         return summary
     finally:
@@ -82,7 +98,10 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--load-weight", type=float, default=4.0, help="the router's --load-weight (prefix-load)")
     parser.add_argument(
-        "--policies", nargs="+", default=list(POLICIES), choices=["prefix-load", "round-robin", "prefix", "least-load"]
+        "--policies",
+        nargs="+",
+        default=list(POLICIES),
+        choices=["prefix-load", "round-robin", "prefix", "least-load", f"prefix-load{GATEWAY}"],
     )
     add_plot_argument(parser)
     args = parser.parse_args()
@@ -124,9 +143,12 @@ def main() -> None:
             },
         )
     load, rr = results["prefix-load"], results["round-robin"]
+    gateway = results.get(f"prefix-load{GATEWAY}")
+    extra = {} if gateway is None else {"hit_rate_prefix_load_gateway": round(gateway["hit_rate"], 3)}
     print(
         json.dumps(
             {
+                **extra,
                 "bench": "routing",
                 "hit_rate_prefix_load": round(load["hit_rate"], 3),
                 "hit_rate_round_robin": round(rr["hit_rate"], 3),
