@@ -1,21 +1,23 @@
-"""Router overhead and throughput against instant stub engines. Runs in about 40 s on 2 cores.
+"""Router overhead and cost against instant stub engines, side by side with the Rust vllm-router. About 6 minutes
+on 2 cores with the defaults (3 rounds).
 
 Processes: the stubs (a prefill stub answering ``kv_transfer_params`` and a decode stub streaming one SSE
 chunk per token, 8 tokens, both plain asyncio so they cost little) and this load generator share one core;
-the proxy under test (our router, then the FastAPI + httpx pass-through that vLLM's toy P/D proxy is) runs
-alone on the other (taskset), so the load generator never shares its event loop. The load generator is a
-minimal keep-alive HTTP/1.1 client, so that client cost does not hide proxy cost.
+the proxy under test runs alone on the other (taskset), so the load generator never shares its event loop. The
+load generator is a minimal keep-alive HTTP/1.1 client, so that client cost does not hide proxy cost.
 
-Measured, for streamed /v1/completions requests:
-(a) a client making both legs itself (prefill, then decode with the returned params): p50, p99 latency;
-(b) the same through our router: p50, p99, and added = p50(b) - p50(a);
-(c) requests/s through our router with 64 requests in flight, for a few seconds; (b) and (c) again with keys,
-    the router signing both legs for their engine with Ed25519 (what production runs: the stubs do not check it);
-(d) the same (latency and requests/s) through the FastAPI + httpx baseline, when fastapi/httpx/uvicorn are
-    installed (``.venv/bin/pip install fastapi httpx uvicorn``); otherwise skipped with a message.
+Measured, for streamed /v1/completions requests, in P/D mode (prefill leg, then decode leg) and plain mode (one
+decode pod, no prefill): latency p50/p99 with 1 request in flight, and added p50 against a client making both
+legs itself; requests/s with 64 in flight; the proxy process's CPU time (user + system, from /proc) per request
+over that window. Proxies: pdserve's router as shipped (legs signed with Ed25519 keys, flow control on, streams
+continued on failure), then with each of those off and all three off; vllm-router (Rust; ``--vllm-router BIN``,
+or on PATH: ``pip install -e '.[router-anchors]'``, best in a venv of its own); the FastAPI + httpx proxy that
+vLLM's toy P/D proxy is (the bench extra), P/D only. Every proxy once per round, rounds alternating; the median.
+The routing policy is round-robin on both sides (pdserve's prefix policies tokenize; vllm-router's round robin
+does not).
 
-With --plot DIR, writes DIR/router_latency.png and DIR/router_throughput.png.
-Last line: {"bench": "router", "overhead_p50_ms": X, "router_rps": Y, "baseline_rps": Z, "ratio": R}.
+With --plot DIR, writes DIR/router_latency.png and DIR/router_throughput.png (P/D).
+Last line: {"bench": "router", "pd_rps", "pd_cpu_us", "pd_rps_vs_vllm_router", "pd_cpu_vs_vllm_router", ...}.
 """
 
 import argparse
@@ -24,9 +26,12 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -122,7 +127,7 @@ async def serve_stubs(prefill_port: int, decode_port: int) -> None:
 # ----- proxies under test -------------------------------------------------------------------------------------
 
 
-async def serve_router(port: int, prefill: str, decode: str, signed: bool = False) -> None:
+async def serve_router(port: int, prefill: str | None, decode: str, signed: bool, settings: dict) -> None:
     import tempfile
 
     from pdserve.api.keys import ROUTER_FILES, new_bundle, write_bundle
@@ -132,7 +137,8 @@ async def serve_router(port: int, prefill: str, decode: str, signed: bool = Fals
     if signed:  # the router's own key files: it signs every leg (Ed25519) for its target engine
         keys_dir = tempfile.mkdtemp(prefix="pdserve-bench-keys-")
         write_bundle(keys_dir, new_bundle(), ROUTER_FILES)
-    await start_router(RouterConfig([prefill], [decode], keys_dir=keys_dir), port=port)
+    config = RouterConfig([prefill] if prefill else [], [decode], keys_dir=keys_dir, **settings)
+    await start_router(config, port=port)
     print("ready", flush=True)
     await asyncio.Event().wait()
 
@@ -245,7 +251,7 @@ async def latency(make_client, requests: int, warmup: int = 200) -> tuple[float,
     return times[len(times) // 2] * 1e3, times[int(len(times) * 0.99)] * 1e3
 
 
-async def throughput(make_client, seconds: float, warmup: float = 0.5) -> float:
+async def throughput(make_client, seconds: float, warmup: float = 0.5) -> tuple[float, int]:
     body = msgspec.json.encode(BODY)
     done = 0
     measuring = False
@@ -267,10 +273,17 @@ async def throughput(make_client, seconds: float, warmup: float = 0.5) -> float:
     measured, elapsed = done, time.perf_counter() - started
     stop = True
     await asyncio.gather(*workers)
-    return measured / elapsed
+    return measured / elapsed, measured
 
 
 # ----- orchestration ------------------------------------------------------------------------------------------
+
+
+def _ready(process: subprocess.Popen, what: str) -> subprocess.Popen:
+    if process.stdout.readline().strip() != "ready":
+        process.kill()
+        raise RuntimeError(f"{what} did not start")
+    return process
 
 
 def _spawn(args: list[str], core: int | None) -> subprocess.Popen:
@@ -278,38 +291,87 @@ def _spawn(args: list[str], core: int | None) -> subprocess.Popen:
     if core is not None and shutil.which("taskset"):
         command = ["taskset", "-c", str(core), *command]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True)
-    if process.stdout.readline().strip() != "ready":
-        process.kill()
-        raise RuntimeError(f"{args[1]} did not start")
-    return process
+    return _ready(subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True), args[1])
 
 
-async def _wait_listening(port: int) -> None:
-    for _ in range(200):
+def _spawn_binary(argv: list[str], core: int | None) -> subprocess.Popen:
+    """A proxy that is not ours (vllm-router): it says nothing when ready; its /health is polled."""
+    if core is not None and shutil.which("taskset"):
+        argv = ["taskset", "-c", str(core), *argv]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its reaped children, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+async def _wait_listening(port: int, path: str = "/health") -> None:
+    """Until the proxy answers ``path`` with 200 (a router polls its pods first: a bare port is not enough)."""
+    for _ in range(600):
         try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
             writer.close()
-            return
-        except OSError:
-            await asyncio.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {port}")
+            if head[9:12] == b"200":
+                return
+        except (TimeoutError, OSError, asyncio.IncompleteReadError):
+            pass
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"nothing answers on {port}")
+
+
+@dataclass
+class Proxy:
+    """One proxy under test: a name and how to start it on a port over the stubs (``prefill`` None: plain mode)."""
+
+    name: str
+    start: Callable[[int, str | None, str, int | None], subprocess.Popen]
+    pd_only: bool = False  # it has no plain mode
+
+
+def _ours(role: str, **settings) -> Callable[[int, str | None, str, int | None], subprocess.Popen]:
+    def start(port: int, prefill: str | None, decode: str, core: int | None) -> subprocess.Popen:
+        argv = ["--serve", role, "--port", str(port), "--decode", decode, "--settings", json.dumps(settings)]
+        return _spawn([*argv, *(["--prefill", prefill] if prefill else [])], core)
+
+    return start
+
+
+def _vllm_router(binary: str) -> Callable[[int, str | None, str, int | None], subprocess.Popen]:
+    def start(port: int, prefill: str | None, decode: str, core: int | None) -> subprocess.Popen:
+        argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin", "--log-level", "error"]
+        if prefill:
+            argv += ["--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode]
+        else:
+            argv += ["--worker-urls", decode]
+        return _spawn_binary(argv, core)
+
+    return start
+
+
+def _baseline(port: int, prefill: str | None, decode: str, core: int | None) -> subprocess.Popen:
+    return _spawn(["--serve", "baseline", "--port", str(port), "--prefill", prefill or "", "--decode", decode], core)
 
 
 async def measure_proxy(
-    name: str, role: str, prefill: str, decode: str, core: int | None, requests: int, seconds: float
+    proxy: Proxy, prefill: str | None, decode: str, core: int | None, requests: int, seconds: float
 ) -> dict:
     port = free_port()
-    process = _spawn(["--serve", role, "--port", str(port), "--prefill", prefill, "--decode", decode], core)
+    process = proxy.start(port, prefill, decode, core)
     try:
         await _wait_listening(port)
         url = f"http://127.0.0.1:{port}"
         p50, p99 = await latency(lambda: Connection(url), requests)
-        rps = await throughput(lambda: Connection(url), seconds)
+        before = _cpu_seconds(process.pid)
+        rps, done = await throughput(lambda: Connection(url), seconds)
+        cpu = _cpu_seconds(process.pid) - before
     finally:
         process.terminate()
         process.wait(10)
-    return {"name": name, "p50_ms": p50, "p99_ms": p99, "rps": rps}
+    return {"name": proxy.name, "p50_ms": p50, "p99_ms": p99, "rps": rps, "cpu_us": cpu / max(done, 1) * 1e6}
 
 
 def _have_baseline() -> bool:
@@ -322,7 +384,45 @@ def _have_baseline() -> bool:
     return True
 
 
-async def run(requests: int, seconds: float, plot: Path | None) -> None:
+def _proxies(vllm_router: str | None) -> list[Proxy]:
+    """Ours as shipped (legs signed, flow control on, streams continued on failure), then with each off; the
+    anchors that are installed."""
+    proxies = [
+        Proxy("pdserve router", _ours("router-signed", routing="round-robin")),
+        Proxy("  unsigned legs", _ours("router", routing="round-robin")),
+        Proxy("  no flow control", _ours("router-signed", routing="round-robin", flow_control=False)),
+        Proxy("  no migration", _ours("router-signed", routing="round-robin", migration_limit=0)),
+        Proxy("  all three off", _ours("router", routing="round-robin", flow_control=False, migration_limit=0)),
+    ]
+    if vllm_router is not None:
+        proxies.append(Proxy("vllm-router (Rust)", _vllm_router(vllm_router)))
+    if _have_baseline():
+        proxies.append(Proxy("FastAPI + httpx proxy", _baseline, pd_only=True))
+    else:
+        print("FastAPI + httpx skipped: .venv/bin/pip install -e '.[bench]'", file=sys.stderr)
+    return proxies
+
+
+def _find_vllm_router(given: str | None) -> str | None:
+    if given:
+        return given
+    found = shutil.which("vllm-router")
+    if found is None:
+        print("vllm-router skipped: pip install -e '.[router-anchors]' (or --vllm-router BIN)", file=sys.stderr)
+    return found
+
+
+def _median_rows(rounds: list[list[dict]]) -> list[dict]:
+    rows = []
+    for measured in zip(*rounds, strict=True):
+        row = {"name": measured[0]["name"]}
+        for key in ("p50_ms", "p99_ms", "rps", "cpu_us"):
+            row[key] = statistics.median(m[key] for m in measured)
+        rows.append(row)
+    return rows
+
+
+async def run(args: argparse.Namespace) -> None:
     cores = sorted(os.sched_getaffinity(0))
     proxy_core, own_core = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
     if own_core is not None:
@@ -330,90 +430,97 @@ async def run(requests: int, seconds: float, plot: Path | None) -> None:
     prefill_port, decode_port = free_port(), free_port()
     stubs = _spawn(["--serve", "stubs", "--port", str(prefill_port), "--decode-port", str(decode_port)], own_core)
     prefill, decode = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
-    rows = []
+    proxies = _proxies(_find_vllm_router(args.vllm_router))
+    modes = {"P/D": prefill, "plain": None}
+    tables: dict[str, list[dict]] = {}
     try:
-        p50, p99 = await latency(lambda: TwoLegClient(prefill, decode), requests)
-        rps = await throughput(lambda: TwoLegClient(prefill, decode), seconds)
-        rows.append({"name": "client makes both legs", "p50_ms": p50, "p99_ms": p99, "rps": rps})
-        rows.append(await measure_proxy("pdserve router", "router", prefill, decode, proxy_core, requests, seconds))
-        rows.append(
-            await measure_proxy(
-                "pdserve router, signed", "router-signed", prefill, decode, proxy_core, requests, seconds
-            )
-        )
-        if _have_baseline():
-            rows.append(
-                await measure_proxy("FastAPI + httpx proxy", "baseline", prefill, decode, proxy_core, requests, seconds)
-            )
-        else:
-            print(
-                "(d) skipped: fastapi/httpx/uvicorn are not installed (.venv/bin/pip install fastapi httpx uvicorn)",
-                file=sys.stderr,
-            )
+        p50, p99 = await latency(lambda: TwoLegClient(prefill, decode), args.requests)
+        rps, _ = await throughput(lambda: TwoLegClient(prefill, decode), args.seconds)
+        direct = {"name": "client makes both legs", "p50_ms": p50, "p99_ms": p99, "rps": rps, "cpu_us": 0.0}
+        for mode, leg in modes.items():
+            rounds = []
+            for _ in range(args.rounds):  # alternating: every proxy once per round
+                measured = []
+                for proxy in proxies:
+                    if leg is not None or not proxy.pd_only:
+                        measured.append(
+                            await measure_proxy(proxy, leg, decode, proxy_core, args.requests, args.seconds)
+                        )
+                rounds.append(measured)
+            tables[mode] = _median_rows(rounds)
     finally:
         stubs.terminate()
         stubs.wait(10)
 
-    direct = rows[0]
-    print(f"streamed /v1/completions, {TOKENS} SSE chunks, latency: 1 in flight; req/s: {CONCURRENCY} in flight")
-    print(f"{'path':<24}{'p50 ms':>9}{'p99 ms':>9}{'added p50 ms':>14}{'req/s':>9}")
-    for row in rows:
-        added = row["p50_ms"] - direct["p50_ms"]
-        print(
-            f"{row['name']:<24}{row['p50_ms']:>9.3f}{row['p99_ms']:>9.3f}"
-            f"{'-' if row is direct else f'{added:+.3f}':>14}{row['rps']:>9.0f}"
-        )
-    router, signed = rows[1], rows[2]
-    baseline = rows[3] if len(rows) > 3 else None
-    if plot:
+    summary: dict = {"bench": "router", "rounds": args.rounds}
+    print(f"streamed /v1/completions, {TOKENS} SSE chunks; latency 1 in flight; req/s, CPU {CONCURRENCY} in flight")
+    print(f"median of {args.rounds} alternating rounds; CPU: the proxy process's user + system time per request")
+    for mode, rows in tables.items():
+        print(f"\n{mode} mode")
+        print(f"{'proxy':<26}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'req/s':>9}{'CPU us/req':>12}")
+        if mode == "P/D":
+            print(f"{direct['name']:<26}{direct['p50_ms']:>9.3f}{direct['p99_ms']:>9.3f}{'-':>11}{direct['rps']:>9.0f}")
+        for row in rows:
+            added = row["p50_ms"] - direct["p50_ms"]
+            print(
+                f"{row['name']:<26}{row['p50_ms']:>9.3f}{row['p99_ms']:>9.3f}{added:>+11.3f}"
+                f"{row['rps']:>9.0f}{row['cpu_us']:>12.0f}"
+            )
+        ours = rows[0]
+        key = mode.replace("/", "").lower()
+        summary[f"{key}_rps"] = round(ours["rps"], 1)
+        summary[f"{key}_cpu_us"] = round(ours["cpu_us"], 1)
+        summary[f"{key}_added_p50_ms"] = round(ours["p50_ms"] - direct["p50_ms"], 3)
+        anchor = next((row for row in rows if row["name"].startswith("vllm-router")), None)
+        if anchor is not None:
+            summary[f"{key}_rps_vs_vllm_router"] = round(ours["rps"] / anchor["rps"], 2)
+            summary[f"{key}_cpu_vs_vllm_router"] = round(ours["cpu_us"] / anchor["cpu_us"], 2)
+        baseline = next((row for row in rows if row["name"].startswith("FastAPI")), None)
+        if baseline is not None:
+            summary[f"{key}_rps_vs_fastapi"] = round(ours["rps"] / baseline["rps"], 2)
+    if args.plot:
+        rows = [direct, *tables["P/D"]]
         bar_chart(
-            plot,
+            args.plot,
             "router_latency",
-            "two legs, streamed: latency with 1 request in flight (ms)",
+            "P/D, streamed: latency with 1 request in flight (ms)",
             "ms",
-            {row["name"]: {"p50": row["p50_ms"], "p99": row["p99_ms"]} for row in rows},
+            {row["name"].strip(): {"p50": row["p50_ms"], "p99": row["p99_ms"]} for row in rows},
         )
         bar_chart(
-            plot,
+            args.plot,
             "router_throughput",
-            f"requests/s with {CONCURRENCY} in flight",
+            f"P/D: requests/s with {CONCURRENCY} in flight",
             "requests/s",
-            {row["name"]: {"req/s": row["rps"]} for row in rows},
+            {row["name"].strip(): {"req/s": row["rps"]} for row in rows},
             log=True,
         )
-    print(
-        json.dumps(
-            {
-                "bench": "router",
-                "overhead_p50_ms": round(router["p50_ms"] - direct["p50_ms"], 3),
-                "router_rps": round(router["rps"], 1),
-                "signed_router_rps": round(signed["rps"], 1),
-                "baseline_rps": round(baseline["rps"], 1) if baseline else None,
-                "ratio": round(router["rps"] / baseline["rps"], 2) if baseline else None,
-            }
-        )
-    )
+    print(json.dumps(summary))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=1000, help="sequential requests per latency measurement")
     parser.add_argument("--seconds", type=float, default=4.0, help="length of each requests/s measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (the median is reported)")
+    parser.add_argument("--vllm-router", metavar="BIN", help="the vllm-router binary (default: on PATH)")
     add_plot_argument(parser)
     parser.add_argument("--serve", choices=["stubs", "router", "router-signed", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--decode-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--prefill", help=argparse.SUPPRESS)
     parser.add_argument("--decode", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve == "stubs":
         asyncio.run(serve_stubs(args.port, args.decode_port))
     elif args.serve in ("router", "router-signed"):
-        asyncio.run(serve_router(args.port, args.prefill, args.decode, signed=args.serve == "router-signed"))
+        settings = json.loads(args.settings)
+        asyncio.run(serve_router(args.port, args.prefill, args.decode, args.serve == "router-signed", settings))
     elif args.serve == "baseline":
         serve_baseline(args.port, args.prefill, args.decode)
     else:
-        asyncio.run(run(args.requests, args.seconds, args.plot))
+        asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -152,7 +152,10 @@ class _Band:
     queued: int = 0
 
     def next_ticket(self) -> Ticket:
-        name = min(self.queues, key=lambda flow: (self.counters.get(flow, 0.0), self.queues[flow][0].arrived))
+        # The least served; between equals (a tenant that starts waiting is lifted to the least counter) the one
+        # with less waiting, so a light tenant's request does not sit behind a flood's; then the oldest.
+        queues, counters = self.queues, self.counters
+        name = min(queues, key=lambda flow: (counters.get(flow, 0.0), len(queues[flow]), queues[flow][0].arrived))
         queue = self.queues[name]
         ticket = queue.popleft()
         if not queue:
