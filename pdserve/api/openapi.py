@@ -107,7 +107,9 @@ def openapi_document(
                         "text/event-stream": {"schema": _event_schema(chunk_schema, error)},
                     },
                 },
-                **responses.errors(400, 401, 404, 413, 500, 503, 504),
+                # The router's tenants (403: a gateway named one it lacks) and flow control (429).
+                **responses.errors(400, 401, *((403,) if router else ()), 404, 413, *((429,) if router else ())),
+                **responses.errors(500, 503, 504),
             },
         }
         return {"post": _secured(operation, protected)}
@@ -408,8 +410,11 @@ _ERROR_DESCRIPTIONS = {
     400: "Invalid request: a field of the wrong type or out of range, or a limit across fields (docs/openapi.md) "
     "exceeded; `error.param` names the field",
     401: "Missing or wrong API key (servers started with one)",
+    403: "The tenant a trusted gateway named is not in the router's tenant table (and it has no default entry)",
     404: "The model is not served here",
     413: f"The body is larger than {MAX_BODY_BYTES >> 20} MiB",
+    429: "Refused by the router's flow control: the tenant's requests or tokens per minute, a full queue, or a queue "
+    "deadline passed while the fleet was saturated (retry after `Retry-After` seconds)",
     500: "Internal error",
     503: "Unavailable: overloaded or shutting down (retry after `Retry-After` seconds, maybe elsewhere), or the "
     "engine core is not running",
@@ -437,7 +442,7 @@ class _Responses:
         answers = {}
         for status in statuses:
             headers = self.request_id_header(required=False)
-            if status == 503:
+            if status in (429, 503):
                 headers["Retry-After"] = {"description": "Seconds to wait before retrying", "schema": _STRING}
             answer: dict[str, Any] = {
                 "description": _ERROR_DESCRIPTIONS[status],

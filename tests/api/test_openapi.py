@@ -120,9 +120,9 @@ def test_error_statuses_per_operation(engine):
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert set(engine["paths"][path]["post"]["responses"]) == {"200", *generation}
         responses = router["paths"][path]["post"]["responses"]
-        assert set(responses) == {"200", *generation}
+        assert set(responses) == {"200", *generation, "403", "429"}  # the router's tenants and flow control
         assert responses["200"]["headers"]["X-Request-Id"]["required"] is True
-        assert "Retry-After" in responses["503"]["headers"]
+        assert "Retry-After" in responses["503"]["headers"] and "Retry-After" in responses["429"]["headers"]
     assert set(engine["paths"]["/health"]["get"]["responses"]) == {"200", "500", "503"}
     assert set(router["paths"]["/v1/models"]["get"]["responses"]) == {"200", "401", "500", "503"}
     # Each server documents its own debug endpoint.
