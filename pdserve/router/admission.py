@@ -38,11 +38,12 @@ from pdserve.router.kv_index import KVIndex
 from pdserve.router.pods import PodSet
 from pdserve.router.tenants import Tenant
 
-REJECT_CAUSES = ("requests_per_minute", "tokens_per_minute", "queue_full", "deadline")
 QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # While requests wait, how often the pods' signals are looked at again besides each new batch of them (admissions
 # age out of the pending count with time too).
 _DISPATCH_POLL_S = 0.025
+# Admissions older than this are past every signal PodSignals reads (its max_age), so they count for nothing.
+_PENDING_HORIZON_S = 5.0
 
 
 class Overloaded(ProtocolError):
@@ -242,7 +243,7 @@ class Admission:
         per_minute = tenant.spec.requests_per_minute if kind == "requests" else tenant.spec.tokens_per_minute
         if per_minute is None:
             return None
-        key = (tenant.label if tenant.label != tenant.name else tenant.name, kind)  # unlisted tenants share one
+        key = (tenant.label, kind)  # tenants the table does not list share one (label "other")
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = TokenBucket(per_minute / self.settings.replicas)
@@ -258,18 +259,30 @@ class Admission:
             if wait > 0:
                 self.metrics.rejected.labels(tenant.label, band, cause).inc()
                 raise Overloaded(f"tenant {tenant.label!r} is over its {cause.replace('_', ' ')}", cause, wait)
-        if requests is not None:
-            requests.take(1.0, now)
-        if tokens is not None:
-            tokens.take(prompt_tokens, now)
+        self._charge(tenant, 1.0, prompt_tokens, now)
+
+    def _charge(self, tenant: Tenant, requests: float, tokens: float, now: float) -> None:
+        """Count a request and tokens against the tenant's per-minute limits (negative: give them back)."""
+        for kind, amount in (("requests", requests), ("tokens", tokens)):
+            bucket = self._bucket(tenant, kind)
+            if bucket is not None and amount:
+                bucket.take(amount, now)
 
     # ----- admission -------------------------------------------------------------------------------------------
 
     def _pending(self, since: float) -> int:
+        """Requests admitted after ``since`` (the oldest signal read). Admission times only grow: counted from the
+        newest, stopping at the first older one; those past any signal's age are dropped."""
         grants = self._grants
-        while grants and grants[0] < time.monotonic() - 60.0:
+        horizon = time.monotonic() - _PENDING_HORIZON_S
+        while grants and grants[0] < horizon:
             grants.popleft()
-        return sum(1 for granted in reversed(grants) if granted > since)  # newest first: stops early in practice
+        count = 0
+        for granted in reversed(grants):
+            if granted <= since:
+                break
+            count += 1
+        return count
 
     async def admit(
         self, tenant: Tenant, priority: int, prompt_tokens: int, max_output_tokens: int, queue_timeout: float | None
@@ -287,7 +300,11 @@ class Admission:
                 self._grant(ticket, now)
                 return ticket
             self.metrics.saturated.labels(saturation.stage).inc()
-        self._enqueue(ticket)
+        try:
+            self._enqueue(ticket)
+        except Overloaded:
+            self._charge(tenant, -1.0, -prompt_tokens, time.monotonic())  # refused: it cost its tenant nothing
+            raise
         try:
             if ticket.deadline is None:
                 await ticket.granted
@@ -298,6 +315,7 @@ class Admission:
             if ticket.granted.done() and not ticket.granted.cancelled():
                 return ticket  # granted as its deadline came
             self._dequeue(ticket)
+            self._charge(tenant, -1.0, -prompt_tokens, time.monotonic())
             self.metrics.rejected.labels(tenant.label, band, "deadline").inc()
             message = "the fleet is saturated and the request's queue deadline passed"
             raise Overloaded(message, "deadline", 1.0) from None
@@ -386,9 +404,7 @@ class Admission:
         corrected from the expected cost to the real one (when the decode engine reported it)."""
         tenant = ticket.tenant
         if output_tokens is not None:
-            tokens = self._bucket(tenant, "tokens")
-            if tokens is not None:
-                tokens.take(output_tokens, time.monotonic())
+            self._charge(tenant, 0.0, output_tokens, time.monotonic())
             band = self.bands.get(ticket.band)
             if band is not None and ticket.charged and tenant.name in band.counters:
                 real = ((prompt_tokens or 0) + output_tokens) / tenant.spec.weight

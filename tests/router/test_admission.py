@@ -206,3 +206,23 @@ def test_tokens_spent_after_the_fact_are_a_debt_paid_before_the_next_request():
         assert refused.value.cause == "tokens_per_minute" and int(refused.value.headers["Retry-After"]) >= 50
 
     asyncio.run(scenario())
+
+
+def test_a_request_refused_for_a_full_queue_or_its_deadline_costs_its_tenant_nothing():
+    async def scenario():
+        gate = Gate()
+        admission = _admission(gate)
+        tenant = _tenant("a", requests_per_minute=2, tokens_per_minute=600, max_queued=0)
+        for _ in range(3):
+            with pytest.raises(Overloaded) as refused:
+                await admission.admit(tenant, 0, 100, 10, None)
+            assert refused.value.cause == "queue_full"
+        patient = _tenant("a", requests_per_minute=2, tokens_per_minute=600)
+        with pytest.raises(Overloaded) as refused:
+            await admission.admit(patient, 0, 100, 10, 0.02)
+        assert refused.value.cause == "deadline"
+        gate.allowed = 10
+        for _ in range(2):  # the minute's two requests are still there
+            await admission.admit(patient, 0, 100, 10, None)
+
+    asyncio.run(scenario())
