@@ -112,7 +112,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                 if kind == "request_headers":
                     headers = _Headers(_headers(message.request_headers))
                     if message.request_headers.end_of_stream:  # no body (GET /v1/models): any decode pod will do
-                        yield self._route(headers, None, held)
+                        yield self._route_other(headers, held)
                     else:
                         yield ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())
                 elif kind == "request_body":
@@ -133,7 +133,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         path = headers.get(":path", "").split("?", 1)[0]
         chat = GENERATION_PATHS.get(path)
         if chat is None:
-            return self._route(headers, None, held)
+            return self._route_other(headers, held)
         router = self.router
         try:
             self._check_key(headers)
@@ -184,6 +184,15 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
             )
         return response
 
+    def _route_other(self, headers: _Headers, held: list[tuple[Pod, Ticket | None]]) -> ext_proc.ProcessingResponse:
+        """A request that is no generation (``/v1/models``, say): the same keys, no admission, any decode pod."""
+        try:
+            self._check_key(headers)
+            tenant = self.router.tenants.identify(headers)
+        except ProtocolError as error:
+            return _refusal(error)
+        return self._route(headers, self.router.proxy.engine_headers(headers, tenant), held)
+
     def _check_key(self, headers: _Headers) -> None:
         expected = self._expected_key
         if expected is not None and headers.get("authorization") != expected:
@@ -192,7 +201,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
     def _route(
         self,
         headers: _Headers,
-        engine_headers: dict[str, str] | None,
+        engine_headers: dict[str, str],
         held: list[tuple[Pod, Ticket | None]],
         ticket: Ticket | None = None,
         prompt: Any = None,
@@ -219,11 +228,10 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         path, leg = prefill_leg
         if leg is not None:
             mutation.set_headers.extend(self._prefill_headers(choice, prompt, session, path, leg))
-        if engine_headers is not None:
-            if "Authorization" not in engine_headers:
-                mutation.remove_headers.append("authorization")
-            mutation.set_headers.extend(_set(name, value) for name, value in engine_headers.items())
-        if engine_headers is not None and headers.get(REQUEST_ID) is None:  # the engines' logs name it
+        if "Authorization" not in engine_headers:
+            mutation.remove_headers.append("authorization")
+        mutation.set_headers.extend(_set(name, value) for name, value in engine_headers.items())
+        if headers.get(REQUEST_ID) is None:  # the engines' logs name it
             mutation.set_headers.append(_set(REQUEST_ID.lower(), uuid.uuid4().hex))
         metadata = struct_pb2.Struct()
         metadata.update({METADATA_NAMESPACE: {DESTINATION_HEADER: destination}})

@@ -61,6 +61,7 @@ def test_requests_go_where_the_picker_says_with_the_tenant_and_the_engines_key(l
     assert status == 200 and payload.count(b"data: ") == 9 and payload.endswith(b"data: [DONE]\n\n")  # 8 tokens
     status, _ = loop.run(get(envoy.url + "/v1/models", {"Authorization": "Bearer sk-alpha"}))
     assert status == 200
+    assert loop.run(get(envoy.url + "/v1/models"))[0] == 401  # every request needs its tenant's key
     text = metrics_text(loop, running)
     assert metric(text, "pdserve_router_flow_admitted_total", tenant="alpha", band="2") == 1
     assert all(pod.in_flight == 0 for pod in running.router.decode.pods)  # every stream's end counted it out
