@@ -123,3 +123,21 @@ def test_a_trusted_gateway_header_names_tenants_and_the_gateway_key_is_checked(l
     leg = decode.seen[0]
     assert leg.headers["X-PDServe-Tenant"] == "alpha" and leg.headers["Authorization"] == "Bearer sk-gateway"
     assert leg.body["priority"] == 3
+
+
+def test_a_flood_of_tenant_names_adds_no_metric_series(loop, cluster, tmp_path):
+    decode = cluster.stub("decode")
+    table = tmp_path / "tenants.json"
+    table.write_text(json.dumps({**TABLE, "default": {"max_queued": 1}}))
+    router = cluster.router([], [decode.url], tenants=str(table), tenant_header="X-Tenant")
+
+    async def flood():
+        return await asyncio.gather(
+            *(post(router.url + "/v1/completions", {"prompt": "hi"}, {"X-Tenant": f"t{i}"}) for i in range(40))
+        )
+
+    assert {status for status, _, _ in loop.run(flood())} == {200}
+    text = metrics_text(loop, router)
+    tenants = {line.split('tenant="')[1].split('"')[0] for line in text.splitlines() if 'tenant="' in line}
+    assert tenants == {"other"}
+    assert metric(text, "pdserve_router_flow_admitted_total", tenant="other", band="0") == 40
