@@ -6,6 +6,7 @@ and answers what the decode engine alone answers; a leg the picker did not sign 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import urllib.error
@@ -27,26 +28,36 @@ BLOCK = 16
 PREFIX_TOKENS = 13 * BLOCK
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    path = tmp_path_factory.mktemp("epp")
-    engines = Cluster.start(path, "tcp", 0, 2, with_router=False)
-    picker = envoy = None
+@contextlib.contextmanager
+def _behind_envoy(path, engines: Cluster, env: dict[str, str], *flags: str):
+    """``pdserve epp`` over ``engines`` (its own process, with ``flags``) and Envoy in front; yields Envoy."""
+    http_port, grpc_port = free_port(), free_port()
+    argv = ["epp", "--port", str(http_port), "--grpc-port", str(grpc_port), "--log-level", "warning"]
+    argv += ["--tokenizer", str(ensure_demo_model()), *flags]
+    argv += [*(["--prefill", *(p.url for p in engines.prefills)] if engines.prefills else [])]
+    argv += ["--decode", *(d.url for d in engines.decodes)]
+    picker = Process("epp", argv, env, http_port, str(path / "epp.log"))
+    envoy = None
     try:
-        http_port, grpc_port = free_port(), free_port()
-        argv = ["epp", "--port", str(http_port), "--grpc-port", str(grpc_port), "--log-level", "warning"]
-        argv += ["--tokenizer", str(ensure_demo_model()), "--decode", *(d.url for d in engines.decodes)]
-        picker = Process("epp", argv, engines.decodes[0].env, http_port, str(path / "epp.log"))
         picker.start()
         picker.wait_healthy(60)
         envoy = Envoy(path, free_port(), grpc_port, free_port())
         envoy.wait_ready()
-        yield engines, envoy
+        yield envoy
     finally:
         if envoy is not None:
             envoy.stop()
-        if picker is not None:
-            picker.stop()
+        picker.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    path = tmp_path_factory.mktemp("epp")
+    engines = Cluster.start(path, "tcp", 0, 2, with_router=False)
+    try:
+        with _behind_envoy(path, engines, engines.decodes[0].env) as envoy:
+            yield engines, envoy
+    finally:
         engines.stop()
 
 
@@ -75,24 +86,11 @@ def pd_gateway(tmp_path_factory):
     """1 prefill + 1 decode with keys, the picker holding the router's (it signs the prefill legs), Envoy."""
     path = tmp_path_factory.mktemp("epp-pd")
     engines = Cluster.start(path, "tcp", 1, 1, with_router=False, keys=True)
-    picker = envoy = None
     try:
-        http_port, grpc_port = free_port(), free_port()
-        argv = ["epp", "--port", str(http_port), "--grpc-port", str(grpc_port), "--log-level", "warning"]
-        argv += ["--tokenizer", str(ensure_demo_model()), "--pd-min-prefill-tokens", "0"]
-        argv += ["--prefill", *(p.url for p in engines.prefills), "--decode", *(d.url for d in engines.decodes)]
         env = dict(engines.decodes[0].env, **{KEYS_ENV: str(engines.keys / "router")})
-        picker = Process("epp", argv, env, http_port, str(path / "epp.log"))
-        picker.start()
-        picker.wait_healthy(60)
-        envoy = Envoy(path, free_port(), grpc_port, free_port())
-        envoy.wait_ready()
-        yield engines, envoy
+        with _behind_envoy(path, engines, env, "--pd-min-prefill-tokens", "0") as envoy:
+            yield engines, envoy
     finally:
-        if envoy is not None:
-            envoy.stop()
-        if picker is not None:
-            picker.stop()
         engines.stop()
 
 
