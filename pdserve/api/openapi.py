@@ -65,8 +65,11 @@ def openapi_document(
     limits: ApiLimits | None = None,
     kv_transfer: bool = False,
     api_key: bool = False,
+    priorities: bool = True,
 ) -> dict[str, Any]:
     """The document of an engine (``kv_transfer``: in a P/D role, taking ``kv_transfer_params``) or of the router.
+
+    ``priorities`` False: an engine that schedules first come, first served, which takes priority 0 only.
 
     ``limits`` None: the deployment's limits are unknown (a router that has not reached a decode pod yet), and
     the fields they bound are stated without them. ``api_key``: /v1 and /debug need ``Authorization: Bearer``.
@@ -88,7 +91,7 @@ def openapi_document(
         ],
         ref_template=_REF,
     )
-    _constrain_requests(components, limits, server == "engine" and kv_transfer, server == "router")
+    _constrain_requests(components, limits, server == "engine" and kv_transfer, server == "router", priorities)
     router = server == "router"
     responses = _Responses(error, router)
     protected: list[dict[str, list[str]]] | None = [{"bearer": []}] if api_key else None
@@ -254,7 +257,9 @@ def _integer(low: int, high: int) -> dict[str, Any]:
     return {"type": "integer", "minimum": low, "maximum": high}
 
 
-def _constrain_requests(components: dict[str, Any], limits: ApiLimits | None, pd: bool, router: bool) -> None:
+def _constrain_requests(
+    components: dict[str, Any], limits: ApiLimits | None, pd: bool, router: bool, priorities: bool
+) -> None:
     """The request schemas with the ranges the server checks (SamplingParams, InputProcessor, OpenAIServing)."""
     completion = components["CompletionRequest"]
     chat = components["ChatCompletionRequest"]
@@ -275,6 +280,8 @@ def _constrain_requests(components: dict[str, Any], limits: ApiLimits | None, pd
         "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
         "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0}),
         "seed": _nullable(_integer(_INT64_MIN, _INT64_MAX)),
+        # The router clamps any priority into the tenant's range; an fcfs engine would ignore one, so refuses it.
+        "priority": _nullable(_integer(_INT64_MIN, _INT64_MAX) if priorities else _integer(0, 0)),
         "stop": _nullable({"anyOf": [non_empty, {"type": "array", "items": non_empty}]}),
         "stop_token_ids": _nullable({"type": "array", "items": _integer(0, _INT32_MAX)}),
         "max_tokens": _nullable(_integer(1, max_new)),

@@ -172,6 +172,7 @@ class EngineServer:
                 limits=limits,
                 kv_transfer=self.serving.gate.kv_transfer,
                 api_key=self.api_key is not None,
+                priorities=self.client.ready.scheduling_policy == "priority",
             )
             self._openapi = msgspec.json.encode(document)
         return web.Response(body=self._openapi, content_type="application/json")

@@ -76,6 +76,16 @@ def test_chat_request_limits(engine, body, valid):
     assert _validator(engine, "ChatCompletionRequest").is_valid(body) is valid
 
 
+def test_an_fcfs_engine_states_that_it_takes_priority_zero_only(engine):
+    fcfs = openapi_document("engine", "v1", server="engine", limits=LIMITS, priorities=False)
+    for document, takes_any in ((engine, True), (fcfs, False)):
+        validator = _validator(document, "CompletionRequest")
+        assert validator.is_valid({"prompt": "a", "priority": 0})
+        assert validator.is_valid({"prompt": "a", "priority": None})
+        assert validator.is_valid({"prompt": "a", "priority": -5}) is takes_any
+        assert not validator.is_valid({"prompt": "a", "priority": 1 << 63})
+
+
 def test_pd_engines_state_the_p_d_protocol():
     document = openapi_document("engine", "v1", server="engine", limits=LIMITS, kv_transfer=True)
     validator = _validator(document, "CompletionRequest")
