@@ -22,7 +22,6 @@ import logging
 import time
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -31,6 +30,7 @@ from pdserve.api.protocol import KV_PARAMS_REJECTED_HEADER, SSE_DONE, ProtocolEr
 from pdserve.api.report import REPORT_HEADER, Report, from_header
 from pdserve.router.config import RouterConfig
 from pdserve.router.exchange import REQUEST_ID, Exchange
+from pdserve.router.leg_client import LegAnswer, LegConnectError, LegError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pods import Pod, PodSet
 from pdserve.router.policy import Choice, Chooser
@@ -66,9 +66,9 @@ async def _unless_left_rotation(awaitable: Any, left_rotation: asyncio.Event | N
     if work.done():
         return work.result()
     work.cancel()
-    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+    with contextlib.suppress(asyncio.CancelledError, LegError):
         result = await work  # finished meanwhile after all: release what it holds
-        if isinstance(result, aiohttp.ClientResponse):
+        if isinstance(result, LegAnswer):
             result.release()
     raise _LeftRotation()
 
@@ -146,7 +146,7 @@ class DecodeLegs:
                 )
             except _LeftRotation:
                 self.metrics.errors["decode_hung"].inc()
-            except aiohttp.ClientConnectionError as error:
+            except LegError as error:
                 self._unreachable(pod, error)
             else:
                 try:
@@ -187,7 +187,7 @@ class DecodeLegs:
         self,
         exchange: Exchange,
         choice: Choice,
-        answer: aiohttp.ClientResponse,
+        answer: LegAnswer,
         left_rotation: asyncio.Event | None = None,
     ) -> web.StreamResponse:
         """The decode pod's answer to the client: status, content type and bytes as they come. Until the
@@ -199,7 +199,7 @@ class DecodeLegs:
         if not content_type.startswith("text/event-stream"):
             try:
                 payload = await _unless_left_rotation(answer.read(), left_rotation)
-            except aiohttp.ClientError as error:
+            except LegError as error:
                 # Nothing reached the client: another pod may answer it whole.
                 self.metrics.errors["decode_broken"].inc()
                 raise _NothingSent() from error
@@ -213,13 +213,13 @@ class DecodeLegs:
             if "Retry-After" in answer.headers:  # an overloaded or draining pod's hint, for the client
                 headers["Retry-After"] = answer.headers["Retry-After"]
             return web.Response(body=payload, status=answer.status, headers=headers)
-        chunks = answer.content.iter_any()
+        chunks = answer.iter_any()
         # The client's answer starts with the first byte from decode, so until then another pod can take over.
         try:
             first = await _unless_left_rotation(chunks.__anext__(), left_rotation)
         except StopAsyncIteration:
             first = b""
-        except aiohttp.ClientError as error:
+        except LegError as error:
             raise _NothingSent() from error
         response = web.StreamResponse(
             status=answer.status,
@@ -278,7 +278,7 @@ class DecodeLegs:
                         if watch is None or not watch.stalled():
                             raise
                         return "stall"
-                    except aiohttp.ClientError:
+                    except LegError:
                         return "broken"
                     finally:
                         if watch is not None:
@@ -326,7 +326,7 @@ class DecodeLegs:
             body = exchange.continuation_body(continuation)
             try:
                 answer = await self.upstream.post(pod, exchange.request.path, body, self._headers(exchange))
-            except aiohttp.ClientConnectionError as error:
+            except LegError as error:
                 self._unreachable(pod, error)
                 continue
             try:
@@ -343,7 +343,7 @@ class DecodeLegs:
                 self.metrics.migrations[cause].inc()
                 logger.info("request %s: its stream (%s) continues on %s", exchange.request_id, cause, pod.url)
                 splice.start_leg()
-                end = await self._relay_events(exchange.response, splice, None, answer.content.iter_any())  # type: ignore[arg-type]
+                end = await self._relay_events(exchange.response, splice, None, answer.iter_any())  # type: ignore[arg-type]
                 if end in _ENDED:
                     return end
                 self._broken(pod, end)
@@ -352,12 +352,12 @@ class DecodeLegs:
                 answer.close()
         return cause
 
-    async def _end_with_error(self, exchange: Exchange, answer: aiohttp.ClientResponse) -> str:
+    async def _end_with_error(self, exchange: Exchange, answer: LegAnswer) -> str:
         """End the client's stream with the error event of a refused continuation (its JSON error body)."""
         try:
             payload = await answer.read()
             msgspec.json.decode(payload)
-        except (aiohttp.ClientError, msgspec.MsgspecError):
+        except (LegError, msgspec.MsgspecError):
             return "broken"
         assert exchange.response is not None
         try:
@@ -366,9 +366,9 @@ class DecodeLegs:
             return "client_gone"
         return "whole"
 
-    def _unreachable(self, pod: Pod, error: aiohttp.ClientConnectionError) -> None:
+    def _unreachable(self, pod: Pod, error: LegError) -> None:
         self.metrics.errors["decode_unreachable"].inc()
-        if isinstance(error, aiohttp.ClientConnectorError):  # nothing listens there: out at once
+        if isinstance(error, LegConnectError):  # nothing listens there: out at once
             self.upstream.eject(self.pods, pod, f"connection failed: {error}")
         else:
             self.upstream.failed(self.pods, pod, f"{type(error).__name__}: {error}")

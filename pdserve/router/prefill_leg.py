@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
 from pdserve.api.prefill_leg import leg_body, prefill_timeout_s
 from pdserve.router.config import RouterConfig
 from pdserve.router.exchange import REQUEST_ID, Exchange
+from pdserve.router.leg_client import LegConnectError, LegError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.peer_holds import PeerHolds
 from pdserve.router.pods import Pod, PodSet
@@ -124,10 +124,10 @@ class PrefillLegs:
             self.metrics.errors["prefill_timeout"].inc()
             self.upstream.eject(self.pods, pod, f"a prefill leg took over {timeout:.1f} s")
             return PrefillResult(failed=True)
-        except aiohttp.ClientError as error:
+        except LegError as error:
             logger.debug("request %s: prefill pod %s failed (%r); decode prefills", exchange.request_id, pod.url, error)
             self.metrics.errors["prefill_unreachable"].inc()
-            if isinstance(error, aiohttp.ClientConnectorError):  # nothing listens there: out at once
+            if isinstance(error, LegConnectError):  # nothing listens there: out at once
                 self.upstream.eject(self.pods, pod, f"connection failed: {error}")
             else:
                 self.upstream.failed(self.pods, pod, f"{type(error).__name__}: {error}")
@@ -178,15 +178,11 @@ class PrefillLegs:
 
     async def _release(self, pod: Pod, params: dict[str, Any], headers: dict[str, str]) -> None:
         try:
-            async with await self.upstream.post(
-                pod,
-                RELEASE_PATH,
-                msgspec.json.encode({"kv_transfer_params": params}),
-                headers,
-                timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S),
-            ) as answer:
-                await answer.read()
-                released = answer.status == 200
-        except (aiohttp.ClientError, TimeoutError, RuntimeError):  # RuntimeError: the router is closing
+            async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                body = msgspec.json.encode({"kv_transfer_params": params})
+                async with await self.upstream.post(pod, RELEASE_PATH, body, headers) as answer:
+                    await answer.read()
+                    released = answer.status == 200
+        except (LegError, TimeoutError, RuntimeError):  # RuntimeError: the router is closing
             released = False
         self.metrics.prefill_releases.labels("sent" if released else "failed").inc()

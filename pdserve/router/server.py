@@ -112,8 +112,7 @@ class Router:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        # One connector for every leg: keep-alive connections are reused across requests (no handshake per leg),
-        # and no pool limit (each pod's own admission control is the limit, not ours).
+        # Health probes and documents (legs have their own client): connections reused, no pool limit.
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
@@ -164,6 +163,7 @@ class Router:
             await self.subscriber.close()
         if self.proxy.prompts is not None:
             self.proxy.prompts.close()
+        self.proxy.upstream.legs.close()
         if self._session is not None:
             await self._session.close()
 

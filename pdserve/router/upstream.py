@@ -1,12 +1,11 @@
-"""Upstream: how the router reaches engines. One aiohttp session carries every leg and release (set at
-start-up: it needs the running loop); each POST is signed for the engine it goes to when the router has keys
+"""Upstream: how the router reaches engines. Legs and releases go through the router's own keep-alive client
+(``leg_client``); one aiohttp session carries the rest (model lists, OpenAPI documents; set at start-up: it
+needs the running loop). Each POST is signed for the engine it goes to when the router has keys
 (engines take P/D params and releases only from the router); a pod's failures count toward its ejection; and
 the usage an engine's answer reports feeds the predicted-against-realised prefix-hit metrics.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import aiohttp
 import msgspec
@@ -14,6 +13,7 @@ import msgspec
 from pdserve.api.auth import ENGINE_ID_HEADER, ROUTER_AUTH_HEADER, RouterSigner
 from pdserve.api.keys import load_router_signing
 from pdserve.router.config import RouterConfig
+from pdserve.router.leg_client import LegAnswer, LegClient
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pods import Pod, PodSet
 from pdserve.router.policy import Choice
@@ -39,11 +39,12 @@ class Upstream:
         self.config = config
         self.metrics = metrics
         self._session: aiohttp.ClientSession | None = None
+        self.legs = LegClient(config.connect_timeout)
         self._signer = RouterSigner(load_router_signing(config.keys_dir)) if config.keys_dir else None
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        """The client session of every leg (made at start-up: it needs the running loop)."""
+        """The client session of what is not a leg (made at start-up: it needs the running loop)."""
         if self._session is None:
             raise RuntimeError("the router has not started")
         return self._session
@@ -52,9 +53,7 @@ class Upstream:
     def session(self, session: aiohttp.ClientSession) -> None:
         self._session = session
 
-    async def post(
-        self, pod: Pod, path: str, body: bytes, headers: dict[str, str], **options: Any
-    ) -> aiohttp.ClientResponse:
+    async def post(self, pod: Pod, path: str, body: bytes, headers: dict[str, str]) -> LegAnswer:
         """POST one leg (or release) to an engine, signed for that engine (its id from /health) when the router
         has keys. An engine that refuses it as signed for another (it restarted: a new id) says its id; the leg
         is signed for that one and sent again, once."""
@@ -62,7 +61,7 @@ class Upstream:
             signed = headers
             if self._signer is not None:
                 signed = {**headers, ROUTER_AUTH_HEADER: self._signer.header("POST", path, body, pod.engine_id or "")}
-            answer = await self.session.post(pod.url + path, data=body, headers=signed, **options)
+            answer = await self.legs.post(pod.url + path, body, signed)
             engine_id = answer.headers.get(ENGINE_ID_HEADER)
             if answer.status != 403 or not engine_id or engine_id == pod.engine_id or attempt or self._signer is None:
                 return answer
