@@ -38,11 +38,17 @@ def add_router_command(commands: argparse._SubParsersAction) -> None:
     epp.set_defaults(handler=_epp)
 
 
+def _check_discovery(args: argparse.Namespace, command: str) -> None:
+    if args.discovery == "static" and not args.decode:
+        raise SystemExit(f"pdserve {command}: --decode URL ... is required with --discovery static")
+    if args.discovery == "static" and args.inference_pool:
+        raise SystemExit(f"pdserve {command}: --inference-pool is read with --discovery kubernetes only")
+
+
 async def _run_router(args: argparse.Namespace) -> None:
     from pdserve.router import start_router
 
-    if args.discovery == "static" and not args.decode:
-        raise SystemExit("pdserve router: --decode URL ... is required with --discovery static")
+    _check_discovery(args, "router")
     keys_dir = deployment_keys(args, ROUTER, [args.host], ROUTER_FILES)
     running = await start_router(RouterConfig.from_cli_args(args, args.api_key, keys_dir), args.host, args.port)
     pods = (
@@ -59,8 +65,7 @@ async def _run_epp(args: argparse.Namespace) -> None:
     from pdserve.router import start_router
     from pdserve.router.epp import start_picker
 
-    if args.discovery == "static" and not args.decode:
-        raise SystemExit("pdserve epp: --decode URL ... is required with --discovery static")
+    _check_discovery(args, "epp")
     keys_dir = deployment_keys(args, ROUTER, [args.host], ROUTER_FILES)
     running = await start_router(RouterConfig.from_cli_args(args, args.api_key, keys_dir), args.host, args.port)
     picker, port = await start_picker(running.router, args.host, args.grpc_port)

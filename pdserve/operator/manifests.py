@@ -107,7 +107,8 @@ def service(service: str, namespace: str, role: str) -> dict[str, Any]:
 
 
 def router_rbac(service: str, namespace: str) -> list[dict[str, Any]]:
-    """ServiceAccount, Role and RoleBinding that let the router watch the pods it routes to."""
+    """ServiceAccount, Role and RoleBinding that let the router watch the pods it routes to (and the picker, which
+    runs as the router, read the InferencePool of its decode pods)."""
     meta = _meta(service, namespace, ROUTER)
     name = meta["name"]
     rbac = "rbac.authorization.k8s.io/v1"
@@ -117,7 +118,15 @@ def router_rbac(service: str, namespace: str) -> list[dict[str, Any]]:
             "apiVersion": rbac,
             "kind": "Role",
             "metadata": dict(meta),
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                {
+                    "apiGroups": [INFERENCE_POOL[0]],
+                    "resources": [INFERENCE_POOL[2]],
+                    "resourceNames": [service],
+                    "verbs": ["get"],
+                },
+            ],
         },
         {
             "apiVersion": rbac,
@@ -223,7 +232,7 @@ def owned_objects(
     picker = spec[EPP_SPEC]
     if picker["enabled"]:
         objects.append(service(service_name, namespace, EPP))
-        template = router_pod(service_name, namespace, spec, EPP)
+        template = router_pod(service_name, namespace, spec, EPP, inference_pools)
         objects.append(deployment(service_name, namespace, EPP, picker["replicas"], template))
         if inference_pools:
             objects.append(inference_pool(service_name, namespace, picker["failureMode"]))

@@ -148,9 +148,12 @@ def _kv_tier_volumes(cache: dict[str, Any]) -> tuple[list[dict[str, Any]], list[
     return volumes, mounts
 
 
-def router_command(service: str, namespace: str, spec: dict[str, Any], command: str = ROUTER) -> list[str]:
+def router_command(
+    service: str, namespace: str, spec: dict[str, Any], command: str = ROUTER, inference_pool: bool = False
+) -> list[str]:
     """The router's command line, or (``command`` EPP) the endpoint picker's: the same pod choice, discovery, keys
-    and tenants; the picker also serves gRPC (ext_proc) on its own port."""
+    and tenants; the picker also serves gRPC (ext_proc) on its own port and, with ``inference_pool``, takes its
+    decode pods from the InferencePool of the same name (its selector)."""
     part = spec[EPP_SPEC] if command == EPP else spec[ROUTER]
     return [
         "pdserve",
@@ -166,6 +169,7 @@ def router_command(service: str, namespace: str, spec: dict[str, Any], command: 
         namespace,
         "--selector",
         f"app.kubernetes.io/instance={service}",
+        *(["--inference-pool", service] if inference_pool and command == EPP else []),
         "--kv-keys",
         KV_KEYS_DIR,
         # The tenants' per-minute limits are the deployment's: each replica applies its share.
@@ -364,7 +368,9 @@ def engine_pod(service: str, role: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"metadata": {"labels": labels(service, role), "annotations": annotations}, "spec": pod_spec}
 
 
-def router_pod(service: str, namespace: str, spec: dict[str, Any], command: str = ROUTER) -> dict[str, Any]:
+def router_pod(
+    service: str, namespace: str, spec: dict[str, Any], command: str = ROUTER, inference_pool: bool = False
+) -> dict[str, Any]:
     """The pod template of the router (discovers the engines through the Kubernetes API), or (``command`` EPP) of
     the endpoint picker, which runs as the router's principal: its ServiceAccount, its keys, its tenants."""
     part = spec[EPP_SPEC] if command == EPP else spec[ROUTER]
@@ -375,7 +381,7 @@ def router_pod(service: str, namespace: str, spec: dict[str, Any], command: str 
         "name": command,
         "image": spec["image"],
         "imagePullPolicy": spec["imagePullPolicy"],
-        "command": router_command(service, namespace, spec, command),
+        "command": router_command(service, namespace, spec, command, inference_pool),
         "env": [
             _field_env("POD_NAME", "metadata.name"),
             _field_env("POD_NAMESPACE", "metadata.namespace"),

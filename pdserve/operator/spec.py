@@ -65,6 +65,7 @@ RESERVED_ROUTER_FLAGS = (
     "--discovery",
     "--namespace",
     "--selector",
+    "--inference-pool",
     "--prefill",
     "--decode",
     "--kv-keys",

@@ -76,6 +76,13 @@ class RouterConfig:
         default=None, metadata=flag("kubernetes discovery: namespace (default: the router's)")
     )
     selector: str = field(default="", metadata=flag("kubernetes discovery: label selector of the engine pods"))
+    inference_pool: str | None = field(
+        default=None,
+        metadata=flag(
+            "kubernetes discovery: the InferencePool (Gateway API Inference Extension) whose selector says which "
+            "decode pods may take requests (the endpoint picker's pool)"
+        ),
+    )
     api_key: str | None = None
     # The deployment's key folder (pdserve/api/keys.py): router.key signs the P/D legs and release calls to
     # engines, events.key checks the engines' KV events. None: nothing is signed (loopback, or --kv-insecure).

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -51,26 +53,53 @@ class _LeftRotation(Exception):
     """The decode pod left rotation (its health probe failed) before its first byte: it may be hung."""
 
 
-async def _unless_left_rotation(awaitable: Any, left_rotation: asyncio.Event | None) -> Any:
-    """``awaitable``'s result, unless ``left_rotation`` is set first (then it is cancelled and
-    :class:`_LeftRotation` raised). None: no race (the pod was out of rotation when chosen)."""
-    if left_rotation is None:
-        return await awaitable
-    work = asyncio.ensure_future(awaitable)
-    if not left_rotation.is_set():
-        watch = asyncio.ensure_future(left_rotation.wait())
-        try:
-            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError, LegError):
-        result = await work  # finished meanwhile after all: release what it holds
-        if isinstance(result, LegAnswer):
-            result.release()
-    raise _LeftRotation()
+class _RotationWatch:
+    """Ends the current task's wait for a decode pod's first byte if the pod leaves rotation (its health probe
+    failed: it may be hung): one callback on the pod, no task per leg. Only a wait for the leg is cancelled (the
+    task may itself take the pod out after a failed leg); a pod that left between waits ends the next one."""
+
+    def __init__(self, pod: Pod) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.pod = pod
+        self.left = False
+        self.waiting = False
+        self._cancelled = False
+        pod.on_leave.add(self._leave)
+
+    def _leave(self) -> None:
+        self.left = True
+        if self.waiting:
+            self._cancelled = True
+            self.task.cancel()
+
+    def took_back(self) -> bool:
+        """Whether the cancellation just raised was this watch's alone (then it is taken back)."""
+        if not self._cancelled or self.task.cancelling() > 1:
+            return False
+        self.task.uncancel()
+        return True
+
+    def close(self) -> None:
+        self.pod.on_leave.discard(self._leave)
+
+
+async def _unless_left_rotation(wait: Callable[[], Awaitable[Any]], watch: _RotationWatch | None) -> Any:
+    """What ``wait()`` gives, or :class:`_LeftRotation` if ``watch``'s pod left rotation before it did."""
+    if watch is None:
+        return await wait()
+    if watch.left:
+        raise _LeftRotation()
+    watch.waiting = True
+    try:
+        return await wait()
+    except asyncio.CancelledError:
+        if not watch.took_back():
+            raise
+        raise _LeftRotation() from None
+    finally:
+        watch.waiting = False
 
 
 class _StallWatch:
@@ -138,11 +167,12 @@ class DecodeLegs:
             last = len(tried) + 1 >= attempts
             # Until its first byte the request may go elsewhere if the pod leaves rotation (hung: its health
             # probe times out) - unless it was out of rotation already when chosen (nothing better was left).
-            left_rotation = pod.left_rotation if pod.healthy else None
+            watch = _RotationWatch(pod) if pod.healthy else None
             exchange.decode_sent = time.perf_counter()
             try:
                 answer = await _unless_left_rotation(
-                    self.upstream.post(pod, exchange.request.path, body, self._headers(exchange)), left_rotation
+                    functools.partial(self.upstream.post, pod, exchange.request.path, body, self._headers(exchange)),
+                    watch,
                 )
             except _LeftRotation:
                 self.metrics.errors["decode_hung"].inc()
@@ -154,7 +184,7 @@ class DecodeLegs:
                         # Overloaded or draining: nothing was generated, so another pod may take it.
                         self.metrics.errors["decode_unavailable"].inc()
                     else:
-                        return await self._relay(exchange, choice, answer, left_rotation)
+                        return await self._relay(exchange, choice, answer, watch)
                 except _NothingSent as error:
                     self.metrics.errors["decode_unreachable"].inc()
                     self.upstream.failed(self.pods, pod, f"stream broke before its first byte: {error.__cause__!r}")
@@ -163,6 +193,9 @@ class DecodeLegs:
                 finally:
                     # Unread content makes release() close the connection: the engine then aborts the request.
                     answer.release()
+            finally:
+                if watch is not None:
+                    watch.close()
             tried.append(pod)
             if last:
                 break
@@ -188,17 +221,17 @@ class DecodeLegs:
         exchange: Exchange,
         choice: Choice,
         answer: LegAnswer,
-        left_rotation: asyncio.Event | None = None,
+        watch: _RotationWatch | None = None,
     ) -> web.StreamResponse:
         """The decode pod's answer to the client: status, content type and bytes as they come. Until the
-        first byte reaches the client, ``left_rotation`` being set abandons it (:class:`_LeftRotation`)."""
+        first byte reaches the client, its pod leaving rotation abandons it (:class:`_LeftRotation`)."""
         pod = choice.pod
         exchange.decode_answered = True
         self._count_disagg(exchange, answer.headers.get(KV_PARAMS_REJECTED_HEADER))
         content_type = answer.headers.get("Content-Type", "application/json")
         if not content_type.startswith("text/event-stream"):
             try:
-                payload = await _unless_left_rotation(answer.read(), left_rotation)
+                payload = await _unless_left_rotation(answer.read, watch)
             except LegError as error:
                 # Nothing reached the client: another pod may answer it whole.
                 self.metrics.errors["decode_broken"].inc()
@@ -216,11 +249,13 @@ class DecodeLegs:
         chunks = answer.iter_any()
         # The client's answer starts with the first byte from decode, so until then another pod can take over.
         try:
-            first = await _unless_left_rotation(chunks.__anext__(), left_rotation)
+            first = await _unless_left_rotation(chunks.__anext__, watch)
         except StopAsyncIteration:
             first = b""
         except LegError as error:
             raise _NothingSent() from error
+        if watch is not None:
+            watch.close()  # the stream is the client's now: leaving rotation no longer abandons it
         response = web.StreamResponse(
             status=answer.status,
             headers={"Content-Type": content_type, "Cache-Control": "no-cache", REQUEST_ID: exchange.request_id},

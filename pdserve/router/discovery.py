@@ -7,6 +7,12 @@ container port named ``http``), and leaves when it stops being Ready, is being d
 gone. Each change hands the event loop a complete snapshot, so a missed or repeated watch event
 cannot leave a stale pod behind: the next snapshot replaces the set. A watch that expires (410)
 or breaks is followed by a fresh list.
+
+With an InferencePool named (the endpoint picker behind a gateway), its ``spec.selector`` says which decode
+pods requests may go to: a decode pod it does not select is no candidate, whatever the router's own selector
+says (a platform team may narrow the pool, a canary subset say). The pool is read again each time a watch
+ends (every ``WATCH_TIMEOUT_S``); a selector that changed takes effect then. A pool that cannot be read keeps
+the last view it gave (none at first: no decode pod until the pool is read).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.api.roles import POOL_ROLES, ROLE_LABEL
+from pdserve.api.roles import DECODE, POOL_ROLES, ROLE_LABEL
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +32,8 @@ WATCH_TIMEOUT_S = 10  # a watch ends this often, so a stop request is noticed
 RETRY_DELAY_S = 2.0
 
 Snapshot = dict[str, list[str]]  # role -> pod URLs
+# The Gateway API Inference Extension's pool: (group, version, plural).
+INFERENCE_POOL = ("inference.networking.k8s.io", "v1", "inferencepools")
 
 
 def pod_endpoint(pod: Any) -> tuple[str, str] | None:
@@ -50,10 +58,18 @@ def pod_endpoint(pod: Any) -> tuple[str, str] | None:
 
 class KubernetesDiscovery:
     def __init__(
-        self, namespace: str, selector: str, on_snapshot: Callable[[Snapshot], None], loop: asyncio.AbstractEventLoop
+        self,
+        namespace: str,
+        selector: str,
+        on_snapshot: Callable[[Snapshot], None],
+        loop: asyncio.AbstractEventLoop,
+        inference_pool: str | None = None,
     ) -> None:
         self.namespace = namespace
         self.selector = selector
+        self.inference_pool = inference_pool
+        # The pool's matchLabels (None: not read yet, so no decode pod); unused without a pool.
+        self._pool_labels: dict[str, str] | None = None
         self._on_snapshot = on_snapshot
         self._loop = loop
         self._stop = threading.Event()
@@ -78,12 +94,33 @@ class KubernetesDiscovery:
         """Record a pod's current endpoint; True when that changed anything."""
         uid = pod.metadata.uid
         endpoint = pod_endpoint(pod)
+        if endpoint is not None and endpoint[0] == DECODE.name and not self._in_pool(pod):
+            endpoint = None
         if endpoint == self._endpoints.get(uid):
             return False
         if endpoint is None:
-            del self._endpoints[uid]
+            self._endpoints.pop(uid, None)
         else:
             self._endpoints[uid] = endpoint
+        return True
+
+    def _in_pool(self, pod: Any) -> bool:
+        if self.inference_pool is None:
+            return True
+        if self._pool_labels is None:
+            return False
+        labels = pod.metadata.labels or {}
+        return all(labels.get(key) == value for key, value in self._pool_labels.items())
+
+    def _read_pool(self, custom: Any) -> bool:
+        """Read the InferencePool's selector; True when it changed (the pods must be listed again)."""
+        group, version, plural = INFERENCE_POOL
+        pool = custom.get_namespaced_custom_object(group, version, self.namespace, plural, self.inference_pool)
+        labels = dict(((pool.get("spec") or {}).get("selector") or {}).get("matchLabels") or {})
+        if labels == self._pool_labels:
+            return False
+        logger.info("InferencePool %s selects decode pods by %s", self.inference_pool, labels)
+        self._pool_labels = labels
         return True
 
     def _run(self) -> None:
@@ -95,8 +132,11 @@ class KubernetesDiscovery:
         except config.ConfigException:
             config.load_kube_config()
         api = client.CoreV1Api()
+        custom = client.CustomObjectsApi() if self.inference_pool is not None else None
         while not self._stop.is_set():
             try:
+                if custom is not None:
+                    self._read_pool(custom)
                 listed = api.list_namespaced_pod(self.namespace, label_selector=self.selector)
                 self._endpoints = {}
                 for pod in listed.items:
@@ -121,6 +161,8 @@ class KubernetesDiscovery:
                         )
                         if changed:
                             self._publish()
+                    if custom is not None and self._read_pool(custom):
+                        break  # another selector: list the pods again under it
             except ApiException as error:
                 if error.status != 410:  # 410: the watch's version is too old; list again at once
                     logger.warning("pod discovery in %s: %s; retrying", self.namespace, error.reason)

@@ -25,6 +25,7 @@ from multidict import CIMultiDict
 
 IDLE_S = 15.0  # aiohttp's client keeps idle connections as long, under the servers' 75 s
 MAX_HEAD_BYTES = 64 << 10  # of an answer's status line and headers
+_MAX_SIZE_LINE = 1024  # a chunk's size and extensions
 _OWN_HEADERS = frozenset(("host", "content-length", "transfer-encoding", "connection"))  # this client's to write
 
 
@@ -80,15 +81,19 @@ class LegAnswer:
         reader = connection.reader
         try:
             if self._chunked:
+                # Each read's complete chunks at once: an engine's burst of events is one write to the client.
+                buffer = bytearray()
                 while True:
-                    size_line = await reader.readuntil(b"\r\n")
-                    size = int(size_line.split(b";", 1)[0], 16)
-                    if size == 0:
-                        while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, then the blank line
-                            pass
+                    data = await reader.read(1 << 16)
+                    if not data:
+                        raise LegError("connection closed before the answer's end")
+                    buffer += data
+                    ready, ended = _take_chunks(buffer)
+                    if ready:
+                        yield ready
+                    if ended:
+                        self._reusable = self._reusable and not buffer  # nothing may follow an answer
                         break
-                    data = await reader.readexactly(size + 2)
-                    yield data[:-2]
             elif self._remaining is not None:
                 while self._remaining > 0:
                     data = await reader.read(min(self._remaining, 1 << 16))
@@ -128,6 +133,33 @@ class LegAnswer:
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.release()
+
+
+def _take_chunks(buffer: bytearray) -> tuple[bytes, bool]:
+    """The data of the complete chunks at the start of ``buffer``, removed from it, and whether the body's end
+    (its last chunk, trailers and blank line) was among them. Raises ValueError on a malformed chunk size."""
+    taken: list[bytes] = []
+    at = 0
+    while True:
+        line_end = buffer.find(b"\r\n", at)
+        if line_end < 0:
+            if len(buffer) - at > _MAX_SIZE_LINE:
+                raise ValueError("a chunk size line without its end")
+            break
+        size = int(buffer[at:line_end].split(b";", 1)[0], 16)
+        if size == 0:
+            end = buffer.find(b"\r\n\r\n", line_end)  # trailers (if any), then the blank line
+            if end < 0:
+                break
+            del buffer[: end + 4]
+            return b"".join(taken), True
+        data_end = line_end + 2 + size
+        if len(buffer) < data_end + 2:
+            break
+        taken.append(bytes(buffer[line_end + 2 : data_end]))
+        at = data_end + 2
+    del buffer[:at]
+    return b"".join(taken), False
 
 
 class LegClient:

@@ -43,9 +43,9 @@ class Pod:
     peer_source: PeerSource | None = None
     # Prompt tokens a second its prefill legs have run at (a moving average; None until measured).
     prefill_speed: float | None = None
-    # Set when the pod leaves rotation (a new one when it is back): legs waiting on it for a first byte
-    # give up then, since a pod that stopped answering its health probe may never answer them.
-    left_rotation: asyncio.Event = field(default_factory=asyncio.Event)
+    # Called when the pod leaves rotation: legs waiting on it for a first byte give up then, since a pod
+    # that stopped answering its health probe may never answer them.
+    on_leave: set[Callable[[], None]] = field(default_factory=set)
 
 
 class PodSet:
@@ -111,9 +111,9 @@ class PodSet:
             return False
         pod.healthy = healthy
         if not healthy:
-            pod.left_rotation.set()
+            for leave in list(pod.on_leave):
+                leave()
         if healthy:
-            pod.left_rotation = asyncio.Event()
             pod.failures = 0
             logger.info("%s pod %s is back", pod.role, pod.url)
             return False

@@ -133,6 +133,7 @@ class Router:
                 self.config.selector,
                 self._apply_snapshot,
                 asyncio.get_running_loop(),
+                self.config.inference_pool,
             )
             self._discovery.start()
 

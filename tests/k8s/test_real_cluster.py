@@ -11,8 +11,12 @@ gives each a loopback IP and the test starts the pod's own command on it, as a k
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import json
+import queue
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -127,7 +131,9 @@ def test_kv_tiers_reach_the_deployments(cluster: Cluster, operator: Any) -> None
         cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "pdservices", name)
 
 
-def test_an_endpoint_picker_runs_beside_an_inference_pool_of_the_decode_pods(cluster: Cluster, operator: Any) -> None:
+def test_an_endpoint_picker_runs_beside_an_inference_pool_of_the_decode_pods(
+    cluster: Cluster, operator: Any, tmp_path: Path
+) -> None:
     """spec.endpointPicker through the real server: with the Inference Extension's InferencePool served (a minimal
     CRD written here), the operator, under its own RBAC, writes the pool of the decode pods naming the picker, and
     the picker's Deployment and Service, which the server validates. Every pool at 0 replicas."""
@@ -170,8 +176,88 @@ def test_an_endpoint_picker_runs_beside_an_inference_pool_of_the_decode_pods(clu
             port.name: port.port for port in cluster.core.read_namespaced_service(f"{name}-epp", NAMESPACE).spec.ports
         }
         assert ports == {"http": 9003, "grpc": 9002}
+        command = picker.spec.template.spec.containers[0].command
+        assert command[command.index("--inference-pool") + 1] == name
+        _picker_discovery_follows_the_pool(cluster, name, tmp_path)
     finally:
         cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "pdservices", name)
+        for pod in ("p0", "d0", "d1"):
+            with contextlib.suppress(kubernetes.client.ApiException):
+                cluster.core.delete_namespaced_pod(f"{name}-{pod}", NAMESPACE, grace_period_seconds=0)
+
+
+def _picker_discovery_follows_the_pool(cluster: Cluster, name: str, tmp_path: Path) -> None:
+    """The picker's discovery, under the router's ServiceAccount (the operator's Role for it), takes its decode
+    pods from what the InferencePool selects: narrowing the pool's selector drops a decode pod; prefill pods
+    come from the picker's own selector. Pods are made Ready by writing their status (no kubelet here)."""
+    for pod, role, ip, extra in (
+        ("p0", "prefill", "127.0.0.11", {}),
+        ("d0", "decode", "127.0.0.12", {}),
+        ("d1", "decode", "127.0.0.13", {"canary": "yes"}),
+    ):
+        labels = {"app.kubernetes.io/instance": name, "pdserve.io/role": role, **extra}
+        container = {"name": "engine", "image": "pdserve", "ports": [{"name": "http", "containerPort": 8200}]}
+        body = {"metadata": {"name": f"{name}-{pod}", "labels": labels}, "spec": {"containers": [container]}}
+        cluster.core.create_namespaced_pod(NAMESPACE, body)
+        status = {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}
+        cluster.core.patch_namespaced_pod_status(f"{name}-{pod}", NAMESPACE, {"status": status})
+    token = cluster.token_of(f"{name}-router", NAMESPACE)
+    kubeconfig = cluster.kubeconfig_for(token, tmp_path / "picker-kubeconfig")
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", _DISCOVERY_PRINTER, NAMESPACE, f"app.kubernetes.io/instance={name}", name],
+        env={**server_env(), "KUBECONFIG": str(kubeconfig)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    snapshots: queue.Queue[dict[str, list[str]]] = queue.Queue()
+    reader = threading.Thread(target=lambda: [snapshots.put(json.loads(line)) for line in watcher.stdout], daemon=True)
+    reader.start()
+
+    def until(expected: dict[str, list[str]], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        seen = None
+        while time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                seen = snapshots.get(timeout=0.5)
+                if seen == expected:
+                    return
+        raise AssertionError(f"discovery saw {seen}, not {expected}")
+
+    try:
+        until(
+            {"prefill": ["http://127.0.0.11:8200"], "decode": ["http://127.0.0.12:8200", "http://127.0.0.13:8200"]}, 30
+        )
+        pool = _get_custom(cluster, "inference.networking.k8s.io", "v1", "inferencepools", name)
+        assert pool is not None
+        labels = {**pool["spec"]["selector"]["matchLabels"], "canary": "yes"}
+        cluster.custom.patch_namespaced_custom_object(
+            "inference.networking.k8s.io",
+            "v1",
+            NAMESPACE,
+            "inferencepools",
+            name,
+            {"spec": {"selector": {"matchLabels": labels}}},
+        )
+        until({"prefill": ["http://127.0.0.11:8200"], "decode": ["http://127.0.0.13:8200"]}, 30)
+    finally:
+        watcher.terminate()
+        watcher.wait(10)
+
+
+# The picker's discovery in a process of its own (the kubernetes client reads KUBECONFIG when imported): each
+# snapshot it hands the event loop, one JSON line each.
+_DISCOVERY_PRINTER = """
+import asyncio, json, sys
+from pdserve.router.discovery import KubernetesDiscovery
+
+async def main():
+    loop = asyncio.get_running_loop()
+    show = lambda snapshot: print(json.dumps(snapshot), flush=True)
+    KubernetesDiscovery(sys.argv[1], sys.argv[2], show, loop, inference_pool=sys.argv[3]).start()
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
 
 
 def _get_custom(cluster: Cluster, group: str, version: str, plural: str, name: str) -> dict[str, Any] | None:

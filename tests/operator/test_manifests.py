@@ -372,10 +372,18 @@ def test_services():
     assert [(p["name"], p["port"]) for p in prefill["ports"]] == [("http", 8100), ("kv-side", 5600)]
 
 
-def test_router_rbac_reads_pods_in_its_namespace_only():
+def test_router_rbac_reads_pods_and_its_own_inference_pool_in_its_namespace_only():
     objs = by_kind_name(objects())
     role = objs["Role", "llm-router"]
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {
+            "apiGroups": ["inference.networking.k8s.io"],
+            "resources": ["inferencepools"],
+            "resourceNames": ["llm"],
+            "verbs": ["get"],
+        },
+    ]
     binding = objs["RoleBinding", "llm-router"]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llm-router"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llm-router", "namespace": "ns"}]
@@ -615,6 +623,7 @@ def test_an_endpoint_picker_runs_as_the_router_beside_an_inference_pool_of_the_d
         "--discovery",
     ]
     assert command[command.index("--router-replicas") + 1] == "2" and picker["spec"]["replicas"] == 2
+    assert command[command.index("--inference-pool") + 1] == "llm"  # its decode pods: what the pool selects
     assert picker["spec"]["template"]["spec"]["serviceAccountName"] == "llm-router"  # the router's principal
     ports = {port["name"]: port["port"] for port in found[("Service", "llm-epp")]["spec"]["ports"]}
     assert ports == {"http": 9003, "grpc": 9002}
@@ -629,4 +638,6 @@ def test_an_endpoint_picker_runs_as_the_router_beside_an_inference_pool_of_the_d
         "llm", "ns", full(**fields), {"prefill": 2, "decode": 3}, inference_pools=False
     )
     assert ("InferencePool", "llm") not in by_kind_name(without_pools)
+    unpooled = by_kind_name(without_pools)[("Deployment", "llm-epp")]
+    assert "--inference-pool" not in container(unpooled["spec"]["template"])["command"]
     assert not any(obj["metadata"]["name"] == "llm-epp" for obj in objects())  # off by default

@@ -97,6 +97,10 @@ def test_a_valid_spec_has_no_problems():
         ({"router": {"args": ["--kv-keys=/x"]}}, "spec.router.args must not set --kv-keys"),
         ({"router": {"args": ["--kv-insecure"]}}, "spec.router.args must not set --kv-insecure"),
         ({"router": {"args": ["--selector", "x=y"]}}, "spec.router.args must not set --selector"),
+        (
+            {"endpointPicker": {"args": ["--inference-pool=x"]}},
+            "spec.endpointPicker.args must not set --inference-pool",
+        ),
         ({"router": {"replicas": -1}}, "spec.router.replicas must be an integer >= 0"),
         ({"prefill": {"gpus": True}}, "spec.prefill.gpus must be an integer >= 0"),
         ({"prefill": {"resources": {"limits": {"nvidia.com/gpu": "2"}}}}, "set the pool's gpus"),

@@ -278,3 +278,20 @@ def test_the_callers_content_type_wins_and_framing_headers_are_the_clients_own()
         assert b"content-length: 2" in head and not any(b"elsewhere" in line for line in head)
 
     asyncio.run(run())
+
+
+def test_chunks_that_arrive_together_come_out_as_one_piece():
+    async def run() -> None:
+        async def burst(reader, writer, body) -> bool:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            writer.write(b"3\r\nab1\r\n3\r\nab2\r\n3\r\nab3\r\n0\r\n\r\n")  # an engine's burst of events
+            await writer.drain()
+            return True
+
+        async with Engine(burst) as url:
+            client = LegClient(connect_timeout=2)
+            async with await client.post(url + "/x", b"{}", {}) as answer:
+                assert [piece async for piece in answer.iter_any()] == [b"ab1ab2ab3"]
+            client.close()
+
+    asyncio.run(run())
