@@ -117,7 +117,7 @@ class LLM:
             reasoning_parser=reasoning_parser,
             kv_tiers=kv_tiers,
         )
-        self.engine, self.model_config = build_engine_core(args)
+        self.engine, self.model_config, _ = build_engine_core(args)
         self.tokenizer = load_tokenizer(tokenizer or model_folder(args))
         eos_ids = self.model_config.eos_token_ids or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []

@@ -84,7 +84,7 @@ def profile_engine(
 ) -> Profile:
     """Measure the engine `args` describes (its colocated role: the step costs are the role's either way)."""
     args = replace(args, role="colocated", kv_transfer=None, kv_events_port=None, async_scheduling=False)
-    core, model_config = build_engine_core(args)
+    core, model_config, _ = build_engine_core(args)
     try:
         config = core.config
         rng = random.Random(seed)

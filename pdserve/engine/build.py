@@ -12,6 +12,7 @@ together one way wherever it runs.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -32,6 +33,7 @@ from pdserve.models.demo import ensure_demo_model
 from pdserve.models.dtype import resolve_dtype
 from pdserve.models.fingerprint import weights_fingerprint
 from pdserve.models.parallel import split_problem
+from pdserve.worker.cpu_budget import CpuBudget, choose_threads
 from pdserve.worker.executors import EXECUTORS, LoadedExecutor
 from pdserve.worker.kv_cache import KV_CACHE_LAYOUT, STATE_SLOT_LAYOUT, RunnerConfig
 from pdserve.worker.model_runner import ModelRunner
@@ -45,10 +47,10 @@ def model_folder(args: EngineArgs) -> str:
     return args.model or str(ensure_demo_model())
 
 
-def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig]:
+def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBudget | None]:
     """Load the model onto its device (in this process, or in worker processes: the executor's row), then
     build the scheduler around the KV cache it sized; with P/D on, the connector over the transfer agents
-    the executor started next to the cache."""
+    the executor started next to the cache. The CPU budget its compute threads came from (None on a GPU)."""
     folder = model_folder(args)
     model_config = ModelConfig.from_folder(folder)
     problem = split_problem(model_config, args.tensor_parallel_size)
@@ -56,6 +58,12 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig]:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: {problem}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(args.dtype, device)
+    budget = None
+    if device.type == "cpu":
+        budget = choose_threads(args.cpu_threads, args.tensor_parallel_size)
+        apply_cpu_threads(budget)
+    elif args.cpu_threads is not None:
+        logger.info("--cpu-threads %d does not apply: the model runs on %s", args.cpu_threads, device)
     max_model_len = args.max_model_len or model_config.max_model_len
     runner_config = RunnerConfig(
         model=folder,
@@ -145,7 +153,15 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig]:
         args.structured_outputs_any_whitespace,
         reasoning,
     )
-    return EngineCore(scheduler, loaded.executor, args.async_scheduling, structured_outputs), model_config
+    return EngineCore(scheduler, loaded.executor, args.async_scheduling, structured_outputs), model_config, budget
+
+
+def apply_cpu_threads(budget: CpuBudget) -> None:
+    """Run each rank's compute (torch and the C++ kernels, one OpenMP pool) on ``budget.threads`` threads: this
+    process's now, worker processes' through OMP_NUM_THREADS, which they inherit."""
+    os.environ["OMP_NUM_THREADS"] = str(budget.threads)
+    torch.set_num_threads(budget.threads)
+    logger.info("CPU compute threads: %d per rank (%s)", budget.threads, budget.reason)
 
 
 def _check_tiers(args: EngineArgs, model_config: ModelConfig, device: torch.device) -> None:

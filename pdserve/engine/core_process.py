@@ -83,6 +83,15 @@ class ReleaseRemoteBlocks(msgspec.Struct, tag="release_remote"):
 CoreInput = AddRequest | AbortRequests | Shutdown | DumpCachedBlocks | ReleaseRemoteBlocks
 
 
+class CpuShare(msgspec.Struct):
+    """What a CPU engine runs on (``worker.cpu_budget``), for its start log and /metrics."""
+
+    threads: int  # compute threads per rank
+    reason: str
+    cpu_quota: float  # CPUs of the cgroup's quota; 0: none
+    memory_limit: int  # bytes of the cgroup's memory limit; 0: none
+
+
 class CoreReady(msgspec.Struct, tag="ready"):
     num_kv_blocks: int
     block_size: int
@@ -95,6 +104,7 @@ class CoreReady(msgspec.Struct, tag="ready"):
     # rank's port and the hold time (None: it serves none).
     kv_peer_source: tuple[str, list[int], float] | None = None
     scheduling_policy: str = "fcfs"  # the API process refuses priorities the policy would ignore
+    cpu: CpuShare | None = None  # None: the model runs on a GPU
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):
@@ -140,7 +150,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     signal.signal(signal.SIGTERM, stop)
     from pdserve.engine.build import build_engine_core  # torch and the model: this process's, not its parent's
 
-    core, _ = build_engine_core(args)
+    core, _, cpu_budget = build_engine_core(args)
     scheduler_config = core.config
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
@@ -168,6 +178,14 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                 engine_id,
                 core.scheduler.connector.peer_source(),
                 scheduler_config.scheduling_policy,
+                CpuShare(
+                    cpu_budget.threads,
+                    cpu_budget.reason,
+                    cpu_budget.limits.cpu_quota or 0.0,
+                    cpu_budget.limits.memory_limit or 0,
+                )
+                if cpu_budget is not None
+                else None,
             )
         )
     )

@@ -40,7 +40,15 @@ class EngineArgs:
     max_num_seqs: int = field(default=256, metadata=flag("requests running at once"))
     max_num_batched_tokens: int = field(default=2048, metadata=flag("tokens one step computes at most"))
     kv_cache_memory: int | None = field(
-        default=None, metadata=flag("KV cache size on CPU (default 2GiB)", parse=parse_size)
+        default=None,
+        metadata=flag("KV cache size on CPU (default 2GiB, less where the memory limit leaves less)", parse=parse_size),
+    )
+    cpu_threads: int | None = field(
+        default=None,
+        metadata=flag(
+            "compute threads of a CPU engine, all tensor-parallel ranks together (default: OMP_NUM_THREADS, else "
+            "from the CPU affinity and the cgroup's CPU quota)"
+        ),
     )
     gpu_memory_utilization: float = field(
         default=0.9, metadata=flag("share of the GPU's memory the model and its KV cache may take")

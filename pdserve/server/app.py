@@ -78,6 +78,7 @@ class EngineServer:
                 "num_gpu_blocks": str(client.ready.num_kv_blocks),
                 "enable_prefix_caching": str(client.ready.enable_prefix_caching),
             },
+            client.ready.cpu,
         )
         client.on_stats = self.metrics.observe_stats
         self.processor = InputProcessor(tokenizer, len(tokenizer), self.max_model_len, eos_token_ids)

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from pdserve.api.report import LATENCY_BUCKETS, TOKEN_BUCKETS
+from pdserve.engine.core_process import CpuShare
 from pdserve.engine.stats import SchedulerStats
 
 # 1, 2, 5, 10, 20, 50, ... up to a million tokens.
@@ -26,11 +27,25 @@ _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 
 
 class _SchedulerCollector:
-    def __init__(self, stats: Callable[[], SchedulerStats | None], cache_config: dict[str, str]) -> None:
+    def __init__(
+        self, stats: Callable[[], SchedulerStats | None], cache_config: dict[str, str], cpu: CpuShare | None
+    ) -> None:
         self._stats = stats
         self._cache_config = cache_config
+        self._cpu = cpu
 
     def collect(self) -> Iterator[Metric]:
+        if self._cpu is not None:
+            cpu = self._cpu
+            yield GaugeMetricFamily(
+                "pdserve_cpu_compute_threads", "Compute threads of each rank (CPU engines)", value=cpu.threads
+            )
+            yield GaugeMetricFamily(
+                "pdserve_cpu_quota_cores", "CPUs of the cgroup's CPU quota (0: none)", value=cpu.cpu_quota
+            )
+            yield GaugeMetricFamily(
+                "pdserve_memory_limit_bytes", "The cgroup's memory limit (0: none)", value=cpu.memory_limit
+            )
         stats = self._stats()
         if stats is None:
             return
@@ -190,7 +205,12 @@ def _tier_metrics(stats: SchedulerStats) -> Iterator[Metric]:
 
 
 class EngineMetrics:
-    def __init__(self, stats: Callable[[], SchedulerStats | None], cache_config: dict[str, str]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], SchedulerStats | None],
+        cache_config: dict[str, str],
+        cpu: CpuShare | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("pdserve_requests", "Finished requests", ["finish_reason"], registry=self.registry)
         self.kv_params_rejected = Counter(
@@ -282,7 +302,7 @@ class EngineMetrics:
                 ("vllm:request_generation_tokens", _VLLM_TOKEN_BUCKETS),
             )
         ]
-        self.registry.register(_SchedulerCollector(stats, cache_config))
+        self.registry.register(_SchedulerCollector(stats, cache_config, cpu))
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         """Called with every stats snapshot from the core: records what happened since the last one."""

@@ -4,8 +4,10 @@ and, for hybrid models, the linear-attention state slots beside them.
 The KV cache is one block-major tensor (see ``allocate_kv_cache``): each block's KV for every layer
 is one contiguous region (what the KV connectors register and move), and each layer's K and V
 caches are strided views of it. Its size comes from a memory budget: on CPU ``kv_cache_memory``
-bytes; on GPU the free memory left at ``gpu_memory_utilization`` after the weights and the peak of
-a profiling forward pass (vLLM's determine_available_memory approach).
+bytes, or without it ``DEFAULT_CPU_KV_CACHE_BYTES`` cut down to what the cgroup's memory limit leaves
+(``cpu_kv_budget``: never past it, so a tight pod gets a smaller cache rather than an OOM kill); on GPU the
+free memory left at ``gpu_memory_utilization`` after the weights and the peak of a profiling forward pass
+(vLLM's determine_available_memory approach).
 
 A hybrid model's attention layers use the KV cache; its linear-attention layers keep one state slot
 per running request, in rows of the same tensor past the pool's blocks: slot s is rows
@@ -18,6 +20,7 @@ needs at ``max_model_len``: its slot plus that many tokens of KV. That many slot
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -27,8 +30,16 @@ import torch
 from pdserve.kernels.reference import build_attention_metadata
 from pdserve.models.config import ModelConfig
 from pdserve.models.transformer import CausalLM
+from pdserve.worker.cpu_budget import CgroupLimits, read_cgroup_limits
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+# Kept free under a memory limit beyond what the cgroup holds when the cache is sized (weights loaded): the
+# activations of a step at max_num_batched_tokens, the tokenizer and heaps of the API process, the transfer
+# agent's buffers. A floor plus a share of the limit, so a large pod keeps room in proportion.
+CPU_MEMORY_MARGIN_BYTES = 512 << 20
+CPU_MEMORY_MARGIN_SHARE = 0.10
 # Names the KV cache layout below; engines exchanging blocks must agree on it (KV compatibility hash).
 KV_CACHE_LAYOUT = "blocks,layers,kv,heads,block_size,head_dim"
 # And the layout of a state slot in its rows: per linear layer, conv window then recurrent state.
@@ -47,7 +58,7 @@ class RunnerConfig:
     block_size: int = 16
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | None = None  # bytes (CPU); None: DEFAULT_CPU_KV_CACHE_BYTES
+    kv_cache_memory: int | None = None  # bytes (CPU); None: DEFAULT_CPU_KV_CACHE_BYTES within the memory limit
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # fixes the block count, overriding the memory budget
     max_num_seqs: int = 256  # the most state slots a hybrid model needs (one per running request)
@@ -102,7 +113,7 @@ def cache_size_for(model: CausalLM, model_config: ModelConfig, config: RunnerCon
     if config.device.type == "cuda":
         budget = gpu_kv_budget(model, model_config, config)
     else:
-        budget = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+        budget = config.kv_cache_memory or cpu_kv_budget(config.tp_size)
     num_slots = 0
     if rows_per_slot:
         per_request = (rows_per_slot + -(-config.max_model_len // config.block_size)) * bytes_per_block
@@ -117,6 +128,35 @@ def cache_size_for(model: CausalLM, model_config: ModelConfig, config: RunnerCon
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {budget} bytes holds no block of {bytes_per_block} bytes")
     return CacheSize(int(num_blocks), int(num_slots), rows_per_slot)
+
+
+def cpu_kv_budget(tp_size: int = 1, limits: CgroupLimits | None = None) -> int:
+    """A CPU KV cache's bytes without ``--kv-cache-memory``: ``DEFAULT_CPU_KV_CACHE_BYTES``, or less when the
+    cgroup's memory limit leaves less (limit - what it holds now - the margin, this rank's share of it).
+    Called once the weights are loaded, so what the cgroup holds counts them (other ranks' too, once loaded)."""
+    limits = read_cgroup_limits() if limits is None else limits
+    if limits.memory_limit is None or limits.memory_usage is None:
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    margin = CPU_MEMORY_MARGIN_BYTES + int(limits.memory_limit * CPU_MEMORY_MARGIN_SHARE)
+    room = (limits.memory_limit - limits.memory_usage - margin) // tp_size
+    gib = 1 << 30
+    if room <= 0:
+        raise ValueError(
+            f"the memory limit ({limits.memory_limit / gib:.2f} GiB, {limits.source}) leaves no room for a KV cache: "
+            f"{limits.memory_usage / gib:.2f} GiB in use and {margin / gib:.2f} GiB kept free; raise the limit "
+            "or set --kv-cache-memory"
+        )
+    if room >= DEFAULT_CPU_KV_CACHE_BYTES:
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    logger.info(
+        "KV cache: %.2f GiB, what the memory limit leaves (%.2f GiB, %s; %.2f GiB in use, %.2f GiB kept free)",
+        room / gib,
+        limits.memory_limit / gib,
+        limits.source,
+        limits.memory_usage / gib,
+        margin / gib,
+    )
+    return room
 
 
 def gpu_kv_budget(model: CausalLM, model_config: ModelConfig, config: RunnerConfig) -> int:

@@ -104,9 +104,7 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
 
     size = spec.runner.tp_size
     if size > 1:
-        # One rank per core share unless the environment says otherwise (OMP_NUM_THREADS).
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+        # Each rank's threads: OMP_NUM_THREADS, which the engine set from its CPU budget (build.apply_cpu_threads).
         backend = "nccl" if spec.runner.device.type == "cuda" else "gloo"
         torch.distributed.init_process_group(
             backend, init_method=spec.distributed_init, rank=spec.runner.tp_rank, world_size=size

@@ -15,6 +15,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.models.demo import ensure_demo_model
 from pdserve.testing.metrics import scrape
+from pdserve.worker.cpu_budget import choose_threads
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +198,11 @@ def test_metrics_use_the_contract_names(server, client):
         assert name in values, name
     assert values['pdserve_requests_total{finish_reason="length"}'] >= 1
     assert any(k.startswith("vllm:cache_config_info{") for k in values)
+    # The compute threads the engine chose from its CPU budget, and the cgroup's limits it saw (0: none).
+    budget = choose_threads(None)
+    assert values["pdserve_cpu_compute_threads"] == budget.threads
+    assert values["pdserve_cpu_quota_cores"] == (budget.limits.cpu_quota or 0)
+    assert values["pdserve_memory_limit_bytes"] == (budget.limits.memory_limit or 0)
 
 
 def test_request_lengths_are_histograms_under_both_names(server, client):

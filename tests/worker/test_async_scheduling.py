@@ -83,7 +83,7 @@ def test_stop_strings_and_aborts_in_flight_leave_the_same_outputs_and_nothing_he
 
     # Aborts while a step of theirs is in flight: the others' outputs are unchanged, and no block
     # stays owned once the engine has drained.
-    engine, _ = build_engine_core(EngineArgs(model=str(ensure_demo_model()), async_scheduling=True, **SETTINGS))
+    engine, _, _ = build_engine_core(EngineArgs(model=str(ensure_demo_model()), async_scheduling=True, **SETTINGS))
     try:
         requests = [Request(f"r{i}", prompt, params) for i, prompt in enumerate(_prompts()[:6])]
         for request in requests:

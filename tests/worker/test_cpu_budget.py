@@ -1,0 +1,130 @@
+"""A CPU engine's threads and KV cache from its real budget, read from fake cgroup file trees (v2, v1, a hybrid
+host, no limit; a fractional quota; a quota in an ancestor; affinity narrower than the quota; explicit
+settings), as /proc/self/cgroup and /sys/fs/cgroup show them; then a real engine process whose start log and
+/metrics say what it chose."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.worker.cpu_budget import CgroupLimits, choose_threads, read_cgroup_limits
+from pdserve.worker.kv_cache import (
+    CPU_MEMORY_MARGIN_BYTES,
+    CPU_MEMORY_MARGIN_SHARE,
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    cpu_kv_budget,
+)
+
+GIB = 1 << 30
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    return root
+
+
+def _limits(tmp_path: Path, proc_cgroup: str, files: dict[str, str]) -> CgroupLimits:
+    root = _tree(tmp_path / "sys", files)
+    (tmp_path / "cgroup").write_text(proc_cgroup)
+    return read_cgroup_limits(root, tmp_path / "cgroup")
+
+
+def test_cgroup_v2_quota_and_memory(tmp_path):
+    limits = _limits(
+        tmp_path,
+        "0::/\n",
+        {"cpu.max": "150000 100000", "memory.max": str(4 * GIB), "memory.current": str(GIB)},
+    )
+    assert limits == CgroupLimits(cpu_quota=1.5, memory_limit=4 * GIB, memory_usage=GIB, source="cgroup v2")
+
+
+def test_cgroup_v2_without_limits(tmp_path):
+    limits = _limits(tmp_path, "0::/\n", {"cpu.max": "max 100000", "memory.max": "max", "memory.current": "5"})
+    assert (limits.cpu_quota, limits.memory_limit, limits.memory_usage) == (None, None, 5)
+
+
+def test_cgroup_v2_takes_the_tightest_of_the_process_cgroup_and_its_ancestors(tmp_path):
+    limits = _limits(
+        tmp_path,
+        "0::/kubepods/pod1/engine\n",
+        {
+            "kubepods/pod1/cpu.max": "400000 100000",  # the pod's limit
+            "kubepods/pod1/memory.max": str(8 * GIB),
+            "kubepods/pod1/engine/cpu.max": "max 100000",
+            "kubepods/pod1/engine/memory.max": "max",
+            "kubepods/pod1/engine/memory.current": str(2 * GIB),
+            "kubepods/cpu.max": "1600000 100000",
+        },
+    )
+    assert limits == CgroupLimits(cpu_quota=4.0, memory_limit=8 * GIB, memory_usage=2 * GIB, source="cgroup v2")
+
+
+def test_cgroup_v1_quota_and_memory_in_a_container_namespace(tmp_path):
+    # The paths name the host's folders, which a container does not see: its own cgroup is the mount's root.
+    limits = _limits(
+        tmp_path,
+        "4:memory:/kubepods/pod1/abc\n2:cpu,cpuacct:/kubepods/pod1/abc\n1:name=systemd:/\n",
+        {
+            "cpu,cpuacct/cpu.cfs_quota_us": "250000",
+            "cpu,cpuacct/cpu.cfs_period_us": "100000",
+            "memory/memory.limit_in_bytes": str(3 * GIB),
+            "memory/memory.usage_in_bytes": str(GIB),
+        },
+    )
+    assert limits == CgroupLimits(cpu_quota=2.5, memory_limit=3 * GIB, memory_usage=GIB, source="cgroup v1")
+
+
+def test_cgroup_v1_without_limits_on_a_hybrid_host(tmp_path):
+    # v1 controllers beside an empty v2 hierarchy (this machine's layout): the v1 files hold the limits.
+    limits = _limits(
+        tmp_path,
+        "4:memory:/\n1:cpu:/\n0::/\n",
+        {
+            "cpu/cpu.cfs_quota_us": "-1",
+            "cpu/cpu.cfs_period_us": "100000",
+            "memory/memory.limit_in_bytes": "9223372036854771712",
+            "memory/memory.usage_in_bytes": "7",
+        },
+    )
+    assert limits == CgroupLimits(memory_usage=7, source="cgroup v1")
+
+
+def test_no_cgroup_file_means_no_limits(tmp_path):
+    assert read_cgroup_limits(tmp_path, tmp_path / "missing") == CgroupLimits()
+
+
+@pytest.mark.parametrize(
+    ("explicit", "environ", "affinity", "quota", "tp", "threads", "reason"),
+    [
+        (None, {}, 64, 4.0, 1, 3, "a CPU quota of 4 CPUs"),  # 4 CPUs: one left to the API process
+        (None, {}, 64, 1.5, 1, 1, "a CPU quota of 1.5 CPUs"),  # 1500m rounds down
+        (None, {}, 64, 0.5, 1, 1, "a CPU quota of 0.5 CPUs"),  # never none
+        (None, {}, 2, 4.0, 1, 2, "2 CPUs in the affinity mask"),  # affinity narrower than the quota
+        (None, {}, 3, None, 1, 3, "3 CPUs in the affinity mask"),  # no quota, under 4: all of them
+        (None, {}, 16, None, 2, 7, "16 CPUs in the affinity mask, one left"),  # 15 between two ranks
+        (None, {"OMP_NUM_THREADS": "5"}, 64, 4.0, 1, 5, "OMP_NUM_THREADS=5"),  # the environment wins
+        (6, {"OMP_NUM_THREADS": "5"}, 64, 4.0, 2, 3, "--cpu-threads 6"),  # the flag wins, split by rank
+    ],
+)
+def test_threads_from_the_budget(explicit, environ, affinity, quota, tp, threads, reason):
+    budget = choose_threads(explicit, tp, environ, affinity, CgroupLimits(cpu_quota=quota, source="cgroup v2"))
+    assert budget.threads == threads
+    assert budget.reason.startswith(reason)
+
+
+def test_the_kv_cache_never_outgrows_the_memory_limit():
+    assert cpu_kv_budget(1, CgroupLimits()) == DEFAULT_CPU_KV_CACHE_BYTES  # no limit
+    roomy = CgroupLimits(memory_limit=64 * GIB, memory_usage=GIB, source="cgroup v2")
+    assert cpu_kv_budget(1, roomy) == DEFAULT_CPU_KV_CACHE_BYTES
+    tight = CgroupLimits(memory_limit=3 * GIB, memory_usage=GIB, source="cgroup v2")
+    margin = CPU_MEMORY_MARGIN_BYTES + int(3 * GIB * CPU_MEMORY_MARGIN_SHARE)
+    assert cpu_kv_budget(1, tight) == 2 * GIB - margin
+    assert cpu_kv_budget(2, tight) == (2 * GIB - margin) // 2  # each rank its share
+    full = CgroupLimits(memory_limit=GIB, memory_usage=GIB, source="cgroup v1")
+    with pytest.raises(ValueError, match=r"leaves no room for a KV cache.*--kv-cache-memory"):
+        cpu_kv_budget(1, full)
