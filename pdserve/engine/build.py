@@ -12,7 +12,6 @@ together one way wherever it runs.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -61,7 +60,7 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
     budget = None
     if device.type == "cpu":
         budget = choose_threads(args.cpu_threads, args.tensor_parallel_size)
-        apply_cpu_threads(budget)
+        logger.info("CPU compute threads: %d per rank (%s)", budget.threads, budget.reason)
     elif args.cpu_threads is not None:
         logger.info("--cpu-threads %d does not apply: the model runs on %s", args.cpu_threads, device)
     max_model_len = args.max_model_len or model_config.max_model_len
@@ -77,6 +76,9 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
         num_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs,
         tp_size=args.tensor_parallel_size,
+        cpu_threads=budget.threads if budget is not None else None,
+        # Ranks of a larger size share the CPUs in lockstep: each would count the others as contention.
+        follow_contention=budget is not None and budget.detected and args.tensor_parallel_size == 1,
     )
     if args.kv_tiers is not None:
         _check_tiers(args, model_config, device)
@@ -154,14 +156,6 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
         reasoning,
     )
     return EngineCore(scheduler, loaded.executor, args.async_scheduling, structured_outputs), model_config, budget
-
-
-def apply_cpu_threads(budget: CpuBudget) -> None:
-    """Run each rank's compute (torch and the C++ kernels, one OpenMP pool) on ``budget.threads`` threads: this
-    process's now, worker processes' through OMP_NUM_THREADS, which they inherit."""
-    os.environ["OMP_NUM_THREADS"] = str(budget.threads)
-    torch.set_num_threads(budget.threads)
-    logger.info("CPU compute threads: %d per rank (%s)", budget.threads, budget.reason)
 
 
 def _check_tiers(args: EngineArgs, model_config: ModelConfig, device: torch.device) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,7 @@ class CpuBudget:
     reason: str  # how they were chosen, for the start log
     affinity: int  # CPUs the process may run on
     limits: CgroupLimits
+    detected: bool = True  # from affinity and quota (a ThreadGovernor may follow contention), not given
 
 
 def read_cgroup_limits(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> CgroupLimits:
@@ -140,10 +143,10 @@ def choose_threads(
     affinity = len(os.sched_getaffinity(0)) if affinity is None else affinity
     limits = read_cgroup_limits() if limits is None else limits
     if explicit is not None:
-        return CpuBudget(max(1, explicit // tp_size), f"--cpu-threads {explicit}", affinity, limits)
+        return CpuBudget(max(1, explicit // tp_size), f"--cpu-threads {explicit}", affinity, limits, detected=False)
     given = environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     if given.isdigit() and int(given) > 0:
-        return CpuBudget(int(given), f"OMP_NUM_THREADS={given}", affinity, limits)
+        return CpuBudget(int(given), f"OMP_NUM_THREADS={given}", affinity, limits, detected=False)
     cpus = affinity
     reason = f"{affinity} CPUs in the affinity mask"
     if limits.cpu_quota is not None and int(limits.cpu_quota) < affinity:
@@ -153,3 +156,77 @@ def choose_threads(
         cpus -= 1
         reason += ", one left to the API process and the transfer agent"
     return CpuBudget(max(1, cpus // tp_size), reason, affinity, limits)
+
+
+PROC_STAT = Path("/proc/stat")
+GOVERNOR_WINDOW_S = 1.0  # how often the CPUs' use is read
+GOVERNOR_AGREEMENT = 2  # windows in a row that must ask for the same new thread count
+
+
+class ThreadGovernor:
+    """Fewer compute threads while other processes take the CPUs this engine runs on, all of them again once
+    those are free: checked between steps, one window (``GOVERNOR_WINDOW_S``) at a time.
+
+    Why: a parallel kernel's threads meet at a barrier after each kernel, ~60 times a decode step. When another
+    busy process shares the cores, the scheduler deschedules one of them for a while, and the others wait for
+    it at the barrier - spinning (``GOMP_SPINCOUNT``, which pays on a quiet machine) and so taking CPU from the
+    very thread they wait for. Measured on 2 cores beside one busy process (docs/benchmarks.md): 2 spinning
+    threads gave 31% of the quiet throughput at batch 64 and 17% at batch 1; one thread, 52% and 89% of its own
+    quiet figure. So: threads = the CPUs of the affinity mask that others leave (their use measured from
+    /proc/stat, this process's own from its CPU time), rounded, between 1 and ``ceiling``. A change needs
+    ``GOVERNOR_AGREEMENT`` windows in a row, so a burst of the API process does not flip it.
+    """
+
+    def __init__(
+        self,
+        ceiling: int,
+        set_threads: Callable[[int], None],
+        cpus: Collection[int] | None = None,
+        stat_path: Path = PROC_STAT,
+        clock: Callable[[], float] = time.monotonic,
+        own_cpu_seconds: Callable[[], float] = lambda: sum(os.times()[:2]),
+    ) -> None:
+        self.ceiling = ceiling
+        self.threads = ceiling
+        self._set_threads = set_threads
+        self._cpus = {f"cpu{cpu}" for cpu in (os.sched_getaffinity(0) if cpus is None else cpus)}
+        self._stat_path = stat_path
+        self._clock = clock
+        self._own_cpu_seconds = own_cpu_seconds
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._last: tuple[float, float, float] | None = None  # (time, busy CPU-seconds of our CPUs, own)
+        self._wanted: tuple[int, int] = (ceiling, 0)  # (a thread count asked for, windows in a row)
+        self._sample()
+
+    def tick(self) -> None:
+        """Between steps: once a window has passed, read the CPUs' use and follow it."""
+        if self._last is None or self._clock() - self._last[0] < GOVERNOR_WINDOW_S:
+            return
+        previous = self._last
+        self._sample()
+        if self._last is None:
+            return
+        elapsed = self._last[0] - previous[0]
+        others = max(0.0, (self._last[1] - previous[1]) - (self._last[2] - previous[2])) / elapsed
+        wanted = min(self.ceiling, max(1, round(len(self._cpus) - others)))
+        count = self._wanted[1] + 1 if wanted == self._wanted[0] else 1
+        self._wanted = (wanted, count)
+        if wanted != self.threads and count >= GOVERNOR_AGREEMENT:
+            cpus = len(self._cpus)
+            logger.info("compute threads %d -> %d: others take %.1f of %d CPUs", self.threads, wanted, others, cpus)
+            self.threads = wanted
+            self._set_threads(wanted)
+
+    def _sample(self) -> None:
+        try:
+            lines = self._stat_path.read_text().splitlines()
+        except OSError:
+            self._last = None  # no /proc/stat: the governor stays out of the way
+            return
+        busy = 0
+        for line in lines:
+            name, _, fields = line.partition(" ")
+            if name in self._cpus:
+                values = [int(value) for value in fields.split()]
+                busy += sum(values) - values[3] - (values[4] if len(values) > 4 else 0)  # all but idle, iowait
+        self._last = (self._clock(), busy / self._tick, self._own_cpu_seconds())

@@ -65,6 +65,9 @@ class RunnerConfig:
     # Tensor parallelism: this runner is rank ``tp_rank`` of ``tp_size`` (the budget above is per rank).
     tp_rank: int = 0
     tp_size: int = 1
+    cpu_threads: int | None = None  # compute threads of this rank on CPU (None: torch's default)
+    # CPU, one rank, threads detected rather than given: fewer of them while other processes take the CPUs.
+    follow_contention: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from pdserve.kvtransfer.base import KVConnectorWorker
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_model
 from pdserve.models.parallel import TensorParallel, rank_config
+from pdserve.worker.cpu_budget import ThreadGovernor
 from pdserve.worker.interface import NO_TOKEN, ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pdserve.worker.kv_cache import (
     CacheSize,
@@ -74,6 +75,8 @@ class ModelRunner:
         self.rank_model_config = rank_config(model_config, self.tp)
         self.sampler = Sampler(model_config.vocab_size, config.device)
         if self.device.type == "cpu":
+            if config.cpu_threads is not None:  # set here: a worker process has its own OpenMP pool
+                torch.set_num_threads(config.cpu_threads)
             retain_freed_memory()
             # Build (or load) the fused CPU kernels now, not inside the first request.
             if config.dtype == torch.float32 and cpu_ops() is not None:
@@ -93,6 +96,11 @@ class ModelRunner:
         self.state_cache = state_views(self.rank_model_config, self.kv_cache, self.cache_size)
         self.layer_caches = layer_caches(self.rank_model_config, self.kv_cache, self.state_cache)
         self.kv_connector = make_kv_connector(self.kv_cache) if make_kv_connector is not None else None
+        self.threads = (
+            ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
+            if self.device.type == "cpu" and config.follow_contention
+            else None
+        )
 
     @property
     def bytes_per_block(self) -> int:
@@ -101,6 +109,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> ModelRunnerOutput:
+        if self.threads is not None:
+            self.threads.tick()
         agent = self.kv_connector
         if agent is not None and scheduler_output.kv_connector_metadata is not None:
             agent.submit(scheduler_output.kv_connector_metadata)

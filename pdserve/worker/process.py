@@ -104,7 +104,6 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
 
     size = spec.runner.tp_size
     if size > 1:
-        # Each rank's threads: OMP_NUM_THREADS, which the engine set from its CPU budget (build.apply_cpu_threads).
         backend = "nccl" if spec.runner.device.type == "cuda" else "gloo"
         torch.distributed.init_process_group(
             backend, init_method=spec.distributed_init, rank=spec.runner.tp_rank, world_size=size

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.worker.cpu_budget import CgroupLimits, choose_threads, read_cgroup_limits
+from pdserve.worker.cpu_budget import CgroupLimits, ThreadGovernor, choose_threads, read_cgroup_limits
 from pdserve.worker.kv_cache import (
     CPU_MEMORY_MARGIN_BYTES,
     CPU_MEMORY_MARGIN_SHARE,
@@ -128,3 +128,77 @@ def test_the_kv_cache_never_outgrows_the_memory_limit():
     full = CgroupLimits(memory_limit=GIB, memory_usage=GIB, source="cgroup v1")
     with pytest.raises(ValueError, match=r"leaves no room for a KV cache.*--kv-cache-memory"):
         cpu_kv_budget(1, full)
+
+
+class _Machine:
+    """A fake /proc/stat for two CPUs, a clock and this process's CPU time, advanced one window at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.now = 0.0
+        self.own = 0.0
+        self.busy = [0, 0]  # jiffies (1/100 s) of each CPU
+        self.write()
+
+    def write(self) -> None:
+        lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+        for cpu, busy in enumerate(self.busy):
+            lines.append(f"cpu{cpu} {busy} 0 0 {10_000 - busy} 7 0 0 0 0 0")
+        lines.append("cpu7 999999 0 0 0 0 0 0 0 0 0")  # not in the affinity mask: never counted
+        self.path.write_text("\n".join(lines) + "\n")
+
+    def second(self, own: float, others: float) -> None:
+        """One second in which this process used ``own`` CPUs and other processes ``others``."""
+        self.now += 1.0
+        self.own += own
+        share = (own + others) * 100 / 2
+        self.busy = [busy + int(share) for busy in self.busy]
+        self.write()
+
+
+def test_the_governor_takes_threads_back_while_others_use_the_cpus(tmp_path):
+    machine = _Machine(tmp_path / "stat")
+    applied = []
+    governor = ThreadGovernor(
+        2,
+        applied.append,
+        cpus=[0, 1],
+        stat_path=machine.path,
+        clock=lambda: machine.now,
+        own_cpu_seconds=lambda: machine.own,
+    )
+    machine.second(own=2.0, others=0.0)  # quiet: both threads
+    governor.tick()
+    assert applied == []
+    machine.second(own=1.0, others=1.0)  # a busy process beside it: one window is not enough
+    governor.tick()
+    assert applied == [] and governor.threads == 2
+    machine.second(own=1.0, others=1.0)
+    governor.tick()
+    assert applied == [1] and governor.threads == 1
+    governor.tick()  # within the window: nothing read
+    machine.second(own=1.0, others=0.2)  # the API process's bursts alone do not count as contention
+    governor.tick()
+    machine.second(own=1.0, others=0.2)
+    governor.tick()
+    assert applied == [1, 2] and governor.threads == 2
+
+
+def test_the_governor_never_goes_past_its_ceiling_or_below_one(tmp_path):
+    machine = _Machine(tmp_path / "stat")
+    applied = []
+    governor = ThreadGovernor(
+        1,
+        applied.append,
+        cpus=[0, 1],
+        stat_path=machine.path,
+        clock=lambda: machine.now,
+        own_cpu_seconds=lambda: machine.own,
+    )
+    for _ in range(3):
+        machine.second(own=0.5, others=1.5)
+        governor.tick()
+    assert applied == [] and governor.threads == 1
+    missing = ThreadGovernor(2, applied.append, cpus=[0], stat_path=tmp_path / "none")
+    missing.tick()  # no /proc/stat: it stays out of the way
+    assert missing.threads == 2

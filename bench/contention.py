@@ -1,0 +1,111 @@
+"""pdserve's CPU engine beside busy processes: output tokens/s with 0, 1 and 2 competing single-threaded spin
+loops, at batch 1 and batch 64, for three thread settings, each in a fresh process (OpenMP reads its settings
+once), alternating, the median of ``--rounds``. About 15 minutes on 2 cores with the defaults.
+
+Settings:
+- ``fixed, spinning``: as many threads as CPUs, ``GOMP_SPINCOUNT=100000`` (pdserve's default spin), no
+  adaptation: the engine before ``ThreadGovernor``;
+- ``fixed, passive``: the same with ``GOMP_SPINCOUNT=0`` (threads sleep at once at a barrier);
+- ``governed``: threads from the CPU budget, and fewer while others take the CPUs (pdserve as shipped).
+
+Model: the bench model of bench/throughput.py (~110M Llama, fp32, seeded); 128-token random prompts, greedy,
+EOS ignored; batch 64 generates ``--new-tokens-64`` tokens each, batch 1 ``--new-tokens-1``. The load
+average is printed before each measurement.
+Last line: {"bench": "contention", "rows": [...]} (tok/s per setting, spinners and batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SETTINGS = {
+    "fixed, spinning": {"GOMP_SPINCOUNT": "100000", "THREADS": "cpus"},
+    "fixed, passive": {"GOMP_SPINCOUNT": "0", "THREADS": "cpus"},
+    "governed": {"GOMP_SPINCOUNT": "100000"},
+}
+
+
+def measure(folder: str, spinners: int, batch: int, new_tokens: int) -> float:
+    """One run in this process: tok/s of one generate with ``spinners`` busy processes beside it."""
+    from throughput import tokens_per_second
+
+    import pdserve  # noqa: F401  (before torch: pdserve.OPENMP_ENV)
+    from pdserve import LLM
+    from pdserve.models.demo import ensure_demo_model
+
+    random.seed(0)
+    prompts = [[random.randrange(100, 30000) for _ in range(128)] for _ in range(batch)]
+    llm = LLM(folder, tokenizer=str(ensure_demo_model()), max_model_len=512, kv_cache_memory=1 << 30)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
+    try:
+        time.sleep(0.5)
+        return tokens_per_second(llm, prompts, new_tokens)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+
+
+def run_one(folder: str, setting: str, spinners: int, batch: int, new_tokens: int) -> float:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT=SETTINGS[setting]["GOMP_SPINCOUNT"])
+    env.pop("OMP_NUM_THREADS", None)
+    if SETTINGS[setting].get("THREADS") == "cpus":
+        env["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))  # given: no governor
+    argv = [sys.executable, __file__, "--one", folder, str(spinners), str(batch), str(new_tokens)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--spinners", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--new-tokens-64", type=int, default=32)
+    parser.add_argument("--new-tokens-1", type=int, default=64)
+    parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        folder, spinners, batch, new_tokens = args.one
+        print(measure(folder, int(spinners), int(batch), int(new_tokens)))
+        return
+    from throughput import build_model
+
+    with tempfile.TemporaryDirectory(prefix="pdserve-contention-") as folder:
+        build_model(folder)
+        results: dict[tuple[str, int, int], list[float]] = {}
+        for _ in range(args.rounds):
+            for spinners in args.spinners:
+                for batch, new_tokens in ((1, args.new_tokens_1), (64, args.new_tokens_64)):
+                    for setting in SETTINGS:
+                        load = os.getloadavg()[0]
+                        tok_s = run_one(folder, setting, spinners, batch, new_tokens)
+                        results.setdefault((setting, spinners, batch), []).append(tok_s)
+                        where = f"{setting:<16} spinners {spinners} batch {batch:>2}"
+                        print(f"load {load:4.2f}  {where}: {tok_s:7.1f} tok/s", flush=True)
+    rows = []
+    print(f"\nmedian of {args.rounds} rounds, output tok/s (share of the same setting's quiet figure)")
+    print(f"{'setting':<18}{'spinners':>9}{'batch 1':>16}{'batch 64':>18}")
+    for setting in SETTINGS:
+        for spinners in args.spinners:
+            cells = []
+            row = {"setting": setting, "spinners": spinners}
+            for batch in (1, 64):
+                value = statistics.median(results[setting, spinners, batch])
+                quiet = statistics.median(results[setting, args.spinners[0], batch])
+                row[f"batch{batch}"] = round(value, 1)
+                cells.append(f"{value:8.1f} ({value / quiet:4.0%})")
+            rows.append(row)
+            print(f"{setting:<18}{spinners:>9}{cells[0]:>16}{cells[1]:>18}")
+    print(json.dumps({"bench": "contention", "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
