@@ -197,7 +197,9 @@ def _picker_discovery_follows_the_pool(cluster: Cluster, name: str, tmp_path: Pa
     ):
         labels = {"app.kubernetes.io/instance": name, "pdserve.io/role": role, **extra}
         container = {"name": "engine", "image": "pdserve", "ports": [{"name": "http", "containerPort": 8200}]}
-        body = {"metadata": {"name": f"{name}-{pod}", "labels": labels}, "spec": {"containers": [container]}}
+        # A node selector no node matches: the scheduler leaves them be (the fake kubelet would run their command).
+        spec = {"containers": [container], "nodeSelector": {"pdserve.io/test-nowhere": "true"}}
+        body = {"metadata": {"name": f"{name}-{pod}", "labels": labels}, "spec": spec}
         cluster.core.create_namespaced_pod(NAMESPACE, body)
         status = {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}
         cluster.core.patch_namespaced_pod_status(f"{name}-{pod}", NAMESPACE, {"status": status})
