@@ -50,15 +50,15 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
     )
     add_server_flags(serve, ROUTER_PORT)
     add_engine_flags(serve)
-    serve.set_defaults(handler=_serve)
+    # Behind the router, the priorities it clamps are the engines' to honour; colocated, the API's own.
+    serve.set_defaults(handler=_serve, scheduling_policy="priority")
 
 
 def engine_child_argv(args: argparse.Namespace) -> list[str]:
-    """What every engine child is given beyond its role, address and TP size: the engine flags, the side
-    channel's address if one was given, the log level, and --kv-insecure if given (keys come apart); priority
-    scheduling unless the flags say otherwise."""
-    # Behind the router, the priorities it clamps are the engines' to honour (a later --scheduling-policy wins).
-    argv = ["--scheduling-policy", "priority", *forwarded_argv(args, ENGINE_SETTINGS, exclude=PER_CHILD)]
+    """What every engine child is given beyond its role, address and TP size: the engine flags (priority
+    scheduling unless they say otherwise: ``pdserve serve``'s default), the side channel's address if one was
+    given, the log level, and --kv-insecure if given (keys come apart)."""
+    argv = forwarded_argv(args, ENGINE_SETTINGS, exclude=PER_CHILD)
     argv += ["--kv-events-port", "-1" if args.kv_events_port < 0 else "0", "--log-level", args.log_level]
     if args.kv_side_channel_host:
         argv += ["--kv-side-channel-host", args.kv_side_channel_host]

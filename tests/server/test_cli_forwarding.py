@@ -65,3 +65,11 @@ def test_per_child_ports_stay_free_and_none_stays_none():
     assert argv[argv.index("--kv-events-port") + 1] == "0" and "--kv-side-channel-port" not in argv
     argv = engine_child_argv(build_parser().parse_args(["serve", "--kv-events-port", "-1"]))
     assert argv[argv.index("--kv-events-port") + 1] == "-1"
+
+
+def test_serve_schedules_by_priority_unless_told_otherwise():
+    for given, expected in (([], "priority"), (["--scheduling-policy", "fcfs"], "fcfs")):
+        parent = build_parser().parse_args(["serve", *given])
+        assert parent.scheduling_policy == expected  # the colocated engine's
+        child = build_parser().parse_args(["decode", *engine_child_argv(parent)])
+        assert child.scheduling_policy == expected, given
