@@ -13,7 +13,7 @@ protocol's contract (docs/contracts.md), passed through unchanged by anything in
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Struct
@@ -78,7 +78,8 @@ class _SamplingFields(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
-    priority: int | None = None  # lower first (vLLM's); engines take it under --scheduling-policy priority
+    # Lower first (vLLM's); engines take it under --scheduling-policy priority. 64-bit, as the document says.
+    priority: Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     kv_transfer_params: dict[str, Any] | None = None

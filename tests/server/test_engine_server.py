@@ -151,6 +151,7 @@ BAD_REQUESTS = [
     ("/v1/completions", '{"prompt": "x", "priority": -1}', 400),  # this engine schedules fcfs
     ("/v1/completions", '{"prompt": "x", "priority": "high"}', 400),
     ("/v1/completions", '{"prompt": "x", "priority": 1e30}', 400),
+    ("/v1/completions", '{"prompt": "x", "priority": 9223372036854775808}', 400),  # past 64 bits
     ("/v1/chat/completions", '{"messages": []}', 400),
     ("/v1/chat/completions", '{"messages": "hi"}', 400),
     ("/v1/chat/completions", '{"messages": [{"content": "no role"}]}', 400),
