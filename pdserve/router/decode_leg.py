@@ -53,6 +53,15 @@ class _LeftRotation(Exception):
     """The decode pod left rotation (its health probe failed) before its first byte: it may be hung."""
 
 
+def _take_back(task: asyncio.Task[Any], cancelled_it: bool) -> bool:
+    """Whether ``task``'s cancellation was a watch's alone (``cancelled_it``, and no one else's: a client that
+    left cancels too); if so it is taken back, so the task goes on."""
+    if not cancelled_it or task.cancelling() > 1:
+        return False
+    task.uncancel()
+    return True
+
+
 class _RotationWatch:
     """Ends the current task's wait for a decode pod's first byte if the pod leaves rotation (its health probe
     failed: it may be hung): one callback on the pod, no task per leg. Only a wait for the leg is cancelled (the
@@ -76,10 +85,7 @@ class _RotationWatch:
 
     def took_back(self) -> bool:
         """Whether the cancellation just raised was this watch's alone (then it is taken back)."""
-        if not self._cancelled or self.task.cancelling() > 1:
-            return False
-        self.task.uncancel()
-        return True
+        return _take_back(self.task, self._cancelled)
 
     def close(self) -> None:
         self.pod.on_leave.discard(self._leave)
@@ -124,10 +130,7 @@ class _StallWatch:
 
     def stalled(self) -> bool:
         """Whether the cancellation just raised was this watch's alone (then it is taken back)."""
-        if not self._fired or self.task.cancelling() > 1:
-            return False
-        self.task.uncancel()
-        return True
+        return _take_back(self.task, self._fired)
 
     def close(self) -> None:
         self._timer.cancel()

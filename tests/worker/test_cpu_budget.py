@@ -147,6 +147,13 @@ class _Machine:
         lines.append("cpu7 999999 0 0 0 0 0 0 0 0 0")  # not in the affinity mask: never counted
         self.path.write_text("\n".join(lines) + "\n")
 
+    def governor(self, ceiling: int) -> tuple[ThreadGovernor, list[int]]:
+        """A governor of this machine's CPUs 0 and 1, and the thread counts it applies."""
+        applied: list[int] = []
+        clock, own = (lambda: self.now), (lambda: self.own)
+        governor = ThreadGovernor(ceiling, applied.append, [0, 1], self.path, clock, own)
+        return governor, applied
+
     def second(self, own: float, others: float) -> None:
         """One second in which this process used ``own`` CPUs and other processes ``others``."""
         self.now += 1.0
@@ -158,15 +165,7 @@ class _Machine:
 
 def test_the_governor_takes_threads_back_while_others_use_the_cpus(tmp_path):
     machine = _Machine(tmp_path / "stat")
-    applied = []
-    governor = ThreadGovernor(
-        2,
-        applied.append,
-        cpus=[0, 1],
-        stat_path=machine.path,
-        clock=lambda: machine.now,
-        own_cpu_seconds=lambda: machine.own,
-    )
+    governor, applied = machine.governor(ceiling=2)
     machine.second(own=2.0, others=0.0)  # quiet: both threads
     governor.tick()
     assert applied == []
@@ -186,15 +185,7 @@ def test_the_governor_takes_threads_back_while_others_use_the_cpus(tmp_path):
 
 def test_the_governor_never_goes_past_its_ceiling_or_below_one(tmp_path):
     machine = _Machine(tmp_path / "stat")
-    applied = []
-    governor = ThreadGovernor(
-        1,
-        applied.append,
-        cpus=[0, 1],
-        stat_path=machine.path,
-        clock=lambda: machine.now,
-        own_cpu_seconds=lambda: machine.own,
-    )
+    governor, applied = machine.governor(ceiling=1)
     for _ in range(3):
         machine.second(own=0.5, others=1.5)
         governor.tick()
