@@ -163,18 +163,6 @@ GOVERNOR_WINDOW_S = 1.0  # how often the CPUs' use is read
 GOVERNOR_AGREEMENT = 2  # windows in a row that must ask for the same new thread count
 
 
-def competitors(others: float, threads: int, cpus: int) -> float:
-    """Busy threads of other processes, from the CPUs they used (``others``) while this process ran ``threads``
-    busy threads on ``cpus`` CPUs, with the kernel sharing CPUs equally among runnable threads: ``others`` =
-    k * cpus / (threads + k) once threads + k > cpus (else k)."""
-    if others <= 0:
-        return 0.0
-    room = cpus - others
-    if room <= 0.05 * cpus:
-        return float("inf")
-    return max(others, others * threads / room)
-
-
 class ThreadGovernor:
     """Fewer compute threads while other processes take the CPUs this engine runs on, all of them again once
     those are free: checked between steps, one window (``GOVERNOR_WINDOW_S``) at a time.
@@ -184,11 +172,8 @@ class ThreadGovernor:
     it at the barrier - spinning (``GOMP_SPINCOUNT``, which pays on a quiet machine) and so taking CPU from the
     very thread they wait for. Measured on 2 cores beside one busy process (docs/benchmarks.md): 2 spinning
     threads gave 31% of the quiet throughput at batch 64 and 17% at batch 1; one thread, 52% and 89% of its own
-    quiet figure. But with more busy competitors than CPUs, each runnable thread gets an equal slice, and two
-    threads beat one (93 against 75 tok/s at batch 64 beside two spinners). So the governor estimates how many
-    busy threads compete (``competitors``: from what others used of the CPUs while it ran ``threads``, assuming
-    the kernel shares CPUs equally among runnable threads) and runs ``CPUs - competitors`` threads (between 1 and
-    ``ceiling``) while they are fewer than the CPUs, ``ceiling`` once they are not. A change needs
+    quiet figure. So: threads = the CPUs of the affinity mask that others leave (their use measured from
+    /proc/stat, this process's own from its CPU time), rounded, between 1 and ``ceiling``. A change needs
     ``GOVERNOR_AGREEMENT`` windows in a row, so a burst of the API process does not flip it.
     """
 
@@ -223,7 +208,7 @@ class ThreadGovernor:
             return
         elapsed = self._last[0] - previous[0]
         others = max(0.0, (self._last[1] - previous[1]) - (self._last[2] - previous[2])) / elapsed
-        wanted = self.choose(competitors(others, self.threads, len(self._cpus)))
+        wanted = min(self.ceiling, max(1, round(len(self._cpus) - others)))
         count = self._wanted[1] + 1 if wanted == self._wanted[0] else 1
         self._wanted = (wanted, count)
         if wanted != self.threads and count >= GOVERNOR_AGREEMENT:
@@ -231,12 +216,6 @@ class ThreadGovernor:
             logger.info("compute threads %d -> %d: others take %.1f of %d CPUs", self.threads, wanted, others, cpus)
             self.threads = wanted
             self._set_threads(wanted)
-
-    def choose(self, competing: float) -> int:
-        cpus = len(self._cpus)
-        if competing >= cpus - 0.5:  # oversubscribed whatever it does: more threads, a larger share
-            return self.ceiling
-        return min(self.ceiling, max(1, cpus - round(competing)))
 
     def _sample(self) -> None:
         try:
