@@ -1,8 +1,10 @@
 """KVEventPublisher: the EngineCore process's side of the KV-event stream (pdserve/api/kv_events.py).
 
 It binds a ZMQ PUB socket, asks the core to record prefix-cache changes, and after each loop iteration
-publishes what changed (stored / removed hashes) with the engine's load; at least once a second
-while idle (load changes without cache changes), and with a full snapshot every few seconds.
+publishes what changed (stored / removed hashes) with the engine's load: whenever either changed (a
+request arriving or leaving changes the queues: routers that admit by these signals must hear it at once,
+not at the next idle beat, or they admit a burst's worth a second), at least once a second while idle,
+and with a full snapshot every few seconds.
 PUB never blocks: a slow or absent subscriber loses messages, never slows the engine.
 """
 
@@ -44,6 +46,7 @@ class KVEventPublisher:
         self._seq = 0
         self._last_publish = 0.0
         self._last_snapshot = 0.0
+        self._last_queues: tuple[int, ...] = ()
 
     def publish(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -51,12 +54,19 @@ class KVEventPublisher:
         snapshot_due = now - self._last_snapshot >= SNAPSHOT_INTERVAL_S
         tiers = self.core.take_tier_events(snapshot_due)
         tiers_changed = any(tier.stored or tier.removed for tier in tiers)
-        if not (
-            stored or removed or tiers_changed or snapshot_due or now - self._last_publish >= IDLE_PUBLISH_INTERVAL_S
-        ):
-            return
         # Not make_stats: that hands the metrics' samples (pull and grammar timings) over to its caller.
         load = self.core.scheduler.load()
+        # The counts, not the KV usage, which moves a little with every decode step.
+        queues = (load.num_running, load.num_waiting, load.num_waiting_for_remote_kv, load.num_blocks_held_for_remote)
+        if not (
+            stored
+            or removed
+            or tiers_changed
+            or snapshot_due
+            or queues != self._last_queues
+            or now - self._last_publish >= IDLE_PUBLISH_INTERVAL_S
+        ):
+            return
         batch = KVEventBatch(
             self.engine_id,
             self._seq,
@@ -72,6 +82,7 @@ class KVEventPublisher:
         self.socket.send_multipart(self.signer.frames(frame) if self.signer is not None else [frame])
         self._seq += 1
         self._last_publish = now
+        self._last_queues = queues
         if snapshot_due:
             self._last_snapshot = now
 

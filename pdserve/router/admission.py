@@ -7,8 +7,10 @@ same pods).
   its output's when it ends, so a tenant that spent more than its minute's tokens waits until the debt is paid.
 - **Saturation, from the pods' own signals** (their KV-event batches: queue depth and KV-cache usage): a pod is
   saturated when its waiting queue reaches ``--saturation-queue`` or its KV usage ``--saturation-kv``; the fleet is,
-  when every decode pod is, or every prefill pod (when there are prefill pods). Requests admitted since a pod's
-  last signal count against its headroom, so a burst between two signals cannot all go at once. Without signals
+  when every decode pod is, or every prefill pod (when there are prefill pods). Requests admitted since the
+  last signal of a pod that was sent requests after it count against the stage's headroom, so a burst between
+  two signals cannot all go at once; a pod sent nothing since its last signal has nothing more to tell (engines
+  publish each change of their queues), so a quiet pod's once-a-second beat never holds the others back. Without signals
   (engines publishing no KV events) nothing is saturated: only the limits apply.
 - **Queues**, only while the fleet is saturated: one band per priority value (lower first, strictly), and in a
   band one queue per tenant, served by virtual token counters (VTC): the tenant with the fewest tokens served,
@@ -91,22 +93,27 @@ class PodSignals:
     def _stage(self, podset: PodSet, pending: Callable[[float], int]) -> Saturation:
         now = time.monotonic()
         headroom = 0
-        oldest = now
+        newest = 0.0  # the latest signal: requests admitted after it are in none
+        unreflected: float | None = None  # the earliest signal of a pod sent requests after it
         considered = False
         for pod in podset.pods:
             if not pod.healthy:
                 continue
             considered = True
             known = self.index.pods.get(pod.url)
-            load = known.load if known is not None and now - known.updated <= self.max_age else None
-            if load is None:
+            if known is None or known.load is None or now - known.updated > self.max_age:
                 return Saturation(None, self.UNKNOWN)
-            oldest = min(oldest, known.updated)  # type: ignore[union-attr]
+            newest = max(newest, known.updated)
+            if pod.sent_at >= known.updated:
+                # A pod sent nothing since its signal has told all there is (its engine publishes each change of
+                # its queues): only pods sent requests since hold the stage's pending admissions back.
+                unreflected = known.updated if unreflected is None else min(unreflected, known.updated)
+            load = known.load
             if load.num_waiting < self.queue_limit and load.kv_cache_usage < self.kv_limit:
                 headroom += self.queue_limit - load.num_waiting
         if not considered:  # no pod up: the request is answered by what routing says of that, not queued
             return Saturation(None, self.UNKNOWN)
-        left = headroom - pending(oldest)
+        left = headroom - pending(unreflected if unreflected is not None else newest)
         return Saturation(None if left > 0 else podset.role, left)
 
 

@@ -218,7 +218,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
             router.metrics.errors["no_decode"].inc()
             return _refusal(ProtocolError("no decode pod is reachable", 503, error_type="service_unavailable"))
         pod = choice.pod
-        pod.in_flight += 1
+        pod.take()
         held.append((pod, ticket))
         router.metrics.chose("decode", pod.url, choice.policy)
         destination = urlsplit(pod.url).netloc

@@ -41,7 +41,7 @@ class Exchange:
             self.decode.pod.in_flight -= 1
         self.decode = choice
         if choice is not None:
-            choice.pod.in_flight += 1
+            choice.pod.take()
 
     def continuation_body(self, continuation: Continuation) -> bytes:
         """The client's body asking a decode engine to continue its broken stream."""

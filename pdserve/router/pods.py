@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +47,14 @@ class Pod:
     # Called when the pod leaves rotation: legs waiting on it for a first byte give up then, since a pod
     # that stopped answering its health probe may never answer them.
     on_leave: set[Callable[[], None]] = field(default_factory=set)
+    # time.monotonic() when this router last sent it a request (or, as a picker, routed one to it): its load
+    # signals from before then do not count that request yet (flow control's saturation).
+    sent_at: float = 0.0
+
+    def take(self) -> None:
+        """Count one more request in flight on the pod, from now."""
+        self.in_flight += 1
+        self.sent_at = time.monotonic()
 
 
 class PodSet:

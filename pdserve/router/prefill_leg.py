@@ -107,7 +107,7 @@ class PrefillLegs:
         prompt_tokens = len(exchange.prompt.token_ids) if exchange.prompt is not None else len(encoded) // 2
         timeout = prefill_timeout(self.config, pod, prompt_tokens)
         started = time.perf_counter()
-        pod.in_flight += 1
+        pod.take()
         try:
             async with asyncio.timeout(timeout):
                 async with await self.upstream.post(pod, exchange.request.path, encoded, exchange.headers) as answer:

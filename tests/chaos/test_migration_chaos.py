@@ -2,7 +2,8 @@
 router, one prefill and three decode processes; 32 concurrent streams (greedy, seeded, and sampled without a
 seed), and at a random point mid-stream the decode pod running the most of them is killed (SIGKILL), drained
 (SIGTERM, with --drain-handoff 0: handing its streams back at once) or stalled (SIGSTOP, past the router's 3 s
-token deadline).
+token deadline). The point is counted in events the client read, which trail what the engines generated, so the
+fault waits, when it must, for a pod running at least two streams (CI once drained a pod with none left).
 
 Every stream ends whole: [DONE], one id, one usage of all its tokens, no router-only comment, every token's
 logprob once (none twice, none missing). Greedy and seeded streams are compared with an uninterrupted run of the
@@ -102,8 +103,11 @@ def _check_whole(stream: LiveStream) -> None:
 
 
 def _busiest(cluster: Cluster):
+    """The live decode pod running the most requests, and how many it runs."""
     alive = [d for d in cluster.decodes if d.process is not None and d.process.poll() is None]
-    return max(alive, key=lambda d: metric(scrape(d.url), "pdserve_num_requests_running"))
+    running = {d.name: metric(scrape(d.url), "pdserve_num_requests_running") for d in alive}
+    victim = max(alive, key=lambda d: running[d.name])
+    return victim, running[victim.name]
 
 
 def _settle(cluster: Cluster) -> None:
@@ -116,7 +120,7 @@ def _settle(cluster: Cluster) -> None:
 def test_thirty_two_streams_survive_their_decode_pod(cluster, fault):
     reference = _run_all(cluster)
     migrations_before = _migrations(cluster)
-    at = random.Random(fault).randrange(NUM_STREAMS * 4, NUM_STREAMS * MAX_TOKENS // 2)
+    at = random.Random(fault).randrange(NUM_STREAMS * 2, NUM_STREAMS * MAX_TOKENS // 4)
     struck: list = []
     strike = threading.Lock()
 
@@ -124,8 +128,10 @@ def test_thirty_two_streams_survive_their_decode_pod(cluster, fault):
         with strike:
             if seen < at or struck:
                 return
-            victim = _busiest(cluster)
-            struck.append(victim)
+            victim, running = _busiest(cluster)
+            if running < 2:  # the engines run ahead of the client's reading: strike where streams still run
+                return
+            struck.append((victim, running))
             assert victim.process is not None
             if fault == "kill":
                 victim.kill()
@@ -134,7 +140,7 @@ def test_thirty_two_streams_survive_their_decode_pod(cluster, fault):
 
     streams = _run_all(cluster, fault_at)
     assert struck, "the fault never struck"
-    victim = struck[0]
+    victim, running = struck[0]
     assert victim.process is not None
     if fault == "stall":
         victim.process.send_signal(signal.SIGCONT)
@@ -143,8 +149,11 @@ def test_thirty_two_streams_survive_their_decode_pod(cluster, fault):
     compared = [(s, r) for number, (s, r) in enumerate(zip(streams, reference, strict=True)) if number % 3 != 2]
     same = sum(s.text == r.text for s, r in compared)
     migrated = _migrations(cluster) - migrations_before
-    print(f"{cluster.variant}/{fault}: {migrated:.0f} streams migrated, {same}/{len(compared)} texts as uninterrupted")
-    assert migrated > 0
+    print(
+        f"{cluster.variant}/{fault}: struck a pod running {running:.0f} streams; {migrated:.0f} streams migrated, "
+        f"{same}/{len(compared)} texts as uninterrupted"
+    )
+    assert migrated >= max(1, running // 2)  # (one may end between the count and the fault)
     if cluster.variant == "shared-tier":
         assert same == len(compared)
         loaded = sum(
