@@ -161,6 +161,20 @@ def choose_threads(
 PROC_STAT = Path("/proc/stat")
 GOVERNOR_WINDOW_S = 1.0  # how often the CPUs' use is read
 GOVERNOR_AGREEMENT = 2  # windows in a row that must ask for the same new thread count
+# A window in which the engine itself used less CPU than this mostly waited (between requests): what others did
+# then says nothing of what its steps compete with, so the window decides nothing.
+GOVERNOR_MIN_OWN_CPUS = 0.5
+
+
+def engine_cpu_seconds() -> float:
+    """CPU time of this process and of its parent: the API process that feeds the engine is not a competitor
+    (its bursts as a batch arrives made the governor drop a thread on a quiet machine)."""
+    own = sum(os.times()[:2])
+    try:
+        fields = Path(f"/proc/{os.getppid()}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return own
+    return own + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class ThreadGovernor:
@@ -173,8 +187,10 @@ class ThreadGovernor:
     very thread they wait for. Measured on 2 cores beside one busy process (docs/benchmarks.md): 2 spinning
     threads gave 31% of the quiet throughput at batch 64 and 17% at batch 1; one thread, 52% and 89% of its own
     quiet figure. So: threads = the CPUs of the affinity mask that others leave (their use measured from
-    /proc/stat, this process's own from its CPU time), rounded, between 1 and ``ceiling``. A change needs
-    ``GOVERNOR_AGREEMENT`` windows in a row, so a burst of the API process does not flip it.
+    /proc/stat; the engine's own, this process's and its API process's, from their CPU times), rounded, between
+    1 and ``ceiling``. A change needs ``GOVERNOR_AGREEMENT`` windows in a row; a window in which the engine mostly
+    waited (``GOVERNOR_MIN_OWN_CPUS``: it ticks only between steps, so its first window after a pause spans the
+    pause and whatever ran in it) decides nothing.
     """
 
     def __init__(
@@ -184,7 +200,7 @@ class ThreadGovernor:
         cpus: Collection[int] | None = None,
         stat_path: Path = PROC_STAT,
         clock: Callable[[], float] = time.monotonic,
-        own_cpu_seconds: Callable[[], float] = lambda: sum(os.times()[:2]),
+        own_cpu_seconds: Callable[[], float] = engine_cpu_seconds,
     ) -> None:
         self.ceiling = ceiling
         self.threads = ceiling
@@ -207,7 +223,11 @@ class ThreadGovernor:
         if self._last is None:
             return
         elapsed = self._last[0] - previous[0]
-        others = max(0.0, (self._last[1] - previous[1]) - (self._last[2] - previous[2])) / elapsed
+        own = (self._last[2] - previous[2]) / elapsed
+        if own < GOVERNOR_MIN_OWN_CPUS:
+            self._wanted = (self.threads, 0)
+            return
+        others = max(0.0, (self._last[1] - previous[1]) / elapsed - own)
         wanted = min(self.ceiling, max(1, round(len(self._cpus) - others)))
         count = self._wanted[1] + 1 if wanted == self._wanted[0] else 1
         self._wanted = (wanted, count)

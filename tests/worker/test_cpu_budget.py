@@ -5,11 +5,19 @@ settings), as /proc/self/cgroup and /sys/fs/cgroup show them; then a real engine
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from pdserve.worker.cpu_budget import CgroupLimits, ThreadGovernor, choose_threads, read_cgroup_limits
+from pdserve.worker.cpu_budget import (
+    CgroupLimits,
+    ThreadGovernor,
+    choose_threads,
+    read_cgroup_limits,
+)
 from pdserve.worker.kv_cache import (
     CPU_MEMORY_MARGIN_BYTES,
     CPU_MEMORY_MARGIN_SHARE,
@@ -154,11 +162,11 @@ class _Machine:
         governor = ThreadGovernor(ceiling, applied.append, [0, 1], self.path, clock, own)
         return governor, applied
 
-    def second(self, own: float, others: float) -> None:
-        """One second in which this process used ``own`` CPUs and other processes ``others``."""
-        self.now += 1.0
-        self.own += own
-        share = (own + others) * 100 / 2
+    def second(self, own: float, others: float, seconds: float = 1.0) -> None:
+        """``seconds`` in which this process used ``own`` CPUs and other processes ``others``."""
+        self.now += seconds
+        self.own += own * seconds
+        share = (own + others) * 100 * seconds / 2
         self.busy = [busy + int(share) for busy in self.busy]
         self.write()
 
@@ -193,3 +201,30 @@ def test_the_governor_never_goes_past_its_ceiling_or_below_one(tmp_path):
     missing = ThreadGovernor(2, applied.append, cpus=[0], stat_path=tmp_path / "none")
     missing.tick()  # no /proc/stat: it stays out of the way
     assert missing.threads == 2
+
+
+def test_a_window_in_which_the_engine_mostly_waited_decides_nothing(tmp_path):
+    """It ticks only between steps: its first window after a pause spans the pause, and whatever ran in it (another
+    server's burst, in bench/vs_vllm.py) is no competition for its steps."""
+    machine = _Machine(tmp_path / "stat")
+    governor, applied = machine.governor(ceiling=2)
+    machine.second(own=2.0, others=0.0)
+    governor.tick()
+    machine.second(own=0.1, others=1.8, seconds=20)  # idle while another process ran
+    governor.tick()
+    machine.second(own=1.1, others=0.9)  # the first second of its next batch, beside that process's tail
+    governor.tick()
+    assert applied == [] and governor.threads == 2  # two agreeing windows needed, the pause was not one
+    machine.second(own=1.9, others=0.1)
+    governor.tick()
+    assert applied == []
+
+
+def test_the_engines_cpu_time_counts_its_api_process():
+    """The parent (the API process that feeds the engine) is the engine's, not a competitor: a child reads this
+    process's CPU time into its own."""
+    code = "import os; from pdserve.worker.cpu_budget import engine_cpu_seconds as e; print(e() - sum(os.times()[:2]))"
+    before = sum(os.times()[:2])
+    seen = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    after = sum(os.times()[:2])
+    assert before - 0.02 <= seen <= after + 0.02  # (clock ticks of 10 ms)
