@@ -160,7 +160,7 @@ def choose_threads(
 
 PROC_STAT = Path("/proc/stat")
 GOVERNOR_WINDOW_S = 1.0  # how often the CPUs' use is read
-GOVERNOR_AGREEMENT = 2  # windows in a row that must ask for the same new thread count
+GOVERNOR_AGREEMENT = 2  # windows in a row that must ask for the same smaller thread count (more: one window)
 # A window in which the engine itself used less CPU than this mostly waited (between requests): what others did
 # then says nothing of what its steps compete with, so the window decides nothing.
 GOVERNOR_MIN_OWN_CPUS = 0.5
@@ -188,9 +188,9 @@ class ThreadGovernor:
     threads gave 31% of the quiet throughput at batch 64 and 17% at batch 1; one thread, 52% and 89% of its own
     quiet figure. So: threads = the CPUs of the affinity mask that others leave (their use measured from
     /proc/stat; the engine's own, this process's and its API process's, from their CPU times), rounded, between
-    1 and ``ceiling``. A change needs ``GOVERNOR_AGREEMENT`` windows in a row; a window in which the engine mostly
-    waited (``GOVERNOR_MIN_OWN_CPUS``: it ticks only between steps, so its first window after a pause spans the
-    pause and whatever ran in it) decides nothing.
+    1 and ``ceiling``. Fewer threads need ``GOVERNOR_AGREEMENT`` windows in a row, more one; a window in which the
+    engine mostly waited (``GOVERNOR_MIN_OWN_CPUS``: it ticks only between steps, so its first window after a
+    pause spans the pause and whatever ran in it) decides nothing.
     """
 
     def __init__(
@@ -231,7 +231,9 @@ class ThreadGovernor:
         wanted = min(self.ceiling, max(1, round(len(self._cpus) - others)))
         count = self._wanted[1] + 1 if wanted == self._wanted[0] else 1
         self._wanted = (wanted, count)
-        if wanted != self.threads and count >= GOVERNOR_AGREEMENT:
+        # Fewer threads only on agreement (a burst of another process must not halve a batch), more at once: a
+        # window that finds the CPUs free again is clear, and every window spent short of threads costs.
+        if wanted > self.threads or (wanted < self.threads and count >= GOVERNOR_AGREEMENT):
             cpus = len(self._cpus)
             logger.info("compute threads %d -> %d: others take %.1f of %d CPUs", self.threads, wanted, others, cpus)
             self.threads = wanted
