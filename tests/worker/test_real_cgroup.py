@@ -17,67 +17,32 @@ import re
 import subprocess
 import sys
 import urllib.request
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from pdserve.launcher import free_port
+from pdserve.testing.cgroups import Cgroups, Unavailable, limited
 from pdserve.testing.metrics import metric, scrape
 from pdserve.testing.processes import wait_healthy
 from pdserve.worker.kv_cache import CPU_MEMORY_MARGIN_BYTES, CPU_MEMORY_MARGIN_SHARE
 
-ROOT = Path("/sys/fs/cgroup")
 GIB = 1 << 30
 MEMORY_LIMIT = 3 * GIB
-CPU_QUOTA_US, CPU_PERIOD_US = 150_000, 100_000  # 1.5 CPUs
-
-
-def _own_v1_folder(controller: str) -> Path | None:
-    """This process's folder in the v1 hierarchy of ``controller`` (None: no such hierarchy here)."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, names, path = line.split(":", 2)
-        if controller in names.split(","):
-            base = next((ROOT / n for n in (f"{controller},cpuacct", controller) if (ROOT / n).is_dir()), None)
-            folder = base.joinpath(*[p for p in path.split("/") if p]) if base is not None else None
-            return folder if folder is not None and folder.is_dir() else None
-    return None
 
 
 @pytest.fixture
-def cgroups() -> Iterator[tuple[Path, Path]]:
-    """A fresh child cgroup with the CPU quota, and one with the memory limit, removed afterwards."""
-    cpu_parent, memory_parent = _own_v1_folder("cpu"), _own_v1_folder("memory")
-    if cpu_parent is None or memory_parent is None or not os.access(cpu_parent, os.W_OK):
-        pytest.skip("needs writable cgroup v1 cpu and memory hierarchies (root on a v1 or hybrid host)")
-    name = f"pdserve-test-{uuid.uuid4().hex[:8]}"
-    cpu, memory = cpu_parent / name, memory_parent / name
+def cgroups() -> Iterator[Cgroups]:
+    """1.5 CPUs and 3 GiB, as ``limits.cpu: 1500m`` and ``limits.memory: 3Gi``."""
     try:
-        cpu.mkdir()
-        memory.mkdir()
-    except OSError as error:
-        pytest.skip(f"cannot make a child cgroup here: {error}")
-    try:
-        (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
-        (cpu / "cpu.cfs_quota_us").write_text(str(CPU_QUOTA_US))
-        (memory / "memory.limit_in_bytes").write_text(str(MEMORY_LIMIT))
-        yield cpu, memory
-    finally:
-        for folder in (cpu, memory):
-            if folder.is_dir():
-                for pid in (folder / "cgroup.procs").read_text().split():
-                    subprocess.run(["kill", "-9", pid], check=False)
-                folder.rmdir()
+        with limited(cpus=1.5, memory_bytes=MEMORY_LIMIT) as made:
+            yield made
+    except Unavailable as why:
+        pytest.skip(f"needs writable cgroup v1 cpu and memory hierarchies (root on a v1 or hybrid host): {why}")
 
 
 def test_an_engine_sizes_its_threads_and_kv_cache_from_its_cgroups(cgroups, tmp_path):
-    cpu, memory = cgroups
-
-    def enter() -> None:  # in the child, before it runs pdserve: its own processes inherit both cgroups
-        for folder in (cpu, memory):
-            (folder / "cgroup.procs").write_text(str(os.getpid()))
-
+    memory = next(folder for folder in cgroups.folders if (folder / "memory.failcnt").exists())
     port = free_port()
     log = tmp_path / "serve.log"
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
@@ -88,7 +53,7 @@ def test_an_engine_sizes_its_threads_and_kv_cache_from_its_cgroups(cgroups, tmp_
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=enter,
+            preexec_fn=cgroups.enter,  # the child joins both; pdserve's processes inherit them
         )
     url = f"http://127.0.0.1:{port}"
     try:
