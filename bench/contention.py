@@ -27,7 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 SETTINGS = {
     "fixed, spinning": {"GOMP_SPINCOUNT": "100000", "THREADS": "cpus"},
@@ -47,10 +48,17 @@ def measure(folder: str, spinners: int, batch: int, new_tokens: int) -> float:
     random.seed(0)
     prompts = [[random.randrange(100, 30000) for _ in range(128)] for _ in range(batch)]
     llm = LLM(folder, tokenizer=str(ensure_demo_model()), max_model_len=512, kv_cache_memory=1 << 30)
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
+    with spinning(spinners):
+        return tokens_per_second(llm, prompts, new_tokens)
+
+
+@contextmanager
+def spinning(count: int) -> Iterator[None]:
+    """``count`` single-threaded busy processes, running half a second before the body and killed after it."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
     try:
         time.sleep(0.5)
-        return tokens_per_second(llm, prompts, new_tokens)
+        yield
     finally:
         for process in busy:
             process.kill()

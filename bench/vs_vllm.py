@@ -39,7 +39,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from throughput import build_model  # bench/ is the script's folder: on sys.path
+from contention import spinning  # bench/ is the script's folder: on sys.path
+from throughput import build_model
 from vs_llamacpp import cpu_name, write_stand_in_tokenizer
 
 from pdserve.launcher import free_port
@@ -154,14 +155,8 @@ def start_servers(folder: str, logs: Path, vllm_python: str) -> tuple[Server, Se
 
 
 def measure(server: Server, spinners: int, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[str]]:
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
-    try:
-        time.sleep(0.5)
+    with spinning(spinners):
         return timed_batch(server, prompts, new_tokens)
-    finally:
-        for process in busy:
-            process.kill()
-            process.wait()
 
 
 def main() -> None:
