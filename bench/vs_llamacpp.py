@@ -11,7 +11,9 @@ ignored. llama.cpp: ``llama-server -np 64`` (continuous batching, ``cache_prompt
 once; its prompt and generation phases from ``llama-batched-bench`` (the same shapes). pdserve:
 ``LLM.generate`` on the same prompts, prefix caching off; its prompt phase timed alone (``max_tokens=1``),
 generation = the rest.
-Then batch 1 (one request, 128 + 128) for each. Both use every core (``--threads``, default all).
+Then batch 1 (one request, 128 + 128) for each. Both use every core (``--threads``, default all; pdserve's
+engine sizes its own threads from the CPU budget and follows contention, llama.cpp keeps ``--threads``).
+``--spinners 0 1`` repeats each run with that many single-threaded busy processes beside the engine being timed.
 ``--runs N`` repeats both engines N times (one after the other); the JSON line gives the run with the median
 ratio, and every run's ratios. ``--isa avx2`` holds both engines to AVX2 on an AVX-512 host: llama.cpp built for
 ``x86-64-v3``, and torch, oneDNN, MKL and pdserve's C++ kernels limited by their environment variables.
@@ -37,6 +39,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from contention import spinning
 from plots import add_plot_argument, bar_chart
 from throughput import MODEL, build_model
 
@@ -229,33 +232,48 @@ AVX2_ENV = {
 }
 
 
-def one_run(binaries: Path, model: Path, gguf: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    """Both engines on the same prompts, llama.cpp first: their tok/s and phases, at batch len(prompts) and 1."""
+def one_run(
+    binaries: Path, model: Path, gguf: Path, prompts: list[list[int]], args: argparse.Namespace, spinners: int = 0
+) -> dict:
+    """Both engines on the same prompts, llama.cpp first: their tok/s and phases, at batch len(prompts) and 1;
+    with ``spinners`` busy processes beside each while it is timed (the phases only on a quiet machine)."""
     server = LlamaServer(binaries, gguf, args.requests, args.prompt_len + args.new_tokens + 16, args.threads)
     try:
-        llamacpp_tok_s = server.tokens_per_second(prompts, args.new_tokens)
-        llamacpp_batch1 = server.tokens_per_second(prompts[:1], args.new_tokens)
+        with spinning(spinners):
+            llamacpp_tok_s = server.tokens_per_second(prompts, args.new_tokens)
+            llamacpp_batch1 = server.tokens_per_second(prompts[:1], args.new_tokens)
     finally:
         server.close()
-    phases = batched_bench(binaries, gguf, args.prompt_len, args.new_tokens, args.requests, args.threads)
+    phases = (
+        None
+        if spinners
+        else batched_bench(binaries, gguf, args.prompt_len, args.new_tokens, args.requests, args.threads)
+    )
+    phase_text = (
+        f"batched-bench prompt {phases['prompt_tok_s']:.1f} tok/s, generation {phases['generation_tok_s']:.1f} tok/s; "
+        if phases is not None
+        else ""
+    )
     print(
-        f"llama.cpp f32 (llama-server -np {args.requests}): {llamacpp_tok_s:7.1f} output tok/s; "
-        f"batched-bench prompt {phases['prompt_tok_s']:.1f} tok/s, generation {phases['generation_tok_s']:.1f} "
-        f"tok/s; batch 1: {llamacpp_batch1:.1f} tok/s",
+        f"spinners {spinners}: llama.cpp f32 (llama-server -np {args.requests}): {llamacpp_tok_s:7.1f} output tok/s; "
+        f"{phase_text}batch 1: {llamacpp_batch1:.1f} tok/s",
         flush=True,
     )
     # No prefix caching: every run computes its prompts (llama.cpp's runs have cache_prompt off).
-    with LLM(
-        str(model),
-        max_model_len=512,
-        kv_cache_memory=2 << 30,
-        max_num_batched_tokens=2048,
-        enable_prefix_caching=False,
-    ) as llm:
+    with (
+        LLM(
+            str(model),
+            max_model_len=512,
+            kv_cache_memory=2 << 30,
+            max_num_batched_tokens=2048,
+            enable_prefix_caching=False,
+        ) as llm,
+        spinning(spinners),
+    ):
         ours = pdserve_figures(llm, prompts, args.new_tokens)
         ours_batch1 = pdserve_figures(llm, prompts[:1], args.new_tokens)["tok_s"]
     print(
-        f"pdserve LLM.generate:                   {ours['tok_s']:7.1f} output tok/s; prompt "
+        f"spinners {spinners}: pdserve LLM.generate:       {ours['tok_s']:7.1f} output tok/s; prompt "
         f"{ours['prompt_tok_s']:.1f} tok/s, generation {ours['generation_tok_s']:.1f} tok/s; "
         f"batch 1: {ours_batch1:.1f} tok/s",
         flush=True,
@@ -263,6 +281,7 @@ def one_run(binaries: Path, model: Path, gguf: Path, prompts: list[list[int]], a
     ratio, ratio_batch1 = ours["tok_s"] / llamacpp_tok_s, ours_batch1 / llamacpp_batch1
     print(f"ratio at batch {args.requests}: {ratio:.2f}x; batch 1: {ratio_batch1:.2f}x", flush=True)
     return {
+        "spinners": spinners,
         "pdserve_tok_s": round(ours["tok_s"], 1),
         "llamacpp_tok_s": round(llamacpp_tok_s, 1),
         "ratio": round(ratio, 3),
@@ -301,6 +320,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--runs", type=int, default=1, help="rounds of both engines, one after the other")
     parser.add_argument(
+        "--spinners",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="each run once per count of single-threaded busy processes beside the engine being timed",
+    )
+    parser.add_argument(
         "--isa",
         choices=["native", "avx2"],
         default="native",
@@ -338,13 +364,16 @@ def main() -> None:
         convert_to_gguf(source, model, gguf)
         for index in range(args.runs):
             print(f"--- run {index + 1} of {args.runs}", flush=True)
-            runs.append(one_run(binaries, model, gguf, prompts, args))
+            for spinners in args.spinners:
+                runs.append(one_run(binaries, model, gguf, prompts, args, spinners))
+    first = [run for run in runs if run["spinners"] == args.spinners[0]]
     if args.plot is not None:
-        plot_runs(args.plot, runs, args.isa, args.requests)
-    middle = sorted(runs, key=lambda run: run["ratio"])[len(runs) // 2]
+        plot_runs(args.plot, first, args.isa, args.requests)
+    middle = sorted(first, key=lambda run: run["ratio"])[len(first) // 2]
     summary = {"bench": "vs_llamacpp", **middle, "cpu": cpu, "isa": args.isa}
-    summary["ratios"] = [run["ratio"] for run in runs]
-    summary["batch1_ratios"] = [run["batch1_ratio"] for run in runs]
+    summary["ratios"] = [run["ratio"] for run in first]
+    summary["batch1_ratios"] = [run["batch1_ratio"] for run in first]
+    summary["contended"] = [run for run in runs if run["spinners"] != args.spinners[0]]
     print(json.dumps(summary))
 
 
