@@ -9,8 +9,10 @@ load generator is a minimal keep-alive HTTP/1.1 client, so that client cost does
 Measured, for streamed /v1/completions requests, in P/D mode (prefill leg, then decode leg) and plain mode (one
 decode pod, no prefill): latency p50/p99 with 1 request in flight, and added p50 against a client making both
 legs itself; requests/s with 64 in flight; the proxy process's CPU time (user + system, from /proc) per request
-over that window. Proxies: pdserve's router as shipped (legs signed with Ed25519 keys, flow control on, streams
-continued on failure), then with each of those off and all three off; vllm-router (Rust; ``--vllm-router BIN``,
+over that window. Proxies: pdserve's router as shipped (legs authenticated with keys: a MAC per leg for the
+engine, whose /health gives a leg key as an engine's does; flow control on; streams continued on failure), then
+with each of those off and all three off, and with legs signed with Ed25519 instead of MACs (what the router
+sends an engine that gives no leg key, and sent every engine before leg MACs); vllm-router (Rust; ``--vllm-router BIN``,
 or on PATH: ``pip install -e '.[router-anchors]'``, best in a venv of its own); the FastAPI + httpx proxy that
 vLLM's toy P/D proxy is (the bench extra), P/D only. Every proxy once per round, rounds alternating; the median.
 The routing policy is round-robin on both sides (pdserve's prefix policies tokenize; vllm-router's round robin
@@ -78,7 +80,7 @@ def _whole(status: int, payload: bytes) -> bytes:
     )
 
 
-async def _stub(role: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _stub(role: str, health: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     prefill_answer = _whole(
         200,
         msgspec.json.encode(
@@ -100,7 +102,7 @@ async def _stub(role: str, reader: asyncio.StreamReader, writer: asyncio.StreamW
             length = _CONTENT_LENGTH.search(head)
             body = await reader.readexactly(int(length.group(1))) if length else b""
             if head.startswith(b"GET"):
-                writer.write(_whole(200, b'{"status":"ok"}'))
+                writer.write(_whole(200, health))
             elif role == "prefill":
                 writer.write(prefill_answer)
             elif _STREAM_TRUE.search(body):
@@ -115,11 +117,22 @@ async def _stub(role: str, reader: asyncio.StreamReader, writer: asyncio.StreamW
         writer.close()
 
 
+def _stub_health(role: str) -> bytes:
+    """An engine's /health in what the router reads of it: its id and leg key (the stubs check no leg)."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    leg_key = X25519PrivateKey.generate().public_key().public_bytes_raw().hex()
+    return msgspec.json.encode({"status": "ok", "engine_id": f"stub-{role}", "leg_key": leg_key})
+
+
 async def serve_stubs(prefill_port: int, decode_port: int) -> None:
-    servers = [
-        await asyncio.start_server(lambda r, w, role=role: _stub(role, r, w), "127.0.0.1", port)
-        for role, port in (("prefill", prefill_port), ("decode", decode_port))
-    ]
+    servers = []
+    for role, port in (("prefill", prefill_port), ("decode", decode_port)):
+        health = _stub_health(role)
+        server = await asyncio.start_server(
+            lambda r, w, role=role, health=health: _stub(role, health, r, w), "127.0.0.1", port
+        )
+        servers.append(server)
     print("ready", flush=True)
     await asyncio.gather(*(server.serve_forever() for server in servers))
 
@@ -127,16 +140,23 @@ async def serve_stubs(prefill_port: int, decode_port: int) -> None:
 # ----- proxies under test -------------------------------------------------------------------------------------
 
 
-async def serve_router(port: int, prefill: str | None, decode: str, signed: bool, settings: dict) -> None:
+async def serve_router(port: int, prefill: str | None, decode: str, keyed: str | None, settings: dict) -> None:
+    """``keyed``: None (no keys: legs unauthenticated), "mac" (as shipped) or "ed25519" (every leg signed as for
+    an engine that gives no leg key)."""
     import tempfile
 
+    from pdserve.api.auth import RouterSigner
     from pdserve.api.keys import ROUTER_FILES, new_bundle, write_bundle
     from pdserve.router import RouterConfig, start_router
 
     keys_dir = None
-    if signed:  # the router's own key files: it signs every leg (Ed25519) for its target engine
+    if keyed is not None:  # the router's own key files: it authenticates every leg for its target engine
         keys_dir = tempfile.mkdtemp(prefix="pdserve-bench-keys-")
         write_bundle(keys_dir, new_bundle(), ROUTER_FILES)
+    if keyed == "ed25519":  # bench only: as if no engine gave a leg key
+        RouterSigner.leg_header = lambda self, method, path, body, target, leg_key, now=None: self.header(
+            method, path, body, target, now
+        )
     config = RouterConfig([prefill] if prefill else [], [decode], keys_dir=keys_dir, **settings)
     await start_router(config, port=port)
     print("ready", flush=True)
@@ -169,6 +189,10 @@ def serve_baseline(port: int, prefill: str, decode: str) -> None:
                     yield chunk
 
         return StreamingResponse(relay(), media_type="text/event-stream")
+
+    @app.get("/health")
+    async def health() -> dict:  # what the bench polls before it measures a proxy
+        return {"status": "ok"}
 
     print("ready", flush=True)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
@@ -385,13 +409,14 @@ def _have_baseline() -> bool:
 
 
 def _proxies(vllm_router: str | None) -> list[Proxy]:
-    """Ours as shipped (legs signed, flow control on, streams continued on failure), then with each off; the
+    """Ours as shipped (legs MACed, flow control on, streams continued on failure), then with each off; the
     anchors that are installed."""
     proxies = [
-        Proxy("pdserve router", _ours("router-signed", routing="round-robin")),
+        Proxy("pdserve router", _ours("router-mac", routing="round-robin")),
+        Proxy("  legs signed (Ed25519)", _ours("router-ed25519", routing="round-robin")),
         Proxy("  unsigned legs", _ours("router", routing="round-robin")),
-        Proxy("  no flow control", _ours("router-signed", routing="round-robin", flow_control=False)),
-        Proxy("  no migration", _ours("router-signed", routing="round-robin", migration_limit=0)),
+        Proxy("  no flow control", _ours("router-mac", routing="round-robin", flow_control=False)),
+        Proxy("  no migration", _ours("router-mac", routing="round-robin", migration_limit=0)),
         Proxy("  all three off", _ours("router", routing="round-robin", flow_control=False, migration_limit=0)),
     ]
     if vllm_router is not None:
@@ -505,7 +530,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (the median is reported)")
     parser.add_argument("--vllm-router", metavar="BIN", help="the vllm-router binary (default: on PATH)")
     add_plot_argument(parser)
-    parser.add_argument("--serve", choices=["stubs", "router", "router-signed", "baseline"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--serve", choices=["stubs", "router", "router-mac", "router-ed25519", "baseline"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--decode-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--prefill", help=argparse.SUPPRESS)
@@ -514,9 +541,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.serve == "stubs":
         asyncio.run(serve_stubs(args.port, args.decode_port))
-    elif args.serve in ("router", "router-signed"):
+    elif args.serve in ("router", "router-mac", "router-ed25519"):
         settings = json.loads(args.settings)
-        asyncio.run(serve_router(args.port, args.prefill, args.decode, args.serve == "router-signed", settings))
+        keyed = args.serve.removeprefix("router-") if args.serve != "router" else None
+        asyncio.run(serve_router(args.port, args.prefill, args.decode, keyed, settings))
     elif args.serve == "baseline":
         serve_baseline(args.port, args.prefill, args.decode)
     else:

@@ -40,6 +40,9 @@ class Pod:
     # The engine's id for its current run (from /health, or from an engine that refused a leg signed for
     # another): what the router signs P/D legs for, and the engine its KV events must name.
     engine_id: str | None = None
+    # That run's leg key (hex X25519, from /health or beside the id): the router MACs legs for it instead of
+    # signing them (pdserve/api/auth.py); None: signed.
+    leg_key: str | None = None
     # Where it serves peer reads of finished turns (from /health; None: it serves none).
     peer_source: PeerSource | None = None
     # Prompt tokens a second its prefill legs have run at (a moving average; None until measured).
@@ -134,6 +137,7 @@ class _Health(msgspec.Struct):
     kv_events_port: int | None = None  # where the engine publishes KV-cache events (None: it does not)
     kv_compat_hash: str | None = None
     engine_id: str | None = None
+    leg_key: str | None = None
     kv_peer_source: PeerSource | None = None
 
 
@@ -191,6 +195,7 @@ class HealthChecker:
                 health = _Health()  # not an engine's JSON (an older engine, a proxy): no events, no hash
             pod.compat_hash = health.kv_compat_hash
             pod.engine_id = health.engine_id
+            pod.leg_key = health.leg_key
             pod.peer_source = health.kv_peer_source
             if self.on_health is not None:
                 self.on_health(pod, health.kv_events_port)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import aiohttp
 import msgspec
 
-from pdserve.api.auth import ENGINE_ID_HEADER, ROUTER_AUTH_HEADER, RouterSigner
+from pdserve.api.auth import ENGINE_ID_HEADER, ENGINE_LEG_KEY_HEADER, ROUTER_AUTH_HEADER, RouterSigner
 from pdserve.api.keys import load_router_signing
 from pdserve.router.config import RouterConfig
 from pdserve.router.leg_client import LegAnswer, LegClient
@@ -54,18 +54,20 @@ class Upstream:
         self._session = session
 
     async def post(self, pod: Pod, path: str, body: bytes, headers: dict[str, str]) -> LegAnswer:
-        """POST one leg (or release) to an engine, signed for that engine (its id from /health) when the router
-        has keys. An engine that refuses it as signed for another (it restarted: a new id) says its id; the leg
-        is signed for that one and sent again, once."""
+        """POST one leg (or release) to an engine, made for that engine (its id and leg key from /health) when
+        the router has keys. An engine that refuses it as made for another (it restarted: a new id) says its id
+        and leg key; the leg is made for that one and sent again, once."""
         for attempt in range(2):
             signed = headers
             if self._signer is not None:
-                signed = {**headers, ROUTER_AUTH_HEADER: self._signer.header("POST", path, body, pod.engine_id or "")}
+                auth = self._signer.leg_header("POST", path, body, pod.engine_id or "", pod.leg_key)
+                signed = {**headers, ROUTER_AUTH_HEADER: auth}
             answer = await self.legs.post(pod.url + path, body, signed)
             engine_id = answer.headers.get(ENGINE_ID_HEADER)
             if answer.status != 403 or not engine_id or engine_id == pod.engine_id or attempt or self._signer is None:
                 return answer
             pod.engine_id = engine_id
+            pod.leg_key = answer.headers.get(ENGINE_LEG_KEY_HEADER)
             answer.release()
         raise AssertionError("unreachable")
 

@@ -139,15 +139,18 @@ class EngineServer:
             return web.json_response({"status": "shutting down"}, status=503)
         # Routers learn here where this engine publishes its KV-cache events (pdserve/api/kv_events.py),
         # which engines it may pair with (the same KV compatibility hash) and its id for this run (what the
-        # router signs P/D legs for, and the engine its KV events must name), and where it serves peer reads.
+        # router signs P/D legs for, and the engine its KV events must name), the leg key of this run (the
+        # router's legs carry a MAC from it: pdserve/api/auth.py), and where it serves peer reads.
         ready = self.client.ready
         peer_source = ready.kv_peer_source
+        verifier = self.serving.gate.router_verifier
         return web.json_response(
             {
                 "status": "ok",
                 "kv_events_port": ready.kv_events_port,
                 "kv_compat_hash": ready.kv_compat_hash,
                 "engine_id": ready.engine_id,
+                "leg_key": None if verifier is None else verifier.leg_key,
                 "kv_peer_source": None
                 if peer_source is None
                 else {"host": peer_source[0], "ports": peer_source[1], "hold_seconds": peer_source[2]},

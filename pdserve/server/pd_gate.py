@@ -32,7 +32,13 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from pdserve.api.auth import ENGINE_ID_HEADER, ROUTER_AUTH_HEADER, WRONG_TARGET, RouterVerifier
+from pdserve.api.auth import (
+    ENGINE_ID_HEADER,
+    ENGINE_LEG_KEY_HEADER,
+    ROUTER_AUTH_HEADER,
+    WRONG_TARGET,
+    RouterVerifier,
+)
 from pdserve.api.continuation import Continuation, parse_continuation
 from pdserve.api.peer_kv import PeerKV, parse_peer_kv
 from pdserve.api.protocol import (
@@ -190,7 +196,10 @@ class PDGate:
                 403,
                 param="kv_transfer_params",
                 error_type=WRONG_TARGET,
-                headers={ENGINE_ID_HEADER: self.router_verifier.engine_id},
+                headers={
+                    ENGINE_ID_HEADER: self.router_verifier.engine_id,
+                    ENGINE_LEG_KEY_HEADER: self.router_verifier.leg_key,
+                },
             )
         if problem is not None:
             raise ProtocolError(

@@ -1,6 +1,7 @@
 """The deployment's keys and what they authenticate (pdserve/api/keys.py, pdserve/api/auth.py): key folders and
-their rollover, the exposure rule, HMAC parts, the replay guard, the router's Ed25519 signature bound to its target
-engine, and KV-event signatures."""
+their rollover, the exposure rule, HMAC parts, the replay guard, the router's Ed25519 signature and its leg MAC
+(X25519 between router and engine, under a delegation the router signs), each bound to its target engine, and
+KV-event signatures."""
 
 from __future__ import annotations
 
@@ -163,6 +164,102 @@ def test_an_engine_holds_nothing_that_signs_as_the_router(tmp_path):
     for candidate in candidates:
         header = RouterSigner(keys.KeyRing([candidate])).header("POST", "/v1/completions", body, "engine-a")
         assert verifier.problem(header, "POST", "/v1/completions", body) == "bad signature"
+
+
+def test_a_leg_mac_covers_what_a_signature_does_and_only_its_engine_can_check_it(bundle):
+    signer = RouterSigner(keys.load_router_signing(bundle))
+    verifier = RouterVerifier(keys.load_router_public(bundle), "engine-a")
+    other = RouterVerifier(keys.load_router_public(bundle), "engine-b")
+    body = b'{"prompt":"hi","kv_transfer_params":{"do_remote_decode":true}}'
+    path = "/v1/completions"
+    header = signer.leg_header("POST", path, body, "engine-a", verifier.leg_key)
+    assert len(header.split(" ")) == 5  # a MAC and the router's delegation of its leg key, not a signature
+    assert verifier.problem(header, "POST", "/v1/chat/completions", body) == "bad MAC"
+    assert verifier.problem(header, "POST", path, body.replace(b"hi", b"ho")) == "bad MAC"
+    assert other.problem(header, "POST", path, body) == auth.WRONG_TARGET
+    sent_at, nonce, _, mac, delegation = header.split(" ")
+    # Retargeted at engine-b: engine-b's MAC key is another (X25519 with its own leg key), so it fails there.
+    assert other.problem(f"{sent_at} {nonce} engine-b {mac} {delegation}", "POST", path, body) == "bad MAC"
+    # A decode engine cannot check (nor forward as checked) a MAC made for a prefill engine.
+    assert other.made_for_another(header, "POST", path, body) == "a leg MAC, which only its target can check"
+    assert verifier.problem(header, "POST", path, body) is None
+    assert verifier.problem(header, "POST", path, body) == "replayed"
+    stale = signer.leg_header("POST", path, body, "engine-a", verifier.leg_key, now=1.0)
+    assert verifier.problem(stale, "POST", path, body) == "stale"
+    # The next leg reuses the checked delegation; a second router run delegates its own leg key.
+    assert signer.leg_header("POST", path, body, "engine-a", verifier.leg_key).split(" ")[4] == delegation
+    second = RouterSigner(keys.load_router_signing(bundle))
+    assert (
+        verifier.problem(second.leg_header("POST", path, body, "engine-a", verifier.leg_key), "POST", path, body)
+        is None
+    )
+    # No leg key known (an engine before leg keys), or not a key: an Ed25519 signature, which every engine checks.
+    for leg_key in (None, "", "zz", "00" * 31):
+        fallback = signer.leg_header("POST", path, body, "engine-a", leg_key)
+        assert len(fallback.split(" ")) == 4
+        assert verifier.problem(fallback, "POST", path, body) is None
+
+
+def test_a_delegation_is_taken_only_signed_by_the_router_unexpired_and_short(bundle, tmp_path):
+    verifier = RouterVerifier(keys.load_router_public(bundle), "engine-a")
+    body, path = b"{}", "/v1/completions"
+    # Another deployment's router key (or an engine's secrets as a seed) cannot delegate a leg key to an engine.
+    foreign = tmp_path / "foreign"
+    keys.write_bundle(foreign, keys.new_bundle())
+    impostor = RouterSigner(keys.load_router_signing(foreign))
+    assert verifier.problem(
+        impostor.leg_header("POST", path, body, "engine-a", verifier.leg_key), "POST", path, body
+    ) == ("bad delegation")
+    signer = RouterSigner(keys.load_router_signing(bundle))
+    sent_at, nonce, target, mac, delegation = signer.leg_header(
+        "POST", path, body, "engine-a", verifier.leg_key
+    ).split()
+    leg_key, expires_at, signature = delegation.split(",")
+    for edited, why in (
+        (f"{leg_key},{int(expires_at) - 60},{signature}", "bad delegation"),  # its expiry edited: the signature fails
+        (f"{'11' * 32},{expires_at},{signature}", "bad delegation"),  # another leg key under the router's name
+        (f"{leg_key},{expires_at}", "malformed delegation"),
+        (f"{leg_key},soon,{signature}", "malformed delegation"),
+    ):
+        assert verifier.problem(f"{sent_at} {nonce} {target} {mac} {edited}", "POST", path, body) == why
+    # Expired, or valid for longer than engines take: refused however well signed (the leg's own time is made
+    # fresh: the delegation is checked before the MAC).
+    now = time.time()
+    for made_at, why in (
+        (now - auth.DELEGATION_S - 2 * auth.MAX_CLOCK_SKEW_S, "delegation expired"),
+        (now + 2 * auth.DELEGATION_S, "delegation valid for too long"),
+    ):
+        fields = (
+            RouterSigner(keys.load_router_signing(bundle))
+            .leg_header("POST", path, body, "engine-a", verifier.leg_key, now=made_at)
+            .split(" ")
+        )
+        fields[0] = f"{now:.6f}"
+        assert verifier.problem(" ".join(fields), "POST", path, body) == why
+    # A router renews its delegation before it ends.
+    renewing = RouterSigner(keys.load_router_signing(bundle))
+    early = renewing.leg_header("POST", path, body, "engine-a", verifier.leg_key, now=now).split(" ")[4]
+    later = now + auth.DELEGATION_S * 0.8
+    assert renewing.leg_header("POST", path, body, "engine-a", verifier.leg_key, now=later).split(" ")[4] != early
+
+
+def test_a_router_key_rotation_renews_the_delegation_and_a_retired_key_delegates_no_more(bundle, monkeypatch):
+    monkeypatch.setattr(keys, "RELOAD_INTERVAL_S", 0.0)
+    signer = RouterSigner(keys.load_router_signing(bundle))
+    verifier = RouterVerifier(keys.load_router_public(bundle), "engine-a")
+    body, path = b"{}", "/v1/completions"
+    first = signer.leg_header("POST", path, body, "engine-a", verifier.leg_key)
+    assert verifier.problem(first, "POST", path, body) is None
+    for step in ("add", "promote"):
+        keys.write_bundle(bundle, keys.rotate(keys.read_bundle(bundle), step))
+    second = signer.leg_header("POST", path, body, "engine-a", verifier.leg_key)
+    assert second.split(" ")[4] != first.split(" ")[4]  # delegated again under the promoted key
+    assert verifier.problem(second, "POST", path, body) is None
+    keys.write_bundle(bundle, keys.rotate(keys.read_bundle(bundle), "retire"))
+    # A leg still carrying the old key's delegation (made before the retirement) is refused once it is retired.
+    old = first.split(" ")
+    replayable = signer.leg_header("POST", path, body, "engine-a", verifier.leg_key).split(" ")
+    assert verifier.problem(" ".join([*replayable[:4], old[4]]), "POST", path, body) == "bad delegation"
 
 
 def test_kv_events_are_taken_only_signed_fresh_and_whole():

@@ -28,14 +28,17 @@ class Cluster:
     # Where the keys are: all/ (the whole bundle, for tests), router/ and engine/ (each role's files, as given).
     keys: Path | None = None
 
-    def router_header(self, url: str, path: str, data: bytes) -> dict[str, str]:
-        """The router's signature on ``data`` POSTed to ``path`` of the engine at ``url`` (its id from /health):
-        a test plays the router's part on one leg."""
+    def router_header(self, url: str, path: str, data: bytes, signed: bool = False) -> dict[str, str]:
+        """The router's credential on ``data`` POSTed to ``path`` of the engine at ``url`` (its id and leg key
+        from /health): a test plays the router's part on one leg. A leg MAC, as the router sends, or with
+        ``signed`` an Ed25519 signature (what it sends an engine whose leg key it does not know)."""
         assert self.keys is not None
         with urllib.request.urlopen(url + "/health", timeout=10) as response:
-            engine_id = json.loads(response.read())["engine_id"]
+            health = json.loads(response.read())
         signer = RouterSigner(load_router_signing(self.keys / "all"))
-        return {ROUTER_AUTH_HEADER: signer.header("POST", path, data, engine_id)}
+        if signed:
+            return {ROUTER_AUTH_HEADER: signer.header("POST", path, data, health["engine_id"])}
+        return {ROUTER_AUTH_HEADER: signer.leg_header("POST", path, data, health["engine_id"], health["leg_key"])}
 
     def write_keys(self, bundle: dict[str, str]) -> None:
         """Replace the keys every process reads (each role's files in its folder), as a Secret's update does."""

@@ -94,16 +94,20 @@ def test_pd_params_from_anyone_but_the_router_are_refused(cluster):
     wait_for(lambda: metrics(prefill)["pdserve_kv_blocks_held_for_remote"] == 0, 10, "the pull did not free")
 
 
-def test_a_signed_leg_replayed_to_another_engine_is_refused(cluster):
+@pytest.mark.parametrize("signed", [False, True], ids=["leg-mac", "ed25519"])
+def test_a_signed_leg_replayed_to_another_engine_is_refused(cluster, signed):
     # Before (dbd1dc4): the router's signature named no engine, so a leg captured on its way to one prefill was
-    # taken by every other (it held KV for nobody, or worse).
+    # taken by every other (it held KV for nobody, or worse). Both forms the router sends: a leg MAC (an engine
+    # that gives a leg key) and an Ed25519 signature.
     first, second = cluster.prefills[0].url, cluster.prefills[1].url
-    body = prefill_leg_body(PROMPT + " replayed")
+    body = prefill_leg_body(f"{PROMPT} replayed {signed}")
     data = json.dumps(body).encode()
-    captured = cluster.router_header(first, "/v1/completions", data)
+    captured = cluster.router_header(first, "/v1/completions", data, signed=signed)
+    assert len(captured[ROUTER_AUTH_HEADER].split(" ")) == (4 if signed else 5)
     status, answer, headers = _post(second, "/v1/completions", body, headers=captured)
     assert status == 403 and answer["error"]["type"] == "router_auth_target", answer
-    assert headers.get("X-PDServe-Engine-Id") == _engine_id(second)  # so the router can sign afresh, once
+    assert headers.get("X-PDServe-Engine-Id") == _engine_id(second)  # so the router can make it afresh, once
+    assert headers.get("X-PDServe-Engine-Leg-Key") == _health(second)["leg_key"]
     assert metrics(second)["pdserve_kv_blocks_held_for_remote"] == 0
     status, leg, _ = _post(first, "/v1/completions", body, headers=captured)  # where it was meant for: taken
     assert status == 200 and leg["kv_transfer_params"], leg
@@ -200,9 +204,13 @@ def test_a_key_rollover_drops_no_request(cluster):
     assert status == 403 and "bad signature" in answer["error"]["message"], answer
 
 
-def _engine_id(url: str) -> str:
+def _health(url: str) -> dict:
     with urllib.request.urlopen(url + "/health", timeout=10) as response:
-        return json.loads(response.read())["engine_id"]
+        return json.loads(response.read())
+
+
+def _engine_id(url: str) -> str:
+    return _health(url)["engine_id"]
 
 
 def test_a_stranger_on_the_side_channel_gets_nothing_and_harms_nobody(cluster):

@@ -18,9 +18,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from multidict import CIMultiDict
 
+from pdserve.api.auth import ENGINE_ID_HEADER, ENGINE_LEG_KEY_HEADER, ROUTER_AUTH_HEADER, WRONG_TARGET, RouterVerifier
 from pdserve.api.continuation import CONTINUED_HEADER, TOKENS_HEADER, StreamTokens, tokens_comment
+from pdserve.api.keys import KeyRing
 from pdserve.api.kv_events import EngineLoad, EventSigner, KVEventBatch, TierEvents, encode_batch
 from pdserve.launcher import free_port
 from pdserve.router import RouterConfig, RunningRouter, start_router
@@ -136,10 +139,19 @@ class Stub:
     ``cached_tokens`` (reported in usage when set; streams add a usage event when asked). With ``events``, it
     publishes KV-event batches (``publish``) on the port its /health advertises."""
 
-    def __init__(self, role: str, events: bool = False, signer: EventSigner | None = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        events: bool = False,
+        signer: EventSigner | None = None,
+        router_public: KeyRing[Ed25519PublicKey] | None = None,
+    ) -> None:
         self.role = role
         self.events = events
         self.signer = signer  # signs the KV-event batches (events.key), as an engine with keys does
+        # With router.pub, legs and releases are checked as an engine checks them (pdserve/api/auth.py).
+        self.router_public = router_public
+        self.verifier = RouterVerifier(router_public, f"stub-{id(self):x}") if router_public is not None else None
         self.cached_tokens: int | None = None
         self.engine_id = f"stub-{id(self):x}"
         self.seq = 0
@@ -232,10 +244,30 @@ class Stub:
             frames = tuple(self.signer.frames(frames[0]))
         await self._publisher.send_multipart(list(frames))
 
+    def restart(self) -> None:
+        """A new run, as far as leg checks go: another engine id and leg key (a router that has not polled /health
+        since makes its next leg for the old one)."""
+        assert self.router_public is not None
+        self.engine_id = f"stub-{id(self):x}-{time.monotonic_ns()}"
+        self.verifier = RouterVerifier(self.router_public, self.engine_id)
+
+    def refused(self, request: web.Request, raw: bytes) -> web.Response | None:
+        """The 403 an engine with keys answers a leg the router did not make for it, or None."""
+        if self.verifier is None:
+            return None
+        problem = self.verifier.problem(request.headers.get(ROUTER_AUTH_HEADER), request.method, request.path, raw)
+        if problem is None:
+            return None
+        error = {"message": problem, "type": problem, "param": "kv_transfer_params", "code": 403}
+        headers = {ENGINE_ID_HEADER: self.engine_id, ENGINE_LEG_KEY_HEADER: self.verifier.leg_key}
+        return web.json_response({"error": error}, status=403, headers=headers if problem == WRONG_TARGET else None)
+
     async def health(self, request: web.Request) -> web.Response:
         if self.hung:
             await asyncio.sleep(60)
         health = {"status": "ok", "engine_id": self.engine_id, "kv_compat_hash": self.compat_hash}
+        if self.verifier is not None:
+            health["leg_key"] = self.verifier.leg_key
         if self.kv_events_port is not None:
             health["kv_events_port"] = self.kv_events_port
         return web.json_response(health)
@@ -246,11 +278,17 @@ class Stub:
         )
 
     async def release(self, request: web.Request) -> web.Response:
+        refused = self.refused(request, await request.read())
+        if refused is not None:
+            return refused
         body = await request.json()
         self.released.append(body["kv_transfer_params"]["remote_request_id"])
         return web.json_response({"released": body["kv_transfer_params"]["remote_request_id"]})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        refused = self.refused(request, await request.read())
+        if refused is not None:
+            return refused
         body = await request.json()
         self.seen.append(Seen(request.path, body, CIMultiDict(request.headers)))
         try:
@@ -327,8 +365,14 @@ class Cluster:
         self._stubs: list[Stub] = []
         self._routers: list[RunningRouter] = []
 
-    def stub(self, role: str, events: bool = False, signer: EventSigner | None = None) -> Stub:
-        stub = self.loop.run(Stub(role, events, signer).start())
+    def stub(
+        self,
+        role: str,
+        events: bool = False,
+        signer: EventSigner | None = None,
+        router_public: KeyRing[Ed25519PublicKey] | None = None,
+    ) -> Stub:
+        stub = self.loop.run(Stub(role, events, signer, router_public).start())
         self._stubs.append(stub)
         return stub
 
