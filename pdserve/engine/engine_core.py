@@ -33,7 +33,13 @@ from pdserve.engine.scheduler_config import SchedulerConfig
 from pdserve.engine.stats import SchedulerStats
 from pdserve.engine.structured_outputs import StructuredOutputManager
 from pdserve.kvtransfer.params import RemotePrefill
-from pdserve.worker.interface import ModelExecutor, PipelinedModelExecutor, SchedulerOutput, StepGrammar
+from pdserve.worker.interface import (
+    ModelExecutor,
+    ModelRunnerOutput,
+    PipelinedModelExecutor,
+    SchedulerOutput,
+    StepGrammar,
+)
 
 # A grammar that failed to compile is the caller's input problem: the request gets this status.
 GRAMMAR_FAILED_STATUS = 400
@@ -59,6 +65,7 @@ class EngineCore:
         self._bitmask_filler: ThreadPoolExecutor | None = None  # for a runner in this process
         self._bitmask_seconds: list[float] = []  # fill time of each constrained step, since the last stats
         self._in_flight: SchedulerOutput[Request] | None = None  # async: sent, output not taken yet
+        self._compute_threads: int | None = None  # the CPU runner's threads as of its last step (None: not said)
         # True when the last step computed nothing (it only waited on KV transfers): the process
         # loop then sleeps briefly instead of spinning.
         self.last_step_idle = False
@@ -130,7 +137,14 @@ class EngineCore:
                 self._bitmask_filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
             self._bitmask_filler.submit(self._fill_bitmask, grammar, scheduler_output)
             runner_output = self.model_executor.execute_model(scheduler_output)
-        return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
+        return outputs + self._apply(scheduler_output, runner_output)
+
+    def _apply(
+        self, scheduler_output: SchedulerOutput[Request], runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        if runner_output.compute_threads is not None:
+            self._compute_threads = runner_output.compute_threads
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _fill_bitmask(self, grammar: StepGrammar, scheduler_output: SchedulerOutput[Request]) -> None:
         assert self.structured_outputs is not None
@@ -150,7 +164,7 @@ class EngineCore:
         if in_flight is None:
             return []
         executor: PipelinedModelExecutor = self.model_executor  # type: ignore[assignment]
-        return self.scheduler.update_from_output(in_flight, executor.receive())
+        return self._apply(in_flight, executor.receive())
 
     def close(self) -> None:
         self.model_executor.close()
@@ -164,6 +178,7 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
+        stats.compute_threads = self._compute_threads
         manager = self.structured_outputs
         if manager is not None:
             stats.num_waiting_for_grammar = manager.num_waiting

@@ -29,3 +29,5 @@ class SchedulerStats:
     grammar_compile_failures: int = 0
     grammar_compile_seconds: list[float] = field(default_factory=list)
     grammar_bitmask_seconds: list[float] = field(default_factory=list)
+    # CPU engines: the compute threads the runner (rank 0) ran its last step with (its ThreadGovernor's count).
+    compute_threads: int | None = None

@@ -35,10 +35,19 @@ class _SchedulerCollector:
         self._cpu = cpu
 
     def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
         if self._cpu is not None:
             cpu = self._cpu
+            now = stats.compute_threads if stats is not None and stats.compute_threads is not None else cpu.threads
             yield GaugeMetricFamily(
-                "pdserve_cpu_compute_threads", "Compute threads of each rank (CPU engines)", value=cpu.threads
+                "pdserve_cpu_compute_threads",
+                "Compute threads of each rank now (CPU engines; fewer while other processes take the CPUs)",
+                value=now,
+            )
+            yield GaugeMetricFamily(
+                "pdserve_cpu_thread_budget",
+                "Compute threads of each rank from affinity, CPU quota or the settings (the most it runs)",
+                value=cpu.threads,
             )
             yield GaugeMetricFamily(
                 "pdserve_cpu_quota_cores", "CPUs of the cgroup's CPU quota (0: none)", value=cpu.cpu_quota
@@ -46,7 +55,6 @@ class _SchedulerCollector:
             yield GaugeMetricFamily(
                 "pdserve_memory_limit_bytes", "The cgroup's memory limit (0: none)", value=cpu.memory_limit
             )
-        stats = self._stats()
         if stats is None:
             return
         remote_kv = stats.remote_kv

@@ -171,6 +171,8 @@ class ModelRunnerOutput:
     # request id -> (first prompt position covered, entries): entry i is the logprob of prompt
     # token (position + i + 1) given the tokens before it.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+    # A CPU runner that follows contention: the compute threads it runs with now (None: fixed, or not a CPU).
+    compute_threads: int | None = None
 
 
 class ModelExecutor(Protocol):

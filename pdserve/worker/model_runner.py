@@ -115,8 +115,11 @@ class ModelRunner:
         if agent is not None and scheduler_output.kv_connector_metadata is not None:
             agent.submit(scheduler_output.kv_connector_metadata)
         requests = scheduler_output.requests
+        threads = self.threads.threads if self.threads is not None else None
         if not requests:
-            return ModelRunnerOutput([], kv_connector_output=agent.collect() if agent is not None else None)
+            return ModelRunnerOutput(
+                [], kv_connector_output=agent.collect() if agent is not None else None, compute_threads=threads
+            )
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -184,6 +187,7 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             kv_connector_output=agent.collect() if agent is not None else None,
+            compute_threads=threads,
         )
 
     def _state_slots(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> torch.Tensor:
