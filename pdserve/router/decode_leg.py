@@ -28,13 +28,13 @@ import msgspec
 from aiohttp import web
 
 from pdserve.api.continuation import CONTINUED_HEADER, TOKENS_HEADER
-from pdserve.api.protocol import KV_PARAMS_REJECTED_HEADER, SSE_DONE, ProtocolError
+from pdserve.api.protocol import KV_PARAMS_REJECTED_HEADER, SSE_DONE
 from pdserve.api.report import REPORT_HEADER, Report, from_header
 from pdserve.router.config import RouterConfig
 from pdserve.router.exchange import REQUEST_ID, Exchange
 from pdserve.router.leg_client import LegAnswer, LegConnectError, LegError
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pods import Pod, PodSet
+from pdserve.router.pods import Pod, PodSet, no_decode_pod
 from pdserve.router.policy import Choice, Chooser
 from pdserve.router.splice import StreamSplice
 from pdserve.router.upstream import Upstream, Usage, UsageAnswer
@@ -207,7 +207,7 @@ class DecodeLegs:
                 self.metrics.retries.inc()
         self.metrics.errors["no_decode"].inc()
         self._count_disagg(exchange, None)
-        raise ProtocolError("no decode pod is reachable", 503, error_type="service_unavailable")
+        raise no_decode_pod(self.config.health_interval)
 
     def _count_disagg(self, exchange: Exchange, rejected: str | None) -> None:
         """The path of a request sent with P/D params, now that decode said whether it used them."""

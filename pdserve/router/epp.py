@@ -43,7 +43,7 @@ from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, Proto
 from pdserve.api.tenancy import TENANT_HEADER
 from pdserve.router.admission import Ticket
 from pdserve.router.exchange import REQUEST_ID
-from pdserve.router.pods import Pod
+from pdserve.router.pods import Pod, no_decode_pod
 from pdserve.router.policy import Choice, uncached_tokens
 from pdserve.router.proxy import QUEUE_TIMEOUT_HEADER, SESSION_ID, needs_local_prefill, output_bound, queue_timeout
 from pdserve.router.server import Router
@@ -216,7 +216,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
             if ticket is not None:
                 router.admission.done(ticket)
             router.metrics.errors["no_decode"].inc()
-            return _refusal(ProtocolError("no decode pod is reachable", 503, error_type="service_unavailable"))
+            return _refusal(no_decode_pod(router.config.health_interval))
         pod = choice.pod
         pod.take()
         held.append((pod, ticket))

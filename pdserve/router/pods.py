@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
+
+from pdserve.api.protocol import ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -199,3 +202,14 @@ class HealthChecker:
             pod.peer_source = health.kv_peer_source
             if self.on_health is not None:
                 self.on_health(pod, health.kv_events_port)
+
+
+def no_decode_pod(health_interval: float) -> ProtocolError:
+    """The 503 for a request no decode pod can take now; ``Retry-After`` is one health probe away, when a pod that
+    left rotation (hung, restarting) may be back."""
+    return ProtocolError(
+        "no decode pod is reachable",
+        503,
+        error_type="service_unavailable",
+        retry_after=max(1, math.ceil(health_interval)),
+    )

@@ -40,7 +40,7 @@ from pdserve.router.decode_leg import DecodeLegs
 from pdserve.router.exchange import REQUEST_ID, REQUEST_ID_KEY, Exchange
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.peer_holds import PeerHolds
-from pdserve.router.pods import PodSet
+from pdserve.router.pods import PodSet, no_decode_pod
 from pdserve.router.policy import Chooser, uncached_tokens
 from pdserve.router.prefill_leg import PrefillLegs
 from pdserve.router.prompt import PromptReader
@@ -178,7 +178,7 @@ class Proxy:
         decode = exchange.decode
         if decode is None:  # no decode pod known at all (discovery found none)
             self.metrics.errors["no_decode"].inc()
-            raise ProtocolError("no decode pod is reachable", 503, error_type="service_unavailable")
+            raise no_decode_pod(self.config.health_interval)
         if decode.block_size:
             options = parsed.stream_options
             exchange.stream_usage = options is not None and bool(options.include_usage)

@@ -16,14 +16,13 @@ from aiohttp import web
 from pdserve.api.http import PROTECTED_PREFIXES, api_key_middleware, error_middleware, start_app
 from pdserve.api.keys import EVENTS_KEY, load_secret
 from pdserve.api.openapi import MAX_BODY_BYTES, ApiLimits, openapi_document, read_limits
-from pdserve.api.protocol import ProtocolError
 from pdserve.router.admission import Admission, FlowMetrics, FlowSettings, PodSignals, Saturation
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import KubernetesDiscovery
 from pdserve.router.exchange import REQUEST_ID, REQUEST_ID_KEY
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pods import HealthChecker, Pod, PodSet
+from pdserve.router.pods import HealthChecker, Pod, PodSet, no_decode_pod
 from pdserve.router.policies import ROUTING_POLICIES
 from pdserve.router.policy import Chooser
 from pdserve.router.prompt import PromptReader
@@ -188,7 +187,7 @@ class Router:
                     )
             except aiohttp.ClientError:
                 continue
-        raise ProtocolError("no decode pod is reachable", 503, error_type="service_unavailable")
+        raise no_decode_pod(self.config.health_interval)
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.decode.any_healthy():

@@ -337,10 +337,11 @@ def test_models_health_openapi_metrics(loop, cluster):
         assert f'pdserve_router_requests_total{{path="{path}"}} 0.0' in text
     assert "pdserve_router_pod_ejections_total 0.0" in text
 
-    dead = cluster.router([], [free_port_url()], connect_timeout=2)
+    dead = cluster.router([], [free_port_url()], connect_timeout=2, health_interval=2.5)
     assert loop.run(get(dead.url + "/health"))[0] == 503
-    status, _, payload = loop.run(post(dead.url + "/v1/completions", {"prompt": "hi"}))
+    status, headers, payload = loop.run(post(dead.url + "/v1/completions", {"prompt": "hi"}))
     assert status == 503 and assert_openai_error(payload, 503)["type"] == "service_unavailable"
+    assert headers["Retry-After"] == "3"  # one health probe away: a pod that left rotation may be back by then
     assert loop.run(get(dead.url + "/v1/models"))[0] == 503
 
 
