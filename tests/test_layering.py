@@ -112,6 +112,7 @@ CORE_MAY_IMPORT = {
     "pdserve.kvtransfer.tiers.config",  # the KV tiers' settings
     "pdserve.kvtransfer.connectors",  # the connectors' table
     "pdserve.kvtransfer.params",  # the P/D params' wire format (RemotePrefill), plain data
+    "pdserve.models.config",  # torch-free: the KV cache dtypes' names (--kv-cache-dtype)
 }
 
 

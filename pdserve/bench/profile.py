@@ -139,7 +139,7 @@ def profile_engine(
 def _kv_dtype(args: EngineArgs) -> Any:
     import torch
 
-    from pdserve.models.dtype import resolve_dtype
+    from pdserve.models.dtype import resolve_dtype, resolve_kv_cache_dtype
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return resolve_dtype(args.dtype, device)
+    return resolve_kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, device), device)

@@ -12,6 +12,7 @@ together one way wherever it runs.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -29,7 +30,7 @@ from pdserve.kvtransfer.layout import head_ranges
 from pdserve.kvtransfer.params import model_compat_hash
 from pdserve.models.config import ModelConfig
 from pdserve.models.demo import ensure_demo_model
-from pdserve.models.dtype import resolve_dtype
+from pdserve.models.dtype import dtype_name, resolve_dtype, resolve_kv_cache_dtype
 from pdserve.models.fingerprint import weights_fingerprint
 from pdserve.models.parallel import split_problem
 from pdserve.worker.cpu_budget import CpuBudget, choose_threads
@@ -50,6 +51,7 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
     """Load the model onto its device (in this process, or in worker processes: the executor's row), then
     build the scheduler around the KV cache it sized; with P/D on, the connector over the transfer agents
     the executor started next to the cache. The CPU budget its compute threads came from (None on a GPU)."""
+    started = time.perf_counter()
     folder = model_folder(args)
     model_config = ModelConfig.from_folder(folder)
     problem = split_problem(model_config, args.tensor_parallel_size)
@@ -57,6 +59,7 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: {problem}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(args.dtype, device)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
     budget = None
     if device.type == "cpu":
         budget = choose_threads(args.cpu_threads, args.tensor_parallel_size)
@@ -68,6 +71,7 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
         model=folder,
         dtype=dtype,
         device=device,
+        kv_cache_dtype=kv_dtype,
         block_size=args.block_size,
         max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -92,6 +96,7 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
             args.tensor_parallel_size,
             KV_CACHE_LAYOUT,
             STATE_SLOT_LAYOUT,
+            str(kv_dtype),
         )
     heads = head_ranges(model_config.num_kv_heads, args.tensor_parallel_size)  # per rank
     spec = WorkerSpec(model_config, runner_config, args.kv_transfer, args.kv_tiers, compat_hash, heads)
@@ -102,7 +107,7 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
         args.role,
         folder,
         model_config.architecture,
-        dtype,
+        dtype_name(dtype),
         device,
         loaded.description,
     )
@@ -117,7 +122,7 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
         context = ConnectorContext(
             compat_hash,
             args.block_size,
-            args.block_size * model_config.kv_bytes_per_token(dtype),
+            args.block_size * model_config.kv_bytes_per_token(kv_dtype),
             args.tensor_parallel_size,
             args.kv_transfer,
             args.kv_tiers,
@@ -155,7 +160,16 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
         args.structured_outputs_any_whitespace,
         reasoning,
     )
-    return EngineCore(scheduler, loaded.executor, args.async_scheduling, structured_outputs), model_config, budget
+    core = EngineCore(
+        scheduler,
+        loaded.executor,
+        args.async_scheduling,
+        structured_outputs,
+        dtype_name(kv_dtype),
+        loaded.startup_phases,
+    )
+    core.startup_seconds = time.perf_counter() - started
+    return core, model_config, budget
 
 
 def _check_tiers(args: EngineArgs, model_config: ModelConfig, device: torch.device) -> None:

@@ -105,6 +105,12 @@ class CoreReady(msgspec.Struct, tag="ready"):
     kv_peer_source: tuple[str, list[int], float] | None = None
     scheduling_policy: str = "fcfs"  # the API process refuses priorities the policy would ignore
     cpu: CpuShare | None = None  # None: the model runs on a GPU
+    # What the KV cache stores ("bfloat16"): engines of different KV dtypes never pair (their hashes differ);
+    # routers name it when they refuse such a pair.
+    kv_cache_dtype: str = ""
+    # How the start went: the worker's phases (``worker.startup``), and the whole build of the engine.
+    startup_phases: list[tuple[str, float]] = []
+    startup_seconds: float = 0.0
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):
@@ -186,6 +192,9 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                 )
                 if cpu_budget is not None
                 else None,
+                core.kv_cache_dtype,
+                core.startup_phases,
+                core.startup_seconds,
             )
         )
     )

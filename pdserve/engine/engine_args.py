@@ -21,6 +21,7 @@ from pdserve.engine.structured_outputs import DEFAULT_COMPILE_TIMEOUT_S
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connectors import KV_CONNECTORS
 from pdserve.kvtransfer.tiers.config import KVTierConfig
+from pdserve.models.config import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES
 from pdserve.worker.executors import EXECUTORS
 
 # llguidance would be the second; it has not earned its place (xgrammar covers every kind asked for).
@@ -34,6 +35,14 @@ class EngineArgs:
     )
     tokenizer: str | None = field(default=None, metadata=flag("tokenizer folder (default: the model's)"))
     dtype: str = field(default="auto", metadata=flag("auto (float32 on CPU, bfloat16 on GPU), float32, ..."))
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=flag(
+            "what the KV cache stores: auto (the model's dtype), bfloat16 or float16 (half an fp32 cache; read back "
+            "into float32), float32; fp8_e4m3 is refused (not built yet)",
+            choices=(*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES),
+        ),
+    )
     device: str | None = field(default=None, metadata=flag("cpu or cuda (default: cuda when available)"))
     block_size: int = field(default=16, metadata=flag("tokens per KV-cache block"))
     max_model_len: int | None = field(default=None, metadata=flag("longest prompt + output (default: the model's)"))

@@ -54,13 +54,20 @@ class EngineCore:
         model_executor: ModelExecutor | PipelinedModelExecutor,
         async_scheduling: bool = False,
         structured_outputs: StructuredOutputManager | None = None,
+        kv_cache_dtype: str = "",
+        startup_phases: list[tuple[str, float]] | None = None,
     ) -> None:
         """``async_scheduling`` needs a ``PipelinedModelExecutor`` (workers in processes of their own);
-        ``structured_outputs``: None refuses requests that ask for structured output."""
+        ``structured_outputs``: None refuses requests that ask for structured output; ``kv_cache_dtype``:
+        what the KV cache stores ("bfloat16"), for what the engine tells routers; ``startup_phases``: how
+        its start went, (name, seconds) in order, for ``/metrics``."""
         self.scheduler = scheduler
         self.model_executor = model_executor
         self.async_scheduling = async_scheduling
         self.structured_outputs = structured_outputs
+        self.kv_cache_dtype = kv_cache_dtype
+        self.startup_phases = startup_phases or []
+        self.startup_seconds = 0.0  # the whole build, phases and all (set by the builder)
         self._pipelined = hasattr(model_executor, "submit")
         self._bitmask_filler: ThreadPoolExecutor | None = None  # for a runner in this process
         self._bitmask_seconds: list[float] = []  # fill time of each constrained step, since the last stats

@@ -1,5 +1,6 @@
-"""Fused C++ ops for the CPU path (fp32): decode paged attention, rotary + KV write, residual-add +
-RMSNorm, SiLU * up, linear layers over packed weights and the Gated DeltaNet layer. The C++ is in
+"""Fused C++ ops for the CPU path (fp32; the KV cache in fp32, bf16 or fp16): decode paged attention,
+rotary + KV write, residual-add + RMSNorm, SiLU * up, linear layers over packed weights and the Gated
+DeltaNet layer. The C++ is in
 ``csrc/`` (one file per op family; each says what its ops save over torch's); this module loads it
 and wraps its ops for the models.
 
@@ -38,6 +39,8 @@ from pdserve.kernels.reference import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 VARIANT_ENV = "PDSERVE_CPU_KERNELS"
+# What the attention kernels read and write a KV cache in (they compute in float32 either way).
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def choose_variant(host_flags: frozenset[str], pinned: str | None = None) -> build.Variant:
@@ -157,7 +160,8 @@ def rope_write_kv(
     """Rotate ``qk`` [tokens, q_heads + kv_heads, head_dim] in place and store its k heads and
     ``value`` in the cache; False (nothing done) when the kernel does not apply (then the caller
     uses torch ops)."""
-    ops = cpu_ops() if qk.dtype == torch.float32 and qk.device.type == "cpu" else None
+    applies = qk.dtype == torch.float32 and qk.device.type == "cpu" and k_cache.dtype in KV_DTYPES
+    ops = cpu_ops() if applies else None
     if ops is None:
         return False
     ops.rope_write_kv(
@@ -176,9 +180,10 @@ def rope_write_kv(
 def paged_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """``reference.paged_attention`` with the decodes computed by the fused kernel (fp32, when it
-    could be built); prefill chunks, other dtypes and kernel-less hosts use the reference."""
-    ops = cpu_ops() if query.dtype == torch.float32 else None
+    """``reference.paged_attention`` with the decodes computed by the fused kernel (fp32 queries over a
+    ``KV_DTYPES`` cache, when it could be built); prefill chunks, other dtypes and kernel-less hosts use
+    the reference."""
+    ops = cpu_ops() if query.dtype == torch.float32 and k_cache.dtype in KV_DTYPES else None
     if ops is None:
         return reference.paged_attention(query, k_cache, v_cache, metadata, scale)
     output = torch.empty_like(query)

@@ -104,17 +104,20 @@ def write_kv(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
 ) -> None:
-    """Store the new tokens' K and V ``[num_tokens, num_kv_heads, head_dim]`` in their slots."""
-    k_cache[metadata.slot_block_ids, metadata.slot_offsets] = key
-    v_cache[metadata.slot_block_ids, metadata.slot_offsets] = value
+    """Store the new tokens' K and V ``[num_tokens, num_kv_heads, head_dim]`` in their slots (rounded to
+    the cache's dtype where it stores another)."""
+    k_cache[metadata.slot_block_ids, metadata.slot_offsets] = key.to(k_cache.dtype)
+    v_cache[metadata.slot_block_ids, metadata.slot_offsets] = value.to(v_cache.dtype)
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[num_tokens, num_kv_heads, head_dim] of one sequence, in position order."""
+def _gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[num_tokens, num_kv_heads, head_dim] of one sequence, in position order, in ``dtype``."""
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
     blocks = cache[block_table[:num_blocks]]
-    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:num_tokens]
+    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:num_tokens].to(dtype)
 
 
 def paged_attention(
@@ -147,8 +150,8 @@ def prefill_attention(
         start, end = metadata.query_start_loc[seq], metadata.query_start_loc[seq + 1]
         query_len = end - start
         context_len = metadata.context_lens[seq]
-        keys = _gather_context(k_cache, metadata.block_tables[seq], context_len)
-        values = _gather_context(v_cache, metadata.block_tables[seq], context_len)
+        keys = _gather_context(k_cache, metadata.block_tables[seq], context_len, query.dtype)
+        values = _gather_context(v_cache, metadata.block_tables[seq], context_len, query.dtype)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, head_dim]
         k = keys.transpose(0, 1).unsqueeze(0)
         v = values.transpose(0, 1).unsqueeze(0)
@@ -184,16 +187,18 @@ def decode_attention(
     padding = metadata.decode_padding[:, None, :]
     queries = query[rows]  # [D, heads, head_dim]
     out = torch.empty_like(queries)
-    keys = torch.empty((len(block_ids), k_cache.shape[1], head_dim), dtype=query.dtype, device=query.device)
+    # Gathered in the cache's dtype; a cache that stores another dtype than the query's is widened after.
+    keys = torch.empty((len(block_ids), k_cache.shape[1], head_dim), dtype=k_cache.dtype, device=query.device)
     values = torch.empty_like(keys)
     for head in range(num_kv_heads):
         torch.index_select(k_cache[:, :, head], 0, block_ids, out=keys)
         torch.index_select(v_cache[:, :, head], 0, block_ids, out=values)
+        head_keys, head_values = keys.to(query.dtype), values.to(query.dtype)
         heads = slice(head * group, (head + 1) * group)  # the query heads sharing this KV head
-        scores = torch.bmm(queries[:, heads], keys.view(num_decodes, span, head_dim).transpose(1, 2))
+        scores = torch.bmm(queries[:, heads], head_keys.view(num_decodes, span, head_dim).transpose(1, 2))
         scores.mul_(scale).masked_fill_(padding, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[:, heads] = torch.bmm(probs, values.view(num_decodes, span, head_dim))
+        out[:, heads] = torch.bmm(probs, head_values.view(num_decodes, span, head_dim))
     output[rows] = out
 
 

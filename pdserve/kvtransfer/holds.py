@@ -42,6 +42,7 @@ from pdserve.kvtransfer import messages
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.served import ServedPrefixes
 from pdserve.kvtransfer.transport.base import Transport
+from pdserve.models.dtype import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +257,7 @@ class HeldBlocks:
             self.kv_head_ranges,
             self.rank,
             challenge,
+            dtype_name(self.transport.kv_cache.dtype),
         )
 
     def _reply(self, identity: bytes, receiver: str, message: messages.SideChannelMessage, *data: memoryview) -> None:

@@ -71,6 +71,7 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply"):
     kv_head_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
     rank: int = 0
     answer: bytes = b""  # the handshake's challenge
+    kv_dtype: str = ""  # what its KV cache stores ("bfloat16"): named when the compatibility hashes differ by it
 
 
 class RenewLeases(msgspec.Struct, tag="renew"):

@@ -53,13 +53,18 @@ def model_compat_hash(
     tp_size: int,
     cache_layout: str,
     state_layout: str,
+    kv_dtype: str | None = None,
 ) -> str:
     """The compatibility hash of an engine's KV blocks: exactly what determines a token's KV. The weights
-    (``weights``: their fingerprint), rope and window, the cache's dtype, block size, shape and layout
+    (``weights``: their fingerprint), rope and window, the model's dtype (``dtype``: it computes the KV) and
+    the cache's (``kv_dtype``, when it stores another: the hash of a cache in the model's dtype is what it
+    was before the cache could differ), block size, shape and layout
     (``cache_layout``: the worker's name for it). Not the tensor-parallel size: engines of one model at
     different TP sizes may pair (each rank's head ranges are a handshake matter), except hybrid models, whose
     state slots (laid out as ``state_layout`` says) are split by rank."""
+    stored = {"kv_dtype": kv_dtype} if kv_dtype is not None and kv_dtype != dtype else {}
     return kv_compat_hash(
+        **stored,
         weights=weights,
         architecture=model.architecture,
         routing=model.routing,

@@ -33,6 +33,7 @@ from pdserve.kvtransfer.params import RemotePrefill
 from pdserve.kvtransfer.peers import MAX_PEER_SOCKETS, Address, Peer, Peers
 from pdserve.kvtransfer.transport.base import Transport
 from pdserve.kvtransfer.work import LoadSpec, TransferWork
+from pdserve.models.dtype import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +243,9 @@ class Pulls:
         error = reply.error
         if error is None and reply.compat_hash != self.compat_hash:
             error = "incompatible KV cache (model, dtype, block size or layout differ)"
+            ours = dtype_name(self.transport.kv_cache.dtype)
+            if reply.kv_dtype and reply.kv_dtype != ours:  # refused, not converted: set one --kv-cache-dtype
+                error = f"incompatible KV cache: the remote engine stores {reply.kv_dtype}, this one {ours}"
         if error is None:
             error = head_mapping_problem(self.kv_head_ranges, reply.kv_head_ranges)
         if error is None and self.kv_head_ranges and reply.kv_head_ranges:

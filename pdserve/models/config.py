@@ -28,6 +28,16 @@ if TYPE_CHECKING:
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # The activation of the MLPs (SwiGLU) and of the linear attention's gate.
 SUPPORTED_ACTIVATIONS = ("silu",)
+# What ``--kv-cache-dtype`` may name (models/dtype.py resolves them): the model's dtype, 32 or 16 bits,
+# or (on a GPU) 8-bit floats with a scale per layer.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
+KV_CACHE_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "fp8": "fp8_e4m3",
+}
 # A vision-language config.json's own fields that hold for its text model too.
 _OUTER_FIELDS = ("tie_word_embeddings", "eos_token_id", "torch_dtype")
 

@@ -1,9 +1,12 @@
-"""The dtype a model runs in, from ``--dtype``. Apart from ``models/config.py``, which must not
-import torch (the API process reads configs)."""
+"""The dtype a model runs in, from ``--dtype``, and the dtype its KV cache holds, from
+``--kv-cache-dtype``. Apart from ``models/config.py``, which must not import torch (the API process
+reads configs)."""
 
 from __future__ import annotations
 
 import torch
+
+from pdserve.models.config import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -16,3 +19,23 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
     return dtype
+
+
+def resolve_kv_cache_dtype(name: str | None, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``--kv-cache-dtype``: "auto" (or None) stores KV in the model's dtype; bfloat16 and float16 halve
+    an fp32 cache (the kernels read them back into float32). fp8_e4m3 (float8 with a scale per layer, on a
+    GPU) is named but refused: the kernels' scaled write and read are not built yet."""
+    key = KV_CACHE_DTYPE_ALIASES.get(name or "auto", name or "auto")
+    if key == "auto":
+        return model_dtype
+    if key not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r}; use {', '.join(KV_CACHE_DTYPES)}")
+    if key == "fp8_e4m3":
+        where = "on GPU, not built yet" if device.type == "cuda" else "needs a GPU: the CPU kernels read 32 and 16 bits"
+        raise ValueError(f"--kv-cache-dtype fp8_e4m3 ({where}): use bfloat16 or float16 to halve a 32-bit cache")
+    return getattr(torch, key)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")

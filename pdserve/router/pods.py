@@ -40,6 +40,7 @@ class Pod:
     # The engine's KV compatibility hash (from /health): a prefill and a decode pair only when
     # theirs are equal, so during a rollout old pairs with old and new with new.
     compat_hash: str | None = None
+    kv_cache_dtype: str | None = None  # what its KV cache stores (from /health), to name a refused pairing
     # The engine's id for its current run (from /health, or from an engine that refused a leg signed for
     # another): what the router signs P/D legs for, and the engine its KV events must name.
     engine_id: str | None = None
@@ -139,6 +140,7 @@ class PodSet:
 class _Health(msgspec.Struct):
     kv_events_port: int | None = None  # where the engine publishes KV-cache events (None: it does not)
     kv_compat_hash: str | None = None
+    kv_cache_dtype: str | None = None
     engine_id: str | None = None
     leg_key: str | None = None
     kv_peer_source: PeerSource | None = None
@@ -197,6 +199,7 @@ class HealthChecker:
             except msgspec.MsgspecError:
                 health = _Health()  # not an engine's JSON (an older engine, a proxy): no events, no hash
             pod.compat_hash = health.kv_compat_hash
+            pod.kv_cache_dtype = health.kv_cache_dtype
             pod.engine_id = health.engine_id
             pod.leg_key = health.leg_key
             pod.peer_source = health.kv_peer_source

@@ -77,6 +77,24 @@ class PrefillLegs:
         self.chooser = chooser
         self.metrics = metrics
         self._background: set[asyncio.Task[None]] = set()  # releases sent after their request ended
+        self._warned_dtypes: set[tuple[str, str]] = set()  # (decode url, prefill KV dtypes) said once in the log
+
+    def _warn_kv_dtypes(self, decode: Pod) -> None:
+        """Say once per decode pod when the prefill pool stores KV in another dtype: a configuration mistake
+        (P/D between KV cache dtypes is refused, not converted) that otherwise shows only as every prompt
+        prefilled on the decode pool."""
+        others = sorted({pod.kv_cache_dtype for pod in self.pods.pods if pod.kv_cache_dtype} - {decode.kv_cache_dtype})
+        key = (decode.url, ",".join(others))
+        if not others or decode.kv_cache_dtype is None or key in self._warned_dtypes:
+            return
+        self._warned_dtypes.add(key)
+        logger.warning(
+            "decode pod %s stores KV as %s but the prefill pods as %s: engines of different --kv-cache-dtype do "
+            "not pair, so its prompts are prefilled on the decode pod; give both pools the same --kv-cache-dtype",
+            decode.url,
+            decode.kv_cache_dtype,
+            " or ".join(others),
+        )
 
     async def run(self, exchange: Exchange, body: dict[str, Any], chat: bool) -> PrefillResult:
         """Send ``body``'s prefill leg and read its answer."""
@@ -90,6 +108,8 @@ class PrefillLegs:
         if choice is None and len(incompatible) == len(self.pods.pods):
             # Nothing failed: no prefill engine runs this decode engine's model (mid-rollout, say).
             self.metrics.errors["no_compatible_prefill"].inc()
+            if exchange.decode is not None:
+                self._warn_kv_dtypes(exchange.decode.pod)
             return PrefillResult()
         if choice is None:
             self.metrics.errors["no_prefill"].inc()

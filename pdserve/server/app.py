@@ -77,8 +77,10 @@ class EngineServer:
                 "block_size": str(client.ready.block_size),
                 "num_gpu_blocks": str(client.ready.num_kv_blocks),
                 "enable_prefix_caching": str(client.ready.enable_prefix_caching),
+                "cache_dtype": client.ready.kv_cache_dtype,
             },
             client.ready.cpu,
+            (client.ready.startup_phases, client.ready.startup_seconds),
         )
         client.on_stats = self.metrics.observe_stats
         self.processor = InputProcessor(tokenizer, len(tokenizer), self.max_model_len, eos_token_ids)
@@ -138,9 +140,9 @@ class EngineServer:
         if self.draining:
             return web.json_response({"status": "shutting down"}, status=503)
         # Routers learn here where this engine publishes its KV-cache events (pdserve/api/kv_events.py),
-        # which engines it may pair with (the same KV compatibility hash) and its id for this run (what the
-        # router signs P/D legs for, and the engine its KV events must name), the leg key of this run (the
-        # router's legs carry a MAC from it: pdserve/api/auth.py), and where it serves peer reads.
+        # which engines it may pair with (the same KV compatibility hash; the KV dtype, to say why not) and its id
+        # for this run (what the router signs P/D legs for, and the engine its KV events must name), the leg key of
+        # this run (the router's legs carry a MAC from it: pdserve/api/auth.py), and where it serves peer reads.
         ready = self.client.ready
         peer_source = ready.kv_peer_source
         verifier = self.serving.gate.router_verifier
@@ -149,6 +151,7 @@ class EngineServer:
                 "status": "ok",
                 "kv_events_port": ready.kv_events_port,
                 "kv_compat_hash": ready.kv_compat_hash,
+                "kv_cache_dtype": ready.kv_cache_dtype,
                 "engine_id": ready.engine_id,
                 "leg_key": None if verifier is None else verifier.leg_key,
                 "kv_peer_source": None

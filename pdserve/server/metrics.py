@@ -28,14 +28,34 @@ _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 
 class _SchedulerCollector:
     def __init__(
-        self, stats: Callable[[], SchedulerStats | None], cache_config: dict[str, str], cpu: CpuShare | None
+        self,
+        stats: Callable[[], SchedulerStats | None],
+        cache_config: dict[str, str],
+        cpu: CpuShare | None,
+        startup: tuple[list[tuple[str, float]], float],
     ) -> None:
         self._stats = stats
         self._cache_config = cache_config
         self._cpu = cpu
+        self._startup_phases, self._startup_seconds = startup
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
+        if self._startup_seconds:
+            phases = GaugeMetricFamily(
+                "pdserve_startup_phase_seconds",
+                "Seconds each phase of the engine's start took (load_weights, profile_memory, allocate_kv_cache, "
+                "warm_up)",
+                labels=["phase"],
+            )
+            for name, seconds in self._startup_phases:
+                phases.add_metric([name], seconds)
+            yield phases
+            yield GaugeMetricFamily(
+                "pdserve_startup_seconds",
+                "Seconds the engine took to start, phases and all",
+                value=self._startup_seconds,
+            )
         if self._cpu is not None:
             cpu = self._cpu
             now = stats.compute_threads if stats is not None and stats.compute_threads is not None else cpu.threads
@@ -218,7 +238,9 @@ class EngineMetrics:
         stats: Callable[[], SchedulerStats | None],
         cache_config: dict[str, str],
         cpu: CpuShare | None = None,
+        startup: tuple[list[tuple[str, float]], float] = ([], 0.0),
     ) -> None:
+        """``startup``: the engine's start-up phases, (name, seconds) in order, and its whole start's seconds."""
         self.registry = CollectorRegistry()
         self.requests = Counter("pdserve_requests", "Finished requests", ["finish_reason"], registry=self.registry)
         self.kv_params_rejected = Counter(
@@ -310,7 +332,7 @@ class EngineMetrics:
                 ("vllm:request_generation_tokens", _VLLM_TOKEN_BUCKETS),
             )
         ]
-        self.registry.register(_SchedulerCollector(stats, cache_config, cpu))
+        self.registry.register(_SchedulerCollector(stats, cache_config, cpu, startup))
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         """Called with every stats snapshot from the core: records what happened since the last one."""

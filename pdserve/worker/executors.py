@@ -35,3 +35,5 @@ class LoadedExecutor:
     # channel port (rank order). None / [0] without a transfer agent.
     generations: np.ndarray | None = None
     agent_ports: list[int] = field(default_factory=lambda: [0])
+    # Rank 0's start-up phases, (name, seconds) in order (``worker.startup``).
+    startup_phases: list[tuple[str, float]] = field(default_factory=list)

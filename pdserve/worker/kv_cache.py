@@ -55,6 +55,7 @@ class RunnerConfig:
     model: str
     dtype: torch.dtype
     device: torch.device
+    kv_cache_dtype: torch.dtype | None = None  # what the KV cache stores (None: the model's dtype)
     block_size: int = 16
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048
@@ -68,6 +69,10 @@ class RunnerConfig:
     cpu_threads: int | None = None  # compute threads of this rank on CPU (None: torch's default)
     # CPU, one rank, threads detected rather than given: fewer of them while other processes take the CPUs.
     follow_contention: bool = False
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
 
 @dataclass(frozen=True)
@@ -85,9 +90,9 @@ class CacheSize:
 
 
 def _state_offsets(config: ModelConfig, dtype: torch.dtype) -> tuple[list[tuple[int, int]], int]:
-    """Each linear layer's (conv offset, recurrent offset) in a slot's bytes, and the slot's bytes."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    conv_bytes = config.linear_conv_dim * (config.linear_conv_kernel_dim - 1) * element_size
+    """Each linear layer's (conv offset, recurrent offset) in a slot's bytes, and the slot's bytes
+    (``dtype``: the model's, which the convolution window is kept in)."""
+    conv_bytes = config.linear_conv_dim * (config.linear_conv_kernel_dim - 1) * dtype.itemsize
     recurrent_bytes = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
     offsets, end = [], 0
     for _ in config.linear_layers:
@@ -98,21 +103,24 @@ def _state_offsets(config: ModelConfig, dtype: torch.dtype) -> tuple[list[tuple[
     return offsets, end
 
 
-def rows_per_state_slot(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
-    """Block-sized rows one request's linear-attention state takes (0 for a model without such layers)."""
+def rows_per_state_slot(
+    config: ModelConfig, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None = None
+) -> int:
+    """Block-sized rows (of a ``kv_dtype`` cache, by default ``dtype``'s) one request's linear-attention
+    state takes, for a model running in ``dtype`` (0 for a model without such layers)."""
     if not config.is_hybrid:
         return 0
-    block_bytes = block_size * config.kv_bytes_per_token(dtype)
+    block_bytes = block_size * config.kv_bytes_per_token(kv_dtype or dtype)
     return -(-_state_offsets(config, dtype)[1] // block_bytes)
 
 
 def cache_size_for(model: CausalLM, model_config: ModelConfig, config: RunnerConfig) -> CacheSize:
     """The KV blocks (and state slots) this device holds: fixed by the config, or what the memory
     budget allows."""
-    rows_per_slot = rows_per_state_slot(model_config, config.dtype, config.block_size)
+    rows_per_slot = rows_per_state_slot(model_config, config.dtype, config.block_size, config.kv_dtype)
     if config.num_blocks:
         return CacheSize(config.num_blocks, config.max_num_seqs if rows_per_slot else 0, rows_per_slot)
-    bytes_per_block = config.block_size * model_config.kv_bytes_per_token(config.dtype)
+    bytes_per_block = config.block_size * model_config.kv_bytes_per_token(config.kv_dtype)
     if config.device.type == "cuda":
         budget = gpu_kv_budget(model, model_config, config)
     else:
@@ -169,10 +177,11 @@ def gpu_kv_budget(model: CausalLM, model_config: ModelConfig, config: RunnerConf
     # Profile the largest step the scheduler can issue, with a throwaway cache just big enough.
     tokens = config.max_num_batched_tokens
     num_blocks = -(-tokens // config.block_size)
-    rows_per_slot = rows_per_state_slot(model_config, config.dtype, config.block_size)
+    rows_per_slot = rows_per_state_slot(model_config, config.dtype, config.block_size, config.kv_dtype)
     scratch_size = CacheSize(num_blocks, 1 if rows_per_slot else 0, rows_per_slot)
-    scratch = allocate_kv_cache(model_config, scratch_size.num_rows, config.block_size, config.dtype, config.device)
-    caches = layer_caches(model_config, scratch, state_views(model_config, scratch, scratch_size))
+    scratch = allocate_kv_cache(model_config, scratch_size.num_rows, config.block_size, config.kv_dtype, config.device)
+    states = state_views(model_config, scratch, scratch_size, config.dtype)
+    caches = layer_caches(model_config, scratch, states)
     positions = torch.arange(tokens, device=config.device) % config.max_model_len
     metadata = build_attention_metadata([tokens], [tokens], [list(range(num_blocks))], config.block_size, config.device)
     metadata.state_slots = torch.zeros(1, dtype=torch.int64, device=config.device)
@@ -231,14 +240,15 @@ def layer_views(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def state_views(
-    config: ModelConfig, kv_cache: torch.Tensor, size: CacheSize
+    config: ModelConfig, kv_cache: torch.Tensor, size: CacheSize, dtype: torch.dtype
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each linear layer's state over the slots' rows of ``kv_cache``: the convolution's last inputs
-    ``[slots, channels, width - 1]`` in the cache's dtype, and the recurrent state ``[slots,
-    value_heads, key_dim, value_dim]`` in float32 (the gated delta rule accumulates in it)."""
+    ``[slots, channels, width - 1]`` in the model's ``dtype`` (whatever the KV cache stores: the state is
+    not KV, and its kernel reads the model's dtype), and the recurrent state ``[slots, value_heads,
+    key_dim, value_dim]`` in float32 (the gated delta rule accumulates in it)."""
     if not size.num_state_slots:
         return []
-    offsets, slot_bytes = _state_offsets(config, kv_cache.dtype)
+    offsets, slot_bytes = _state_offsets(config, dtype)
     rows = kv_cache[size.num_blocks : size.num_rows].view(torch.uint8)
     slots = rows.reshape(size.num_state_slots, -1)[:, :slot_bytes]
     conv_shape = (size.num_state_slots, config.linear_conv_dim, config.linear_conv_kernel_dim - 1)
@@ -248,12 +258,11 @@ def state_views(
         config.linear_key_head_dim,
         config.linear_value_head_dim,
     )
-    element_size = kv_cache.element_size()
-    conv_bytes = conv_shape[1] * conv_shape[2] * element_size
+    conv_bytes = conv_shape[1] * conv_shape[2] * dtype.itemsize
     recurrent_bytes = recurrent_shape[1] * recurrent_shape[2] * recurrent_shape[3] * 4
     return [
         (
-            slots[:, conv : conv + conv_bytes].view(kv_cache.dtype).view(conv_shape),
+            slots[:, conv : conv + conv_bytes].view(dtype).view(conv_shape),
             slots[:, recurrent : recurrent + recurrent_bytes].view(torch.float32).view(recurrent_shape),
         )
         for conv, recurrent in offsets

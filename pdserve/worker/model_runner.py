@@ -19,6 +19,7 @@ from pdserve.kernels.cpu_kernels import cpu_ops
 from pdserve.kernels.reference import build_attention_metadata
 from pdserve.kvtransfer.base import KVConnectorWorker
 from pdserve.models.config import ModelConfig
+from pdserve.models.dtype import dtype_name
 from pdserve.models.loader import load_model
 from pdserve.models.parallel import TensorParallel, rank_config
 from pdserve.worker.cpu_budget import ThreadGovernor
@@ -32,6 +33,7 @@ from pdserve.worker.kv_cache import (
     state_views,
 )
 from pdserve.worker.sampler import Sampler, logprob_entries
+from pdserve.worker.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
 
@@ -68,44 +70,77 @@ class ModelRunner:
         self.device = config.device
         self.block_size = config.block_size
         self.tp = TensorParallel(config.tp_rank, config.tp_size)
-        self.model = load_model(
-            Path(config.model), model_config, config.dtype, config.device, config.max_model_len, self.tp
-        )
+        self.startup = StartupPhases()
+        on_cpu = self.device.type == "cpu"
+        if on_cpu and config.cpu_threads is not None:  # set here: a worker process has its own OpenMP pool
+            torch.set_num_threads(config.cpu_threads)
+        with self.startup.phase("load_weights"):
+            self.model = load_model(
+                Path(config.model), model_config, config.dtype, config.device, config.max_model_len, self.tp
+            )
+            if on_cpu:
+                retain_freed_memory()  # after loading: the loader's transient buffers go back to the OS
+                # Build (or load) the fused CPU kernels now, not inside the first request.
+                if config.dtype == torch.float32 and cpu_ops() is not None:
+                    self.model.pack_for_cpu()
         # The KV cache holds this rank's KV heads: sized and shaped from its share of the model.
         self.rank_model_config = rank_config(model_config, self.tp)
         self.sampler = Sampler(model_config.vocab_size, config.device)
-        if self.device.type == "cpu":
-            if config.cpu_threads is not None:  # set here: a worker process has its own OpenMP pool
-                torch.set_num_threads(config.cpu_threads)
-            retain_freed_memory()
-            # Build (or load) the fused CPU kernels now, not inside the first request.
-            if config.dtype == torch.float32 and cpu_ops() is not None:
-                self.model.pack_for_cpu()
-        size = cache_size_for(self.model, self.rank_model_config, config)
-        num_blocks, num_slots = size.num_blocks, size.num_state_slots
-        if self.tp.size > 1:  # every rank holds the same block and slot ids: the smallest budget decides
-            agreed = torch.tensor([num_blocks, num_slots])
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-            num_blocks, num_slots = (int(value) for value in agreed.tolist())
+        with self.startup.phase("profile_memory"):
+            size = cache_size_for(self.model, self.rank_model_config, config)
+            num_blocks, num_slots = size.num_blocks, size.num_state_slots
+            if self.tp.size > 1:  # every rank holds the same block and slot ids: the smallest budget decides
+                agreed = torch.tensor([num_blocks, num_slots])
+                torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+                num_blocks, num_slots = (int(value) for value in agreed.tolist())
         self.num_blocks = num_blocks
         # The pool's blocks, then (hybrid models) the state slots' rows: one tensor, one registration.
         self.cache_size = CacheSize(num_blocks, num_slots, size.rows_per_state_slot)
-        self.kv_cache = allocate_kv_cache(
-            self.rank_model_config, self.cache_size.num_rows, self.block_size, config.dtype, config.device
-        )
-        self.state_cache = state_views(self.rank_model_config, self.kv_cache, self.cache_size)
-        self.layer_caches = layer_caches(self.rank_model_config, self.kv_cache, self.state_cache)
-        self.kv_connector = make_kv_connector(self.kv_cache) if make_kv_connector is not None else None
+        with self.startup.phase("allocate_kv_cache"):
+            self.kv_cache = allocate_kv_cache(
+                self.rank_model_config, self.cache_size.num_rows, self.block_size, config.kv_dtype, config.device
+            )
+            self.state_cache = state_views(self.rank_model_config, self.kv_cache, self.cache_size, config.dtype)
+            self.layer_caches = layer_caches(self.rank_model_config, self.kv_cache, self.state_cache)
+            self.kv_connector = make_kv_connector(self.kv_cache) if make_kv_connector is not None else None
+        with self.startup.phase("warm_up"):
+            self._warm_up()
         self.threads = (
             ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
             if self.device.type == "cpu" and config.follow_contention
             else None
         )
 
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One small step straight through the model: a prefill chunk of two blocks and a one-token decode,
+        in the cache's first blocks (and state slots), which no request owns yet. Whatever it writes there is
+        overwritten before it is read: a block's slots are written before attention reads them, and a
+        request's state slot is zeroed when it starts."""
+        block_size = self.block_size
+        prefill = min(2 * block_size, self.config.max_num_batched_tokens - 1, self.config.max_model_len)
+        blocks_needed = -(-prefill // block_size) + 1
+        if prefill < 2 or self.num_blocks < blocks_needed:
+            return
+        prefill_blocks = list(range(blocks_needed - 1))
+        metadata = build_attention_metadata(
+            [prefill, 1], [prefill, 1], [prefill_blocks, [blocks_needed - 1]], block_size, self.device
+        )
+        if self.model_config.is_hybrid:
+            if self.cache_size.num_state_slots < 2:
+                return
+            metadata.state_slots = torch.tensor([0, 1], dtype=torch.int64, device=self.device)
+        input_ids = torch.zeros(prefill + 1, dtype=torch.int64, device=self.device)
+        positions = torch.tensor([*range(prefill), 0], dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, positions, self.layer_caches, metadata)
+        self.model.compute_logits(hidden[[prefill - 1, prefill]])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @property
     def bytes_per_block(self) -> int:
         """Of this rank's KV cache."""
-        return self.block_size * self.rank_model_config.kv_bytes_per_token(self.config.dtype)
+        return self.block_size * self.rank_model_config.kv_bytes_per_token(self.config.kv_dtype)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> ModelRunnerOutput:
@@ -250,7 +285,7 @@ class ModelRunner:
             )
         return (
             f"{layout}{state}KV cache: {self.num_blocks} blocks of {self.block_size} tokens ({tokens} tokens, "
-            f"{self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB {str(self.config.dtype)[6:]}"
+            f"{self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB {dtype_name(self.config.kv_dtype)}"
             f"{' per rank' if self.tp.size > 1 else ''}); "
             f"max concurrency at {self.config.max_model_len} tokens per request: "
             f"{self._max_concurrency(tokens):.1f}x"

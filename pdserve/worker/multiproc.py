@@ -97,6 +97,7 @@ class MultiprocExecutor:
             # Each rank's transfer agent's side channel, in rank order (P/D only).
             self.agent_ports = [readies[rank].agent_port or 0 for rank in range(size)]
             self._description = ready.description
+            self.startup_phases = ready.startup_phases
             # The block pool's generations: the shared-memory file every rank's agent mapped (P/D only);
             # mapped here too, then removed (the mappings outlive it).
             self.generations: np.ndarray | None = None
@@ -203,5 +204,10 @@ def start_workers(spec: WorkerSpec, runner_cls: type | None = None) -> LoadedExe
         raise ValueError("a model runner class replaces the in-process runner: it needs the uni executor")
     executor = MultiprocExecutor(spec)
     return LoadedExecutor(
-        executor, executor.cache_size, executor.describe(), executor.generations, executor.agent_ports
+        executor,
+        executor.cache_size,
+        executor.describe(),
+        executor.generations,
+        executor.agent_ports,
+        executor.startup_phases,
     )

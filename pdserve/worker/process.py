@@ -61,6 +61,7 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     agent_port: int | None = None  # this rank's transfer agent's side channel
     num_state_slots: int = 0  # hybrid models: linear-attention state slots
     rows_per_state_slot: int = 0  # and the cache rows each takes after the pool's blocks
+    startup_phases: list[tuple[str, float]] = []  # (name, seconds), in order (``worker.startup``)
 
 
 class WorkerFailed(msgspec.Struct, tag="failed"):
@@ -140,6 +141,7 @@ def run_worker(spec: WorkerSpec, steps_address: str, outputs_address: str) -> No
             agents[0].port if agents else None,
             runner.cache_size.num_state_slots,
             runner.cache_size.rows_per_state_slot,
+            runner.startup.phases,
         )
         outputs.send_multipart([rank_frame, msgspec.msgpack.encode(ready)])
         decoder = StepDecoder()

@@ -30,7 +30,7 @@ def start_in_process(spec: WorkerSpec, runner_cls: type[ModelRunner] | None = No
 
     has_connector = spec.kv_transfer is not None or spec.kv_tiers is not None
     runner = (runner_cls or ModelRunner)(spec.model_config, spec.runner, make_workers if has_connector else None)
-    loaded = LoadedExecutor(runner, runner.cache_size, runner.describe())
+    loaded = LoadedExecutor(runner, runner.cache_size, runner.describe(), startup_phases=runner.startup.phases)
     if agents:
         loaded.generations, loaded.agent_ports = agents[0].generations, [agents[0].port]
     return loaded

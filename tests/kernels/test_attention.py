@@ -210,3 +210,64 @@ def test_triton_context_partitions_merge_exactly():
     for partition_blocks in (1, 3):
         actual = tri.paged_attention(query, k_cache, v_cache, metadata, 0.25, partition_blocks=partition_blocks)
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+# --kv-cache-dtype: a cache that stores 16-bit floats under a float32 model. Each path widens what it reads
+# back to float32, so every path agrees with the others to float32 rounding over the same stored bits, and
+# with an fp32 cache to the 16-bit rounding of K and V (bf16 keeps 8 bits of mantissa, fp16 11).
+KV_DTYPE_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def _narrowed(k_cache, v_cache, kv_dtype):
+    k_view, v_view = _engine_layout_views(k_cache, v_cache)
+    return k_view.to(kv_dtype), v_view.to(kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(1, 16, 4), (4, 64, 16)])
+def test_cpu_kernels_read_and_write_a_16_bit_cache(kv_dtype, group, head_dim, block_size, kernel_variant):
+    from pdserve.kernels import cpu_kernels
+    from pdserve.models.rope import RotaryEmbedding
+
+    k_cache, v_cache, metadata, query, new_k, new_v, _, _ = _batch(5 * group, 2, group, head_dim, block_size, SPECS)
+    wide_k, wide_v = _engine_layout_views(k_cache, v_cache)
+    narrow_k, narrow_v = _narrowed(k_cache, v_cache, kv_dtype)
+    assert narrow_k.dtype == kv_dtype
+    # The fused rotary + KV write rounds as torch does: the same bits as the reference's write.
+    positions = torch.tensor([c - 1 for c in metadata.context_lens])[: len(new_k)]
+    positions = torch.arange(len(new_k)) % 8 if len(positions) != len(new_k) else positions
+    cos, sin = RotaryEmbedding(head_dim, 128, 10000.0, {}).for_positions(positions)
+    qk = torch.cat([query, new_k], dim=1)
+    fused_k, fused_v = narrow_k.clone(), narrow_v.clone()
+    rotated = qk.clone()
+    assert cpu_kernels.rope_write_kv(rotated, new_v, cos, sin, fused_k, fused_v, metadata)
+    reference.write_kv(rotated[:, query.shape[1] :], new_v, narrow_k, narrow_v, metadata)
+    assert torch.equal(fused_k.view(torch.int16), narrow_k.view(torch.int16))
+    assert torch.equal(fused_v.view(torch.int16), narrow_v.view(torch.int16))
+    reference.write_kv(rotated[:, query.shape[1] :], new_v, wide_k, wide_v, metadata)
+    query = rotated[:, : query.shape[1]].contiguous()
+
+    expected = reference.paged_attention(query, narrow_k, narrow_v, metadata, 0.3)
+    actual = cpu_kernels.paged_attention(query, narrow_k, narrow_v, metadata, 0.3)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    full_precision = reference.paged_attention(query, wide_k, wide_v, metadata, 0.3)
+    tolerance = KV_DTYPE_TOLERANCE[kv_dtype]
+    torch.testing.assert_close(actual, full_precision, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_triton_kernels_read_and_write_a_16_bit_cache(kv_dtype):
+    specs = [(9, 1), (0, 5), (17, 1)]
+    k_cache, v_cache, metadata, query, new_k, new_v, _, _ = _batch(23, 2, 2, 16, 4, specs)
+    ref_k, ref_v = _narrowed(k_cache, v_cache, kv_dtype)
+    tri_k, tri_v = ref_k.clone(), ref_v.clone()
+    reference.write_kv(new_k, new_v, ref_k, ref_v, metadata)
+    tri.write_kv(new_k, new_v, tri_k, tri_v, metadata)
+    # Triton's interpreter narrows float32 to bfloat16 by truncation where a GPU rounds to nearest even (as
+    # torch does): at most one unit in the last place apart here.
+    ulps = 1 if kv_dtype == torch.bfloat16 else 0
+    for written, expected_bits in ((tri_k, ref_k), (tri_v, ref_v)):
+        assert (written.view(torch.int16).int() - expected_bits.view(torch.int16).int()).abs().max() <= ulps
+    expected = reference.paged_attention(query, tri_k, tri_v, metadata, 0.25)  # over the same stored bits
+    actual = tri.paged_attention(query, tri_k, tri_v, metadata, 0.25)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)

@@ -229,6 +229,19 @@ def test_a_peer_with_another_compat_hash_fails_the_pull_at_the_handshake():
         assert prefill.seen.finished_sending == {"p"}
 
 
+def test_a_prefill_of_another_kv_cache_dtype_is_refused_at_the_handshake_by_name(caplog):
+    """P/D between KV cache dtypes is refused, not converted (their compatibility hashes differ): the log
+    names both dtypes, so the fix (one --kv-cache-dtype for both pools) is plain."""
+    import torch
+
+    narrow = torch.zeros((NUM_BLOCKS, 2, 4, 16), dtype=torch.bfloat16)  # a block of the same bytes
+    with engines({"filled": False, "compat": "compat-b", "kv_cache": narrow}, {"filled": False}) as (prefill, decode):
+        prefill.agent.submit(TransferWork(holds=[("p", [1, 2], token_of("p"))]))
+        decode.agent.submit(TransferWork(loads=[load("d", prefill.remote("p", [1, 2]), [3, 4])]))
+        decode.wait_for(lambda seen: seen.failed_recving, "the refused pull")
+    assert "incompatible KV cache: the remote engine stores bfloat16, this one float32" in caplog.text
+
+
 # ----- the thread -------------------------------------------------------------------------------
 
 

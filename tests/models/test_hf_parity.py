@@ -125,3 +125,43 @@ def test_hybrid_small_chunks_preemption_few_slots_and_a_worker_process_equal_hf(
         _compare(name, worker.generate(PROMPTS, GREEDY), hf_reference[name], check_logprobs=True)
     finally:
         worker.close()
+
+
+# --kv-cache-dtype under float32 models: K and V are rounded to 16 bits as they are stored, nothing else changes.
+# Logprobs of the tokens both runs chose, against HF float32, measured on every shape (2026-12-05): bfloat16 at
+# most 0.046 on dense shapes and 0.080 with experts; float16 at most 0.008, except one shape where the rounding
+# flips an expert choice (qwen3moe-e16-top4-step2: 0.081); the hybrids at most 0.004. Tokens are equal until a
+# step where HF's top-2 margin is inside what the rounding can move (seen: up to 0.061 for bfloat16, 0.0001 for
+# float16), after which continuations may differ.
+KV_DTYPE_LOGPROB_ATOL = {"bfloat16": 0.1, "float16": 0.015}
+KV_DTYPE_ROUTING_FLIPS = {("qwen3moe-e16-top4-step2", "float16"): 0.1}
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_16_bit_kv_caches_track_float32(name, kv_dtype, hf_models, hf_reference, demo_model_path):
+    folder, _ = hf_models[name]
+    common = {"tokenizer": str(demo_model_path), "block_size": 8, "kv_cache_memory": 8 << 20}
+    full = LLM(str(folder), **common)
+    narrow = LLM(str(folder), kv_cache_dtype=kv_dtype, **common)
+    if full.model_config.is_hybrid:
+        # Its state slots stay in the model's dtype and take their share: 1.8x the requests at max_model_len.
+        assert narrow.engine.config.num_state_slots > 1.5 * full.engine.config.num_state_slots
+    else:  # the same memory holds twice the blocks
+        assert narrow.engine.config.num_blocks >= 2 * full.engine.config.num_blocks - 1
+    atol = KV_DTYPE_ROUTING_FLIPS.get((name, kv_dtype), KV_DTYPE_LOGPROB_ATOL[kv_dtype])
+    ties = []
+    outputs = narrow.generate(PROMPTS, GREEDY)
+    for prompt_index, (output, (expected, hf_logprobs)) in enumerate(zip(outputs, hf_reference[name], strict=True)):
+        got = output.outputs[0].token_ids
+        divergence = first_divergence(got, expected, hf_logprobs)
+        same = len(got) if divergence is None else divergence[0]
+        if divergence is not None:
+            assert divergence[1] < 2 * atol, f"{name}, {kv_dtype} KV: prompt {prompt_index} diverges at {divergence}"
+            ties.append((prompt_index, *divergence))
+        steps = output.outputs[0].logprobs[:same]
+        ours = torch.tensor([step[token].logprob for step, token in zip(steps, got[:same], strict=True)])
+        theirs = hf_logprobs[torch.arange(same), torch.tensor(got[:same], dtype=torch.int64)]
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
+    if ties:
+        print(f"{name}, {kv_dtype} KV: near-ties (prompt, position, HF margin): {ties}")

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.models.config import ModelConfig, UnsupportedModelError
-from pdserve.models.dtype import resolve_dtype
+from pdserve.models.dtype import resolve_dtype, resolve_kv_cache_dtype
 from pdserve.models.loader import load_model
 from pdserve.testing.hf_models import LLAMA3_ROPE, SHAPES, build_hf_model
 from pdserve.worker.kv_cache import rows_per_state_slot
@@ -66,6 +66,34 @@ def test_unsupported_things_fail_clearly(tmp_path):
         resolve_dtype("int8", torch.device("cpu"))
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
+
+
+def test_kv_cache_dtypes_resolve_by_name_and_fp8_is_refused():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu) == torch.float32
+    assert resolve_kv_cache_dtype("bf16", torch.float32, cpu) == torch.bfloat16
+    assert resolve_kv_cache_dtype("float16", torch.float32, cpu) == torch.float16
+    assert resolve_kv_cache_dtype("fp32", torch.bfloat16, gpu) == torch.float32
+    with pytest.raises(ValueError, match="fp8_e4m3 \\(needs a GPU"):
+        resolve_kv_cache_dtype("fp8_e4m3", torch.float32, cpu)
+    with pytest.raises(ValueError, match="fp8_e4m3 \\(on GPU, not built yet"):  # the scaled kernels are not
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, gpu)
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):
+        resolve_kv_cache_dtype("int4", torch.float32, cpu)
+
+
+def test_the_kv_dtype_is_in_the_compatibility_hash_only_where_it_differs_from_the_models(tmp_path):
+    from pdserve.kvtransfer.params import model_compat_hash
+
+    build_hf_model("Llama", {"num_attention_heads": 4}, tmp_path)
+    config = ModelConfig.from_folder(tmp_path)
+
+    def compat(kv_dtype):
+        return model_compat_hash(config, "weights", "torch.float32", 16, 1, "layout", "state", kv_dtype)
+
+    # A cache in the model's dtype hashes as before --kv-cache-dtype existed: upgraded pools keep pairing.
+    assert compat(None) == compat("torch.float32")
+    assert len({compat(None), compat("torch.bfloat16"), compat("torch.float16")}) == 3
 
 
 def test_missing_and_unexpected_weights_are_named(tmp_path):

@@ -177,6 +177,9 @@ def test_server_still_serves_after_bad_requests(client):
     assert client.completions.create(model="demo", prompt="fine", max_tokens=2).choices[0].finish_reason
 
 
+STARTUP_PHASES = ("load_weights", "profile_memory", "allocate_kv_cache", "warm_up")
+
+
 def test_metrics_use_the_contract_names(server, client):
     client.completions.create(model="demo", prompt="count me", max_tokens=3, extra_body={"ignore_eos": True})
     values = scrape(server.running.url)
@@ -198,7 +201,11 @@ def test_metrics_use_the_contract_names(server, client):
     ):
         assert name in values, name
     assert values['pdserve_requests_total{finish_reason="length"}'] >= 1
-    assert any(k.startswith("vllm:cache_config_info{") for k in values)
+    assert any(k.startswith("vllm:cache_config_info{") and 'cache_dtype="float32"' in k for k in values)
+    # The start, phase by phase, each once: the phases fit inside the whole.
+    phases = {name: values[f'pdserve_startup_phase_seconds{{phase="{name}"}}'] for name in STARTUP_PHASES}
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert 0 < sum(phases.values()) <= values["pdserve_startup_seconds"]
     # The compute threads the engine chose from its CPU budget, and the cgroup's limits it saw (0: none).
     budget = choose_threads(None)
     assert values["pdserve_cpu_thread_budget"] == budget.threads

@@ -1,5 +1,6 @@
-// pdserve's fused CPU ops (fp32): the declarations bindings.cpp exposes to Python, and the constants
-// more than one file needs. Every file is compiled once per instruction-set variant
+// pdserve's fused CPU ops (fp32 compute; the attention ops read and write a KV cache of fp32, bf16 or
+// fp16): the declarations bindings.cpp exposes to Python, and the constants more than one file needs.
+// Every file is compiled once per instruction-set variant
 // (pdserve/kernels/build.py); what differs between variants is decided here, from the compiler's
 // own macros, so a variant cannot claim an instruction set its code was not built for.
 #pragma once
