@@ -53,6 +53,7 @@ import torch  # noqa: E402
 
 from pdserve.kernels import reference  # noqa: E402
 from pdserve.kernels import triton_attention as tri  # noqa: E402
+from pdserve.kernels.metadata import build_attention_metadata  # noqa: E402
 
 DEVICE = torch.device("cpu" if DRY_RUN else "cuda")
 # The card's share each test engine sizes its KV cache from (on CUDA the engine sizes from this, not from
@@ -99,9 +100,7 @@ def _random_batch(specs, num_kv_heads, group, head_dim, block_size, dtype, seed=
     tables = []
     for num_cached, query_len in specs:
         tables.append([order.pop() for _ in range(-(-(num_cached + query_len) // block_size))])
-    metadata = reference.build_attention_metadata(
-        [q for _, q in specs], [c + q for c, q in specs], tables, block_size, DEVICE
-    )
+    metadata = build_attention_metadata([q for _, q in specs], [c + q for c, q in specs], tables, block_size, DEVICE)
     num_tokens = sum(q for _, q in specs)
     query = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
     new_k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
@@ -150,10 +149,8 @@ def check_attention_bandwidth() -> dict:
     block_size = 16
     specs = [(context - 1, 1)] * num_decodes
     k_cache, v_cache, metadata, query, _, _ = _random_batch(specs, kv_heads, group, head_dim, block_size, dtype)
-    token_seq, token_pos = tri.token_positions(metadata, DEVICE)
     seconds = _time(
-        lambda: tri.paged_attention(query, k_cache, v_cache, metadata, head_dim**-0.5, token_seq, token_pos),
-        3 if DRY_RUN else 20,
+        lambda: tri.paged_attention(query, k_cache, v_cache, metadata, head_dim**-0.5), 3 if DRY_RUN else 20
     )
     kv_bytes = 2 * num_decodes * context * kv_heads * head_dim * k_cache.element_size()
     big = torch.empty(64 << 20 if DRY_RUN else 1 << 30, dtype=torch.uint8, device=DEVICE)

@@ -34,7 +34,7 @@ from types import ModuleType
 import torch
 
 from pdserve.kernels import build, reference
-from pdserve.kernels.reference import AttentionMetadata
+from pdserve.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,6 @@ def gated_delta_net(
     if ops is None or metadata.state_slots is None:
         return False
     conv_states, recurrent_states = state
-    starts = torch.tensor(metadata.query_start_loc, dtype=torch.int64)
     ops.gated_delta_net(
         out,
         qkv,
@@ -230,7 +229,7 @@ def gated_delta_net(
         conv_states,
         recurrent_states,
         metadata.state_slots,
-        starts,
+        metadata.query_starts,
         log_decay.contiguous(),
         beta.contiguous(),
         num_key_heads,

@@ -16,85 +16,10 @@ step), each as one SDPA call. No loop runs per token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class AttentionMetadata:
-    """Where a batch's tokens live in the paged cache. Built once per step, shared by all layers."""
-
-    slot_block_ids: torch.Tensor  # [num_tokens] block of each new token's KV slot
-    slot_offsets: torch.Tensor  # [num_tokens] offset of that slot inside its block
-    query_start_loc: list[int]  # [num_seqs + 1] where each sequence's tokens start in the batch
-    context_lens: list[int]  # [num_seqs] tokens in each sequence's context, new ones included
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
-    # Derived for the CPU path: the decode sequences, batched.
-    decode_seq_indices: torch.Tensor  # [num_decodes] sequence index of each decode
-    decode_token_indices: torch.Tensor  # [num_decodes] its token's index in the batch
-    decode_context_lens: torch.Tensor  # [num_decodes]
-    decode_block_ids: torch.Tensor  # [num_decodes * decode_blocks] their block tables, flattened
-    decode_padding: torch.Tensor  # [num_decodes, decode_blocks * block_size] True past each context
-    prefill_seq_indices: list[int]  # sequences with query_len > 1
-    # Hybrid models: each sequence's state slot (linear-attention layers), int64 [num_seqs].
-    state_slots: torch.Tensor | None = None
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.context_lens)
-
-
-def build_attention_metadata(
-    query_lens: list[int],
-    context_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device | str = "cpu",
-) -> AttentionMetadata:
-    """Metadata for sequences with ``query_lens[i]`` new tokens ending at ``context_lens[i]``."""
-    num_seqs = len(query_lens)
-    query_start_loc = [0] * (num_seqs + 1)
-    for i, query_len in enumerate(query_lens):
-        query_start_loc[i + 1] = query_start_loc[i] + query_len
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    table = torch.zeros((num_seqs, max(max_blocks, 1)), dtype=torch.int64)
-    for i, blocks in enumerate(block_tables):
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-
-    positions = (
-        torch.cat(
-            [
-                torch.arange(context_len - query_len, context_len)
-                for query_len, context_len in zip(query_lens, context_lens, strict=True)
-            ]
-        )
-        if num_seqs
-        else torch.zeros(0, dtype=torch.int64)
-    )
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens, dtype=torch.int64))
-    slot_block_ids = table[seq_of_token, positions // block_size]
-    slot_offsets = positions % block_size
-
-    decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
-    decode_lens = [context_lens[i] for i in decode_seqs]
-    decode_blocks = -(-max(decode_lens, default=0) // block_size)
-    decode_block_ids = table[decode_seqs, :decode_blocks].reshape(-1)
-    padding = torch.arange(decode_blocks * block_size)[None, :] >= torch.tensor(decode_lens, dtype=torch.int64)[:, None]
-    return AttentionMetadata(
-        slot_block_ids=slot_block_ids.to(device),
-        slot_offsets=slot_offsets.to(device),
-        query_start_loc=query_start_loc,
-        context_lens=list(context_lens),
-        block_tables=table.to(device),
-        decode_seq_indices=torch.tensor(decode_seqs, dtype=torch.int64, device=device),
-        decode_token_indices=torch.tensor([query_start_loc[i] for i in decode_seqs], dtype=torch.int64, device=device),
-        decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64, device=device),
-        decode_block_ids=decode_block_ids.to(device),
-        decode_padding=padding.to(device),
-        prefill_seq_indices=[i for i, n in enumerate(query_lens) if n > 1],
-    )
+from pdserve.kernels.metadata import AttentionMetadata
 
 
 def write_kv(
@@ -177,14 +102,15 @@ def decode_attention(
     output: torch.Tensor,
 ) -> None:
     """The decodes' part of ``paged_attention``, written into ``output``."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, head_dim, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
     group = query.shape[1] // num_kv_heads
-    num_decodes, span = metadata.decode_padding.shape
     block_ids = metadata.decode_block_ids
     rows = metadata.decode_token_indices
+    num_decodes = len(rows)
+    span = len(block_ids) // num_decodes * block_size
     # Masked slots may hold stale KV of other requests: -inf keeps them out (the cache is
     # zero-initialised, so no slot holds NaN that a zero weight could not cancel).
-    padding = metadata.decode_padding[:, None, :]
+    padding = (torch.arange(span, device=query.device) >= metadata.decode_context_lens[:, None])[:, None, :]
     queries = query[rows]  # [D, heads, head_dim]
     out = torch.empty_like(queries)
     # Gathered in the cache's dtype; a cache that stores another dtype than the query's is widened after.

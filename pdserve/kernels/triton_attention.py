@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.reference import AttentionMetadata
+from pdserve.kernels.metadata import AttentionMetadata
 
 
 @triton.jit
@@ -229,20 +229,16 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
-    token_seq: torch.Tensor | None = None,
-    token_pos: torch.Tensor | None = None,
     partition_blocks: int = PARTITION_BLOCKS,
 ) -> torch.Tensor:
-    """Same contract as ``reference.paged_attention``. ``token_seq``/``token_pos`` (each token's
-    sequence and position, int32) may be passed in to build them once per step, not per layer."""
+    """Same contract as ``reference.paged_attention``; each token's sequence and position come from the
+    metadata (``token_seqs``, ``token_positions``: written once per step)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     block_size = k_cache.shape[1]
     output = torch.empty_like(query)
     if num_tokens == 0:
         return output
-    if token_seq is None or token_pos is None:
-        token_seq, token_pos = token_positions(metadata, query.device)
     group = num_heads // num_kv_heads
     longest_blocks = -(-max(metadata.context_lens) // block_size)
     num_partitions = -(-longest_blocks // partition_blocks)
@@ -263,8 +259,8 @@ def paged_attention(
         k_cache,
         v_cache,
         metadata.block_tables,
-        token_seq,
-        token_pos,
+        metadata.token_seqs,
+        metadata.token_positions,
         scale,
         query.stride(0),
         query.stride(1),
@@ -300,18 +296,3 @@ def paged_attention(
             PARTITIONS_PADDED=triton.next_power_of_2(num_partitions),
         )
     return output
-
-
-def token_positions(metadata: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each batch token's sequence index and position (int32), as the attention kernel reads them."""
-    seqs: list[int] = []
-    positions: list[int] = []
-    for seq in range(metadata.num_seqs):
-        start, end = metadata.query_start_loc[seq], metadata.query_start_loc[seq + 1]
-        context_len = metadata.context_lens[seq]
-        seqs.extend([seq] * (end - start))
-        positions.extend(range(context_len - (end - start), context_len))
-    return (
-        torch.tensor(seqs, dtype=torch.int32, device=device),
-        torch.tensor(positions, dtype=torch.int32, device=device),
-    )

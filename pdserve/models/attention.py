@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels import cpu_kernels, reference
-from pdserve.kernels.reference import AttentionMetadata
+from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.models.rope import apply_rotary
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from pdserve.kernels import cpu_kernels, gated_delta
-from pdserve.kernels.reference import AttentionMetadata
+from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.models.config import ModelConfig
 from pdserve.models.linear import Linear, RowParallelLinear
 from pdserve.models.parallel import TensorParallel

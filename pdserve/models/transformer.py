@@ -23,7 +23,7 @@ from torch import nn
 
 from pdserve.kernels import cpu_kernels
 from pdserve.kernels.activation import swiglu
-from pdserve.kernels.reference import AttentionMetadata
+from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.models.attention import AttentionBackend
 from pdserve.models.config import ModelConfig
 from pdserve.models.gated_deltanet import GatedDeltaNet

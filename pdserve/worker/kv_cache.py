@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.kernels.reference import build_attention_metadata
+from pdserve.kernels.metadata import build_attention_metadata
 from pdserve.models.config import ModelConfig
 from pdserve.models.transformer import CausalLM
 from pdserve.worker.cpu_budget import CgroupLimits, read_cgroup_limits

@@ -11,12 +11,13 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pdserve.kernels.cpu_kernels import cpu_ops
-from pdserve.kernels.reference import build_attention_metadata
+from pdserve.kernels.metadata import AttentionMetadata, InputBuffers
 from pdserve.kvtransfer.base import KVConnectorWorker
 from pdserve.models.config import ModelConfig
 from pdserve.models.dtype import dtype_name
@@ -54,6 +55,18 @@ def retain_freed_memory() -> None:
     libc.mallopt(m_mmap_threshold, 1 << 30)
     libc.mallopt(m_trim_threshold, 1 << 34)
     libc.mallopt(m_top_pad, 64 << 20)
+
+
+@dataclass
+class StepInputs:
+    """What ``prepare_inputs`` hands the other two stages."""
+
+    input_ids: torch.Tensor  # [num_tokens], a view of the persistent buffers (as are the next two)
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    sample_rows: list[int]  # the output row each sampling request's token comes from
+    sample_requests: list[int]  # which request (index in the step) samples from each of those rows
+    prompt_rows: list[tuple[int, int, int, int]]  # prompt logprobs: (request index, first row, position, count)
 
 
 class ModelRunner:
@@ -103,6 +116,14 @@ class ModelRunner:
             self.state_cache = state_views(self.rank_model_config, self.kv_cache, self.cache_size, config.dtype)
             self.layer_caches = layer_caches(self.rank_model_config, self.kv_cache, self.state_cache)
             self.kv_connector = make_kv_connector(self.kv_cache) if make_kv_connector is not None else None
+        # Sized for the largest step the scheduler issues, with a block of slack past max_model_len.
+        self.inputs = InputBuffers(
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.max_model_len + config.block_size,
+            config.block_size,
+            config.device,
+        )
         with self.startup.phase("warm_up"):
             self._warm_up()
         self.threads = (
@@ -120,18 +141,16 @@ class ModelRunner:
         block_size = self.block_size
         prefill = min(2 * block_size, self.config.max_num_batched_tokens - 1, self.config.max_model_len)
         blocks_needed = -(-prefill // block_size) + 1
-        if prefill < 2 or self.num_blocks < blocks_needed:
+        if prefill < 2 or self.num_blocks < blocks_needed or self.config.max_num_seqs < 2:
             return
-        prefill_blocks = list(range(blocks_needed - 1))
-        metadata = build_attention_metadata(
-            [prefill, 1], [prefill, 1], [prefill_blocks, [blocks_needed - 1]], block_size, self.device
-        )
+        slots = None
         if self.model_config.is_hybrid:
             if self.cache_size.num_state_slots < 2:
                 return
-            metadata.state_slots = torch.tensor([0, 1], dtype=torch.int64, device=self.device)
-        input_ids = torch.zeros(prefill + 1, dtype=torch.int64, device=self.device)
-        positions = torch.tensor([*range(prefill), 0], dtype=torch.int64, device=self.device)
+            slots = [0, 1]
+        input_ids, positions, metadata = self.inputs.prepare(
+            [[0] * prefill, [0]], [prefill, 1], [0, 0], [list(range(blocks_needed - 1)), [blocks_needed - 1]], slots
+        )
         hidden = self.model(input_ids, positions, self.layer_caches, metadata)
         self.model.compute_logits(hidden[[prefill - 1, prefill]])
         if self.device.type == "cuda":
@@ -144,66 +163,74 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> ModelRunnerOutput:
+        """One step, in three stages: ``prepare_inputs`` (into the persistent buffers), ``run_model``,
+        ``sample``."""
         if self.threads is not None:
             self.threads.tick()
         agent = self.kv_connector
         if agent is not None and scheduler_output.kv_connector_metadata is not None:
             agent.submit(scheduler_output.kv_connector_metadata)
-        requests = scheduler_output.requests
         threads = self.threads.threads if self.threads is not None else None
-        if not requests:
+        if not scheduler_output.requests:
             return ModelRunnerOutput(
                 [], kv_connector_output=agent.collect() if agent is not None else None, compute_threads=threads
             )
+        inputs = self.prepare_inputs(scheduler_output)
+        hidden = self.run_model(inputs, scheduler_output.state_restores)
+        output = self.sample(hidden, inputs, scheduler_output)
+        output.kv_connector_output = agent.collect() if agent is not None else None
+        output.compute_threads = threads
+        return output
 
-        input_ids: list[int] = []
-        positions: list[int] = []
-        context_lens: list[int] = []
+    def prepare_inputs(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> StepInputs:
+        """The step's token ids, positions and attention metadata, written into the persistent buffers; and
+        which rows of the output each request samples from (and, asking for them, reads prompt logprobs of)."""
+        requests = scheduler_output.requests
+        slots = scheduler_output.state_slots
+        if slots is not None:
+            self._zero_fresh_states(slots, scheduler_output.start_positions)
+        input_ids, positions, metadata = self.inputs.prepare(
+            [request.all_token_ids for request in requests],
+            scheduler_output.num_scheduled_tokens,
+            scheduler_output.start_positions,
+            scheduler_output.block_ids,
+            slots,
+        )
         sample_rows: list[int] = []  # batch token index whose logits give each sampled request's token
-        sample_requests = []
+        sample_requests: list[int] = []
         prompt_rows: list[tuple[int, int, int, int]] = []  # (request index, first row, first position, count)
-        row = 0
         for index, (request, num_new, start) in enumerate(
             zip(requests, scheduler_output.num_scheduled_tokens, scheduler_output.start_positions, strict=True)
         ):
             end = start + num_new
-            if num_new == 1:
-                input_ids.append(request.all_token_ids[start])
-                positions.append(start)
-            else:
-                input_ids.extend(request.all_token_ids[start:end])
-                positions.extend(range(start, end))
-            context_lens.append(end)
             if end == request.num_tokens:
-                sample_rows.append(row + num_new - 1)
+                sample_rows.append(metadata.query_start_loc[index + 1] - 1)
                 sample_requests.append(index)
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
                 count = min(end, request.num_prompt_tokens - 1) - start
-                prompt_rows.append((index, row, start, count))
-            row += num_new
+                prompt_rows.append((index, metadata.query_start_loc[index], start, count))
+        return StepInputs(input_ids, positions, metadata, sample_rows, sample_requests, prompt_rows)
 
-        device = self.device
-        metadata = build_attention_metadata(
-            scheduler_output.num_scheduled_tokens, context_lens, scheduler_output.block_ids, self.block_size, device
-        )
-        kept = None
-        if scheduler_output.state_slots is not None:
-            metadata.state_slots = self._state_slots(scheduler_output)
-            if scheduler_output.state_restores:
-                kept = self._keep_states(scheduler_output.state_restores)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            self.layer_caches,
-            metadata,
-        )
+    def run_model(self, inputs: StepInputs, state_restores: list[int] | None = None) -> torch.Tensor:
+        """The forward pass over the step's tokens: their last hidden states. ``state_restores``: state
+        slots (hybrid models) the step must leave as it found them."""
+        kept = self._keep_states(state_restores) if state_restores else None
+        hidden = self.model(inputs.input_ids, inputs.positions, self.layer_caches, inputs.metadata)
         if kept is not None:
             self._restore_states(*kept)
+        return hidden
 
+    def sample(
+        self, hidden: torch.Tensor, inputs: StepInputs, scheduler_output: SchedulerOutput[ScheduledRequest]
+    ) -> ModelRunnerOutput:
+        """The sampled token of each request at the end of its tokens (NO_TOKEN for the others, mid-prompt),
+        under the step's grammar bitmask where it has one; logprobs and prompt logprobs where asked for."""
+        requests = scheduler_output.requests
+        sample_requests = inputs.sample_requests
         sampled = [NO_TOKEN] * len(requests)
         logprobs: list[TokenLogprobs | None] | None = None
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows]).float()
+        if inputs.sample_rows:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
             grammar = None
             step_grammar = scheduler_output.grammar
             if step_grammar is not None:  # its rows, as rows of these logits
@@ -216,26 +243,18 @@ class ModelRunner:
                 logprobs = [None] * len(requests)
                 for index, entry in zip(sample_requests, row_logprobs, strict=True):
                     logprobs[index] = entry
+        prompt_rows = inputs.prompt_rows
         prompt_logprobs = self._prompt_logprobs(hidden, requests, prompt_rows) if prompt_rows else None
-        return ModelRunnerOutput(
-            sampled,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            kv_connector_output=agent.collect() if agent is not None else None,
-            compute_threads=threads,
-        )
+        return ModelRunnerOutput(sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
-    def _state_slots(self, scheduler_output: SchedulerOutput[ScheduledRequest]) -> torch.Tensor:
-        """The step's state slots as a tensor, after zeroing those of requests that start now."""
-        slots = scheduler_output.state_slots
-        assert slots is not None
-        fresh = [slot for slot, start in zip(slots, scheduler_output.start_positions, strict=True) if start == 0]
+    def _zero_fresh_states(self, slots: list[int], start_positions: list[int]) -> None:
+        """Zero the state slots of requests that start now (hybrid models)."""
+        fresh = [slot for slot, start in zip(slots, start_positions, strict=True) if start == 0]
         if fresh:
             index = torch.tensor(fresh, dtype=torch.int64, device=self.device)
             for conv, recurrent in self.state_cache:
                 conv.index_fill_(0, index, 0.0)
                 recurrent.index_fill_(0, index, 0.0)
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     def _keep_states(self, slots: list[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Copies of these slots' states, taken before the forward pass that ``_restore_states`` undoes."""

@@ -12,6 +12,7 @@ import torch
 
 from pdserve.kernels import reference
 from pdserve.kernels import triton_attention as tri
+from pdserve.kernels.metadata import build_attention_metadata
 
 
 def _batch(seed: int, num_kv_heads: int, group: int, head_dim: int, block_size: int, specs):
@@ -36,7 +37,7 @@ def _batch(seed: int, num_kv_heads: int, group: int, head_dim: int, block_size: 
         full_k.append(k)
         full_v.append(v)
         queries.append(torch.randn(query_len, num_heads, head_dim, generator=gen))
-    metadata = reference.build_attention_metadata([q for _, q in specs], [c + q for c, q in specs], tables, block_size)
+    metadata = build_attention_metadata([q for _, q in specs], [c + q for c, q in specs], tables, block_size)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, specs, strict=True)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, specs, strict=True)])
     return k_cache, v_cache, metadata, torch.cat(queries), new_k, new_v, full_k, full_v
@@ -175,7 +176,7 @@ def test_model_with_triton_kernels_matches_the_cpu_path(tmp_path):
     config = ModelConfig.from_folder(tmp_path)
     model = load_model(tmp_path, config, torch.float32, torch.device("cpu"), 64)
     block_size = 4
-    metadata = reference.build_attention_metadata([6, 1, 3], [6, 9, 7], [[0, 1], [2, 3, 4], [5, 6]], block_size)
+    metadata = build_attention_metadata([6, 1, 3], [6, 9, 7], [[0, 1], [2, 3, 4], [5, 6]], block_size)
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 8, 4, 5, 6])
     tokens = torch.randint(0, 1000, (10,), generator=torch.Generator().manual_seed(1))
 

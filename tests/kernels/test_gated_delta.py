@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import cpu_kernels, gated_delta
-from pdserve.kernels.reference import build_attention_metadata
+from pdserve.kernels.metadata import build_attention_metadata
 
 hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 

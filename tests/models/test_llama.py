@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.kernels.cpu_kernels import cpu_ops
-from pdserve.kernels.reference import build_attention_metadata
+from pdserve.kernels.metadata import build_attention_metadata
 from pdserve.models import llama
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_model
