@@ -16,6 +16,9 @@ Sections, each recorded in the result file whether it passes, fails or is skippe
    and their times.
 3. decode_step (needs transformers): the ~110M Llama's decode step at batch 8 and 64 against its
    weight-read time at copy bandwidth.
+3b. cuda_graphs (needs transformers): decode steps replayed from CUDA graphs against --enforce-eager: greedy
+   tokens on dense and MoE shapes (fp32) through batches that need padding, and the 110M Llama's bf16 decode
+   step at batch 1/8/64, eager and replayed (goal: >= 1.5x at batch 1).
 4. worker_process (needs pyzmq and msgspec): the model in a worker process of its own
    (``--distributed-executor-backend mp``, TP 1, CUDA in the worker), with and without async
    scheduling, gives the in-process greedy tokens. Multi-GPU NCCL (TP > 1) cannot run on a one-GPU
@@ -344,6 +347,127 @@ def check_decode_step() -> dict:
     }
 
 
+GRAPH_SIZES = "1,2,4,8,16,32,64"
+
+
+def check_cuda_graphs() -> dict:
+    """Decode steps replayed from CUDA graphs against eager ones (``--enforce-eager``): greedy tokens on dense
+    and mixture-of-experts test shapes in fp32, with batches that shrink through sizes that need padding; then
+    the ~110M Llama's decode step in bf16 at batch 1, 8 and 64, eager and replayed (goal: graphs >= 1.5x at
+    batch 1). Dry run: no graphs on CPU, so the padded path runs without capture (``DecodeGraphs.eager``) and
+    the times are not judged."""
+    from pdserve import LLM, SamplingParams
+    from pdserve.engine.request import Request
+    from pdserve.models.demo import ensure_demo_model
+    from pdserve.testing.hf_models import SHAPES, VOCAB, build_hf_model
+    from pdserve.worker.cuda_graphs import DecodeGraphs
+
+    sizes = [int(size) for size in GRAPH_SIZES.split(",")]
+    tokenizer = str(ensure_demo_model())
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 17, 30, 40, 64, 100)]
+    max_new = 8 if DRY_RUN else 16  # the prompts finish one step apart: the batch shrinks through the sizes
+    params = [SamplingParams(temperature=0.0, max_tokens=max_new - i, ignore_eos=True) for i in range(len(prompts))]
+
+    def engine(folder: str, eager: bool, dtype: str = "float32", max_num_seqs: int = 64) -> LLM:
+        llm = LLM(
+            folder,
+            tokenizer=tokenizer,
+            device=DEVICE.type,
+            dtype=dtype,
+            enforce_eager=eager,
+            cuda_graph_sizes=GRAPH_SIZES,
+            max_num_seqs=max_num_seqs,
+            kv_cache_memory=64 << 20,
+            gpu_memory_utilization=GPU_SHARE,
+            max_model_len=512,
+        )
+        runner = llm.engine.model_executor
+        if DRY_RUN and not eager:  # what the GPU captures, run without capture
+            runner.graphs = DecodeGraphs.eager(runner._forward, sizes)
+        return llm
+
+    def replayed_steps(llm: LLM) -> list[int]:
+        graphs = llm.engine.model_executor.graphs
+        seen: list[int] = []
+        if graphs is not None:
+            run = graphs.run
+
+            def counted(input_ids, positions, metadata):
+                seen.append(len(input_ids))
+                return run(input_ids, positions, metadata)
+
+            graphs.run = counted
+        return seen
+
+    results: dict = {"sizes": sizes, "shapes": {}}
+    shapes = ["llama-gqa2-biases", "qwen3-gqa2-headdim", "qwen3moe-e8-top2-mlponly"]
+    with tempfile.TemporaryDirectory() as root:
+        for name in shapes[: 2 if DRY_RUN else None]:
+            folder = os.path.join(root, name)
+            family, overrides = SHAPES[name]
+            build_hf_model(family, overrides, folder)
+            tokens = {}
+            for eager in (True, False):
+                llm = engine(folder, eager)
+                replays = replayed_steps(llm)
+                tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+                if not eager:
+                    results["shapes"][name] = {
+                        "equal": tokens[True] == tokens[False],
+                        "replayed_sizes": sorted(set(replays)),
+                    }
+                del llm
+                _release_gpu()
+        sys.path.insert(0, os.path.dirname(__file__))
+        from throughput import MODEL
+
+        model = (
+            dict(
+                MODEL,
+                num_hidden_layers=2,
+                hidden_size=128,
+                num_attention_heads=4,
+                intermediate_size=256,
+                vocab_size=1024,
+            )
+            if DRY_RUN
+            else MODEL
+        )
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        folder = os.path.join(root, "llama-110m")
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**model)).save_pretrained(folder)
+        steps = {}
+        for eager in (True, False):
+            llm = engine(folder, eager, dtype="float32" if DRY_RUN else "bfloat16")
+            core = llm.engine
+            for batch in (1, 8, 64):
+                decode = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+                ids = [f"{batch}-{i}" for i in range(batch)]
+                for request_id in ids:
+                    core.add_request(Request(request_id, list(range(1, 129)), decode))
+                while core.scheduler.waiting or any(
+                    r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
+                ):
+                    core.step()
+                steps[f"{'eager' if eager else 'graphs'}_batch_{batch}_ms"] = (
+                    _time(core.step, 3 if DRY_RUN else 20) * 1e3
+                )
+                core.abort_requests(ids)
+                core.step()
+            del llm, core
+            _release_gpu()
+    results.update(steps)
+    for batch in (1, 8, 64):
+        results[f"speedup_batch_{batch}"] = steps[f"eager_batch_{batch}_ms"] / steps[f"graphs_batch_{batch}_ms"]
+    tokens_equal = all(entry["equal"] for entry in results["shapes"].values())
+    padded = all(len(entry["replayed_sizes"]) > 1 for entry in results["shapes"].values())
+    results["passed"] = tokens_equal and padded and (DRY_RUN or results["speedup_batch_1"] >= 1.5)
+    return results
+
+
 def check_worker_process() -> dict:
     import msgspec  # noqa: F401 - the worker protocol's; skipped (ImportError) where it is missing
     import zmq  # noqa: F401
@@ -400,6 +524,7 @@ def main() -> None:
         "attention_bandwidth": check_attention_bandwidth,
         "moe_kernel": check_moe_kernel,
         "decode_step": check_decode_step,
+        "cuda_graphs": check_cuda_graphs,
         "worker_process": check_worker_process,
         "parity": check_parity,
     }

@@ -33,4 +33,6 @@ def test_gpu_check_dry_run_passes_every_section(tmp_path):
     # Speed targets are the GPU's: on CPU (Triton interpreted) these sections only have to run.
     assert "kv_read_gbps" in report["attention_bandwidth"], report["attention_bandwidth"]
     assert "step_ms" in report["decode_step"]["batch_8"], report["decode_step"]
+    graphs = report["cuda_graphs"]  # the padded path without capture: tokens must match, times are not judged
+    assert graphs.get("passed") is True and "graphs_batch_1_ms" in graphs, graphs
     assert result.returncode == 0, result.stdout[-3000:]

@@ -39,6 +39,17 @@ def parse_size(text: str) -> int:
     return int(float(number) * _UNITS[(unit or "")[:1].upper()])
 
 
+def parse_positive_ints(text: str) -> str:
+    """Comma-separated positive integers ("1,2,4,8"), checked, as text sorted and without repeats."""
+    try:
+        numbers = {int(part) for part in text.split(",") if part.strip()}
+    except ValueError:
+        numbers = set()
+    if not numbers or min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"not a list of positive integers: {text!r} (use e.g. 1,2,4,8)")
+    return ",".join(str(number) for number in sorted(numbers))
+
+
 @dataclasses.dataclass(frozen=True)
 class Flag:
     help: str

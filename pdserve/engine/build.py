@@ -66,6 +66,11 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
         logger.info("CPU compute threads: %d per rank (%s)", budget.threads, budget.reason)
     elif args.cpu_threads is not None:
         logger.info("--cpu-threads %d does not apply: the model runs on %s", args.cpu_threads, device)
+    if device.type != "cuda" and (args.enforce_eager or args.cuda_graph_sizes):
+        logger.info(
+            "--enforce-eager and --cuda-graph-sizes do not apply: CUDA graphs are a GPU's (the model runs on %s)",
+            device,
+        )
     max_model_len = args.max_model_len or model_config.max_model_len
     runner_config = RunnerConfig(
         model=folder,
@@ -83,6 +88,8 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
         cpu_threads=budget.threads if budget is not None else None,
         # Ranks of a larger size share the CPUs in lockstep: each would count the others as contention.
         follow_contention=budget is not None and budget.detected and args.tensor_parallel_size == 1,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=[int(size) for size in args.cuda_graph_sizes.split(",")] if args.cuda_graph_sizes else None,
     )
     if args.kv_tiers is not None:
         _check_tiers(args, model_config, device)

@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
-from pdserve.api.flags import add_flags, flag, flag_values, parse_size
+from pdserve.api.flags import add_flags, flag, flag_values, parse_positive_ints, parse_size
 from pdserve.api.roles import COLOCATED, engine_role
 from pdserve.engine.reasoning import REASONING_PARSERS
 from pdserve.engine.scheduler_config import SCHEDULING_POLICIES
@@ -61,6 +61,18 @@ class EngineArgs:
     )
     gpu_memory_utilization: float = field(
         default=0.9, metadata=flag("share of the GPU's memory the model and its KV cache may take")
+    )
+    enforce_eager: bool = field(
+        default=False, metadata=flag("GPU: run every step eagerly, capturing no CUDA graphs (no effect on CPU)")
+    )
+    cuda_graph_sizes: str | None = field(
+        default=None,
+        metadata=flag(
+            "GPU: the decode batch sizes captured as CUDA graphs, comma-separated (default: 1, 2, 4, then every 8 "
+            "up to --max-num-seqs, at most 256); a decode step pads to the next size, larger ones run eagerly "
+            "(no effect on CPU)",
+            parse=parse_positive_ints,
+        ),
     )
     # Fixes the KV block count (tests, benchmarks); a hybrid model's max_num_seqs state slots come on top.
     num_kv_blocks: int | None = None
@@ -156,6 +168,11 @@ class EngineArgs:
         if self.model_runner_cls is not None and self.distributed_executor_backend != "uni":
             raise ValueError("a model runner class replaces the in-process runner: it needs the uni executor")
         _check_choice("distributed executor backend", self.distributed_executor_backend, EXECUTORS)
+        if self.cuda_graph_sizes is not None:
+            try:
+                self.cuda_graph_sizes = parse_positive_ints(self.cuda_graph_sizes)
+            except argparse.ArgumentTypeError as error:
+                raise ValueError(f"--cuda-graph-sizes: {error}") from None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:

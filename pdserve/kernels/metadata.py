@@ -48,6 +48,9 @@ class AttentionMetadata:
     prefill_seq_indices: list[int]  # sequences with query_len > 1
     # Hybrid models: each sequence's state slot (linear-attention layers), int64 [num_seqs].
     state_slots: torch.Tensor | None = None
+    # The GPU attention grid's (partition count, blocks per partition), fixed for a captured graph
+    # (``triton_attention.static_partitions``); None: sized from the step's longest context.
+    partitions: tuple[int, int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -66,7 +69,8 @@ class _Buffer:
 
     def upload(self, count: int) -> torch.Tensor:
         """The first ``count`` entries (along the first axis) as the kernels read them, copied to the
-        device first where it is another."""
+        device first where it is another (asynchronously: the host side is written again only for the next
+        step, after this step's sampled tokens were read back, which waits for the device)."""
         if not self.on_host and count:
             self.device[:count].copy_(self.host_tensor[:count], non_blocking=True)
         return self.device[:count]

@@ -221,6 +221,16 @@ def _merge_partitions_kernel(
 # program walking a long context one block at a time keeps too few loads in flight to use a
 # GPU's memory bandwidth.
 PARTITION_BLOCKS = 32
+# A fixed grid (a captured graph's) splits every context into at most this many partitions.
+MAX_STATIC_PARTITIONS = 16
+
+
+def static_partitions(max_blocks: int) -> tuple[int, int]:
+    """A grid fixed for any context of up to ``max_blocks`` blocks, chosen once (at graph capture) instead of
+    from each step's longest context: (partition count, blocks per partition). Partitions past a sequence's
+    end cost a program that exits at once; the merge ignores them."""
+    partition_blocks = max(PARTITION_BLOCKS, -(-max_blocks // MAX_STATIC_PARTITIONS))
+    return -(-max_blocks // partition_blocks), partition_blocks
 
 
 def paged_attention(
@@ -232,7 +242,9 @@ def paged_attention(
     partition_blocks: int = PARTITION_BLOCKS,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention``; each token's sequence and position come from the
-    metadata (``token_seqs``, ``token_positions``: written once per step)."""
+    metadata (``token_seqs``, ``token_positions``: written once per step). The grid's context partitions are
+    the metadata's fixed ``partitions`` where it has them (``static_partitions``: nothing read from the
+    step's values), else enough of ``partition_blocks`` blocks for the step's longest context."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -241,7 +253,12 @@ def paged_attention(
         return output
     group = num_heads // num_kv_heads
     longest_blocks = -(-max(metadata.context_lens) // block_size)
-    num_partitions = -(-longest_blocks // partition_blocks)
+    if metadata.partitions is not None:
+        num_partitions, partition_blocks = metadata.partitions
+        if num_partitions * partition_blocks < longest_blocks:
+            raise ValueError(f"{metadata.partitions} partitions of blocks do not cover {longest_blocks} blocks")
+    else:
+        num_partitions = -(-longest_blocks // partition_blocks)
     split = num_partitions > 1
     if split:
         partial = torch.empty(

@@ -31,6 +31,7 @@ from pdserve.kernels.metadata import build_attention_metadata
 from pdserve.models.config import ModelConfig
 from pdserve.models.transformer import CausalLM
 from pdserve.worker.cpu_budget import CgroupLimits, read_cgroup_limits
+from pdserve.worker.cuda_graphs import graph_pool_estimate, graph_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class RunnerConfig:
     cpu_threads: int | None = None  # compute threads of this rank on CPU (None: torch's default)
     # CPU, one rank, threads detected rather than given: fewer of them while other processes take the CPUs.
     follow_contention: bool = False
+    enforce_eager: bool = False  # GPU: no CUDA graphs
+    cuda_graph_sizes: list[int] | None = None  # GPU: the decode batch sizes captured (None: the default ladder)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -171,9 +174,11 @@ def cpu_kv_budget(tp_size: int = 1, limits: CgroupLimits | None = None) -> int:
 
 
 def gpu_kv_budget(model: CausalLM, model_config: ModelConfig, config: RunnerConfig) -> int:
-    """Memory the KV cache may take: total × utilisation − (weights + activation peak)."""
+    """Memory the KV cache may take: total × utilisation − (weights + activation peak + the CUDA graphs'
+    pool)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(config.device)
+    weights = torch.cuda.memory_allocated(config.device)  # what the process holds before the profile
     # Profile the largest step the scheduler can issue, with a throwaway cache just big enough.
     tokens = config.max_num_batched_tokens
     num_blocks = -(-tokens // config.block_size)
@@ -197,7 +202,8 @@ def gpu_kv_budget(model: CausalLM, model_config: ModelConfig, config: RunnerConf
     free_now, _ = torch.cuda.mem_get_info(config.device)
     # Memory used outside this process's allocator (other processes, CUDA context) counts too.
     used_elsewhere = (total - free_now) - torch.cuda.memory_reserved(config.device)
-    return int(total * config.gpu_memory_utilization - (peak - scratch_bytes) - max(used_elsewhere, 0))
+    graphs = graph_pool_estimate(peak - scratch_bytes - weights, tokens, graph_sizes(config, model_config))
+    return int(total * config.gpu_memory_utilization - (peak - scratch_bytes) - graphs - max(used_elsewhere, 0))
 
 
 def allocate_kv_cache(

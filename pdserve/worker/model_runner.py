@@ -24,6 +24,7 @@ from pdserve.models.dtype import dtype_name
 from pdserve.models.loader import load_model
 from pdserve.models.parallel import TensorParallel, rank_config
 from pdserve.worker.cpu_budget import ThreadGovernor
+from pdserve.worker.cuda_graphs import DecodeGraphs, graph_sizes
 from pdserve.worker.interface import NO_TOKEN, ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pdserve.worker.kv_cache import (
     CacheSize,
@@ -67,6 +68,7 @@ class StepInputs:
     sample_rows: list[int]  # the output row each sampling request's token comes from
     sample_requests: list[int]  # which request (index in the step) samples from each of those rows
     prompt_rows: list[tuple[int, int, int, int]]  # prompt logprobs: (request index, first row, position, count)
+    graph_size: int | None = None  # a decode step padded to this captured size (``worker.cuda_graphs``)
 
 
 class ModelRunner:
@@ -126,6 +128,11 @@ class ModelRunner:
         )
         with self.startup.phase("warm_up"):
             self._warm_up()
+        self.graphs: DecodeGraphs | None = None
+        sizes = graph_sizes(config, model_config)
+        if sizes:
+            with self.startup.phase("capture_graphs"):
+                self.graphs = self._capture_graphs(sizes)
         self.threads = (
             ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
             if self.device.type == "cpu" and config.follow_contention
@@ -151,10 +158,28 @@ class ModelRunner:
         input_ids, positions, metadata = self.inputs.prepare(
             [[0] * prefill, [0]], [prefill, 1], [0, 0], [list(range(blocks_needed - 1)), [blocks_needed - 1]], slots
         )
-        hidden = self.model(input_ids, positions, self.layer_caches, metadata)
+        hidden = self._forward(input_ids, positions, metadata)
         self.model.compute_logits(hidden[[prefill - 1, prefill]])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _capture_graphs(self, sizes: list[int]) -> DecodeGraphs:
+        from pdserve.kernels.triton_attention import static_partitions  # imports triton: GPU only
+
+        reserved = torch.cuda.memory_reserved(self.device)
+        graphs = DecodeGraphs.capture(
+            self._forward, self.inputs, sizes, static_partitions(self.inputs.max_blocks), self.device
+        )
+        logger.info(
+            "CUDA graphs: decode steps of %d batch sizes (%s); their pool took %.0f MiB",
+            len(sizes),
+            ", ".join(map(str, sizes)),
+            (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
+        )
+        return graphs
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.layer_caches, metadata)
 
     @property
     def bytes_per_block(self) -> int:
@@ -189,13 +214,22 @@ class ModelRunner:
         slots = scheduler_output.state_slots
         if slots is not None:
             self._zero_fresh_states(slots, scheduler_output.start_positions)
-        input_ids, positions, metadata = self.inputs.prepare(
-            [request.all_token_ids for request in requests],
-            scheduler_output.num_scheduled_tokens,
-            scheduler_output.start_positions,
-            scheduler_output.block_ids,
-            slots,
-        )
+        token_ids = [request.all_token_ids for request in requests]
+        counts, starts = scheduler_output.num_scheduled_tokens, scheduler_output.start_positions
+        block_ids = scheduler_output.block_ids
+        graph_size = None
+        # Never a hybrid model's step: a padding row would update its request's linear-attention state twice.
+        if self.graphs is not None and slots is None and scheduler_output.total_num_scheduled_tokens == len(requests):
+            graph_size = self.graphs.size_for(len(requests))
+        if graph_size is not None:  # a decode step a graph runs: padded with copies of its last request
+            padding = graph_size - len(requests)
+            token_ids = [*token_ids, *[token_ids[-1]] * padding]
+            counts, starts = [*counts, *[1] * padding], [*starts, *[starts[-1]] * padding]
+            block_ids = [*block_ids, *[block_ids[-1]] * padding]
+        input_ids, positions, metadata = self.inputs.prepare(token_ids, counts, starts, block_ids, slots)
+        if graph_size is not None:
+            assert self.graphs is not None
+            metadata.partitions = self.graphs.partitions
         sample_rows: list[int] = []  # batch token index whose logits give each sampled request's token
         sample_requests: list[int] = []
         prompt_rows: list[tuple[int, int, int, int]] = []  # (request index, first row, first position, count)
@@ -209,13 +243,16 @@ class ModelRunner:
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
                 count = min(end, request.num_prompt_tokens - 1) - start
                 prompt_rows.append((index, metadata.query_start_loc[index], start, count))
-        return StepInputs(input_ids, positions, metadata, sample_rows, sample_requests, prompt_rows)
+        return StepInputs(input_ids, positions, metadata, sample_rows, sample_requests, prompt_rows, graph_size)
 
     def run_model(self, inputs: StepInputs, state_restores: list[int] | None = None) -> torch.Tensor:
         """The forward pass over the step's tokens: their last hidden states. ``state_restores``: state
         slots (hybrid models) the step must leave as it found them."""
         kept = self._keep_states(state_restores) if state_restores else None
-        hidden = self.model(inputs.input_ids, inputs.positions, self.layer_caches, inputs.metadata)
+        if inputs.graph_size is not None and self.graphs is not None:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        else:
+            hidden = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
         if kept is not None:
             self._restore_states(*kept)
         return hidden

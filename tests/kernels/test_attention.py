@@ -211,6 +211,23 @@ def test_triton_context_partitions_merge_exactly():
     for partition_blocks in (1, 3):
         actual = tri.paged_attention(query, k_cache, v_cache, metadata, 0.25, partition_blocks=partition_blocks)
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    # A fixed grid, as a captured graph has: more partitions than any context here needs, most of them empty.
+    for fixed in ((40, 1), (4, 6)):
+        metadata.partitions = fixed
+        actual = tri.paged_attention(query, k_cache, v_cache, metadata, 0.25)
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    metadata.partitions = (2, 3)  # 6 blocks: the 71-token context needs 18
+    with pytest.raises(ValueError, match="do not cover 18 blocks"):
+        tri.paged_attention(query, k_cache, v_cache, metadata, 0.25)
+
+
+def test_a_static_grid_covers_every_context_in_a_bounded_number_of_partitions():
+    assert tri.static_partitions(8) == (1, 32)
+    assert tri.static_partitions(64) == (2, 32)
+    assert tri.static_partitions(2048) == (16, 128)  # 32k tokens of 16: partitions grow instead of multiplying
+    for max_blocks in range(1, 3000, 37):
+        count, size = tri.static_partitions(max_blocks)
+        assert count * size >= max_blocks and count <= tri.MAX_STATIC_PARTITIONS
 
 
 # --kv-cache-dtype: a cache that stores 16-bit floats under a float32 model. Each path widens what it reads

@@ -165,3 +165,44 @@ def test_16_bit_kv_caches_track_float32(name, kv_dtype, hf_models, hf_reference,
         torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
     if ties:
         print(f"{name}, {kv_dtype} KV: near-ties (prompt, position, HF margin): {ties}")
+
+
+@pytest.mark.parametrize(
+    "name", ["llama-gqa2-biases", "qwen3-gqa2-headdim", "qwen3moe-e8-top2-mlponly", "mixtral-e4-top2"]
+)
+def test_decode_steps_padded_to_graph_sizes_equal_hf(name, hf_models, hf_reference, demo_model_path):
+    """The CUDA graphs' path without capture (``DecodeGraphs.eager``): decode steps padded with copies of their
+    last request to the next of the sizes, the padding's rows computed and dropped. Capture and replay
+    themselves need a GPU (bench/gpu_check.sh)."""
+    from pdserve.worker.cuda_graphs import DecodeGraphs
+
+    folder, _ = hf_models[name]
+    llm = LLM(str(folder), tokenizer=str(demo_model_path), block_size=8, kv_cache_memory=32 << 20)
+    runner = llm.engine.model_executor
+    graphs = DecodeGraphs.eager(runner._forward, [1, 2, 4, 8, 16])
+    padded_sizes = []
+    run = graphs.run
+
+    def counting_run(input_ids, positions, metadata):
+        padded_sizes.append(len(input_ids))
+        return run(input_ids, positions, metadata)
+
+    graphs.run = counting_run
+    runner.graphs = graphs
+    # Different lengths finish at different steps: the batch shrinks through sizes that need padding.
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW - i, ignore_eos=True, logprobs=1) for i in range(11)]
+    outputs = llm.generate(PROMPTS, params)
+    reference = [(expected[: MAX_NEW - i], logprobs) for i, (expected, logprobs) in enumerate(hf_reference[name])]
+    _compare(name, outputs, reference)
+    assert {16, 8, 4, 2, 1} <= set(padded_sizes)  # 11 requests padded to 16, then fewer
+
+
+def test_hybrid_models_capture_no_graphs(hf_models):
+    """A padding row would update its request's linear-attention state twice: hybrid models run eagerly."""
+    from pdserve.models.config import ModelConfig
+    from pdserve.worker.cuda_graphs import graph_sizes
+    from pdserve.worker.kv_cache import RunnerConfig
+
+    config = RunnerConfig("m", torch.float32, torch.device("cuda"))
+    assert graph_sizes(config, ModelConfig.from_folder(hf_models["qwen3.5-hybrid"][0]))[:4] == []
+    assert graph_sizes(config, ModelConfig.from_folder(hf_models["qwen3-gqa2-headdim"][0]))[:4] == [1, 2, 4, 8]

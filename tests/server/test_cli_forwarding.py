@@ -20,8 +20,8 @@ def _other_value(flag) -> list[str]:
     if flag.spec.choices:
         others = [choice for choice in flag.spec.choices if choice != flag.default]
         return [flag.option, others[0] if others else flag.spec.choices[0]]
-    if flag.kind is str:
-        return [flag.option, "some-value"]
+    if flag.kind is str:  # a parsed one (--cuda-graph-sizes) takes numbers
+        return [flag.option, "3" if flag.spec.parse is not None else "some-value"]
     base = flag.default if flag.default is not None else 1
     return [flag.option, str(flag.kind(base) + flag.kind(3))]
 
