@@ -28,11 +28,15 @@ def test_gpu_check_dry_run_passes_every_section(tmp_path):
     )
     report = json.loads(out.read_text())
     assert report["dry_run"] is True
-    for section in ("kernels", "moe_kernel", "parity", "worker_process"):
+    for section in ("kernels", "moe_kernel", "parity", "worker_process", "pd"):
         assert report[section].get("passed") is True, (section, report[section], result.stdout[-3000:])
     # Speed targets are the GPU's: on CPU (Triton interpreted) these sections only have to run.
     assert "kv_read_gbps" in report["attention_bandwidth"], report["attention_bandwidth"]
     assert "step_ms" in report["decode_step"]["batch_8"], report["decode_step"]
     graphs = report["cuda_graphs"]  # the padded path without capture: tokens must match, times are not judged
     assert graphs.get("passed") is True and "graphs_batch_1_ms" in graphs, graphs
+    fp8 = report["kv_fp8"]  # on CPU through the reference path: capacity and agreement measured, not judged
+    assert fp8.get("capacity_ratio", 0) > 3.9 and fp8.get("positions", 0) > 8 * 32, fp8  # prompts and outputs
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "| pd | passed |" in table and "| cuda_graphs | passed |" in table, table
     assert result.returncode == 0, result.stdout[-3000:]

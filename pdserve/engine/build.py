@@ -60,6 +60,11 @@ def build_engine_core(args: EngineArgs) -> tuple[EngineCore, ModelConfig, CpuBud
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(args.dtype, device)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
+    if kv_dtype == torch.float8_e4m3fn and device.type == "cpu":
+        logger.warning(
+            "--kv-cache-dtype fp8_e4m3 on CPU: no fused CPU kernel reads 8-bit KV, so attention runs the torch "
+            "reference path (several times slower than a 16-bit cache, which also halves an fp32 one)"
+        )
     budget = None
     if device.type == "cpu":
         budget = choose_threads(args.cpu_threads, args.tensor_parallel_size)

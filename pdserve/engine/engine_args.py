@@ -39,7 +39,8 @@ class EngineArgs:
         default="auto",
         metadata=flag(
             "what the KV cache stores: auto (the model's dtype), bfloat16 or float16 (half an fp32 cache; read back "
-            "into float32), float32; fp8_e4m3 is refused (not built yet)",
+            "into float32), float32, fp8_e4m3 (half a 16-bit cache: K and V divided by a scale per layer, the "
+            "checkpoint's or 1.0; on CPU through the slower torch reference path)",
             choices=(*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES),
         ),
     )

@@ -156,10 +156,11 @@ def rope_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
+    kv_scales: tuple[float, float] = reference.NO_SCALES,
 ) -> bool:
     """Rotate ``qk`` [tokens, q_heads + kv_heads, head_dim] in place and store its k heads and
     ``value`` in the cache; False (nothing done) when the kernel does not apply (then the caller
-    uses torch ops)."""
+    uses torch ops). ``kv_scales`` are an 8-bit cache's, which this kernel does not write."""
     applies = qk.dtype == torch.float32 and qk.device.type == "cpu" and k_cache.dtype in KV_DTYPES
     ops = cpu_ops() if applies else None
     if ops is None:
@@ -178,14 +179,19 @@ def rope_write_kv(
 
 
 def paged_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    kv_scales: tuple[float, float] = reference.NO_SCALES,
 ) -> torch.Tensor:
     """``reference.paged_attention`` with the decodes computed by the fused kernel (fp32 queries over a
     ``KV_DTYPES`` cache, when it could be built); prefill chunks, other dtypes and kernel-less hosts use
-    the reference."""
+    the reference (an 8-bit cache's ``kv_scales`` with it)."""
     ops = cpu_ops() if query.dtype == torch.float32 and k_cache.dtype in KV_DTYPES else None
     if ops is None:
-        return reference.paged_attention(query, k_cache, v_cache, metadata, scale)
+        return reference.paged_attention(query, k_cache, v_cache, metadata, scale, kv_scales)
     output = torch.empty_like(query)
     rows = metadata.decode_token_indices
     if len(rows):

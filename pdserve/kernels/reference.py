@@ -21,6 +21,24 @@ import torch.nn.functional as F
 
 from pdserve.kernels.metadata import AttentionMetadata
 
+# 8-bit float caches store K / k_scale and V / v_scale (a scale per layer: ``Attention.kv_scales``) and are
+# read back times the scale; other dtypes ignore the scales. float8_e4m3fn saturates at +-448 (torch's
+# conversion clamps).
+FP8_DTYPES = (torch.float8_e4m3fn,)
+NO_SCALES = (1.0, 1.0)
+
+
+def stored(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` stores it."""
+    return (x / scale).to(dtype) if dtype in FP8_DTYPES else x.to(dtype)
+
+
+def widened(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cache values ``x`` read back in ``dtype``."""
+    if x.dtype in FP8_DTYPES:
+        return x.to(dtype).mul_(scale)
+    return x.to(dtype)
+
 
 def write_kv(
     key: torch.Tensor,
@@ -28,21 +46,22 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
+    kv_scales: tuple[float, float] = NO_SCALES,
 ) -> None:
     """Store the new tokens' K and V ``[num_tokens, num_kv_heads, head_dim]`` in their slots (rounded to
-    the cache's dtype where it stores another)."""
-    k_cache[metadata.slot_block_ids, metadata.slot_offsets] = key.to(k_cache.dtype)
-    v_cache[metadata.slot_block_ids, metadata.slot_offsets] = value.to(v_cache.dtype)
+    the cache's dtype where it stores another; divided by the layer's scales into an 8-bit cache)."""
+    k_cache[metadata.slot_block_ids, metadata.slot_offsets] = stored(key, k_cache.dtype, kv_scales[0])
+    v_cache[metadata.slot_block_ids, metadata.slot_offsets] = stored(value, v_cache.dtype, kv_scales[1])
 
 
 def _gather_context(
-    cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype
+    cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype, scale: float
 ) -> torch.Tensor:
     """[num_tokens, num_kv_heads, head_dim] of one sequence, in position order, in ``dtype``."""
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
     blocks = cache[block_table[:num_blocks]]
-    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:num_tokens].to(dtype)
+    return widened(blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:num_tokens], dtype, scale)
 
 
 def paged_attention(
@@ -51,13 +70,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    kv_scales: tuple[float, float] = NO_SCALES,
 ) -> torch.Tensor:
     """Attention of each new token ``query [num_tokens, num_heads, head_dim]`` over its sequence's
     context in the cache (its own K/V must already be written). Returns the query's shape."""
     output = torch.empty_like(query)
     if len(metadata.decode_seq_indices):
-        decode_attention(query, k_cache, v_cache, metadata, scale, output)
-    prefill_attention(query, k_cache, v_cache, metadata, scale, output)
+        decode_attention(query, k_cache, v_cache, metadata, scale, output, kv_scales)
+    prefill_attention(query, k_cache, v_cache, metadata, scale, output, kv_scales)
     return output
 
 
@@ -68,6 +88,7 @@ def prefill_attention(
     metadata: AttentionMetadata,
     scale: float,
     output: torch.Tensor,
+    kv_scales: tuple[float, float] = NO_SCALES,
 ) -> None:
     """The prefill chunks' part of ``paged_attention``, written into ``output``."""
     group = query.shape[1] // k_cache.shape[2]
@@ -75,8 +96,8 @@ def prefill_attention(
         start, end = metadata.query_start_loc[seq], metadata.query_start_loc[seq + 1]
         query_len = end - start
         context_len = metadata.context_lens[seq]
-        keys = _gather_context(k_cache, metadata.block_tables[seq], context_len, query.dtype)
-        values = _gather_context(v_cache, metadata.block_tables[seq], context_len, query.dtype)
+        keys = _gather_context(k_cache, metadata.block_tables[seq], context_len, query.dtype, kv_scales[0])
+        values = _gather_context(v_cache, metadata.block_tables[seq], context_len, query.dtype, kv_scales[1])
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, head_dim]
         k = keys.transpose(0, 1).unsqueeze(0)
         v = values.transpose(0, 1).unsqueeze(0)
@@ -100,6 +121,7 @@ def decode_attention(
     metadata: AttentionMetadata,
     scale: float,
     output: torch.Tensor,
+    kv_scales: tuple[float, float] = NO_SCALES,
 ) -> None:
     """The decodes' part of ``paged_attention``, written into ``output``."""
     num_kv_heads, head_dim, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
@@ -119,7 +141,7 @@ def decode_attention(
     for head in range(num_kv_heads):
         torch.index_select(k_cache[:, :, head], 0, block_ids, out=keys)
         torch.index_select(v_cache[:, :, head], 0, block_ids, out=values)
-        head_keys, head_values = keys.to(query.dtype), values.to(query.dtype)
+        head_keys, head_values = widened(keys, query.dtype, kv_scales[0]), widened(values, query.dtype, kv_scales[1])
         heads = slice(head * group, (head + 1) * group)  # the query heads sharing this KV head
         scores = torch.bmm(queries[:, heads], head_keys.view(num_decodes, span, head_dim).transpose(1, 2))
         scores.mul_(scale).masked_fill_(padding, float("-inf"))

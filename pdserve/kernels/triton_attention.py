@@ -18,6 +18,9 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.metadata import AttentionMetadata
+from pdserve.kernels.reference import FP8_DTYPES, NO_SCALES
+
+FP8_E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -38,8 +41,11 @@ def _write_kv_kernel(
     stride_vcb,
     stride_vcs,
     stride_vch,
+    inv_k_scale,
+    inv_v_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -49,6 +55,9 @@ def _write_kv_kernel(
     offset = tl.load(offsets_ptr + token).to(tl.int64)
     k = tl.load(key_ptr + token * stride_kt + head * stride_kh + dims, mask=in_dim)
     v = tl.load(value_ptr + token * stride_vt + head * stride_vh + dims, mask=in_dim)
+    if FP8:  # divided by the layer's scales and saturated, as torch converts to float8_e4m3fn
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -FP8_E4M3_MAX), FP8_E4M3_MAX)
     tl.store(k_cache_ptr + block * stride_cb + offset * stride_cs + head * stride_ch + dims, k, mask=in_dim)
     tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + head * stride_vch + dims, v, mask=in_dim)
 
@@ -59,7 +68,9 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
+    kv_scales: tuple[float, float] = NO_SCALES,
 ) -> None:
+    """``reference.write_kv``'s contract."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -82,8 +93,11 @@ def write_kv(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        1.0 / kv_scales[0],
+        1.0 / kv_scales[1],
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        FP8=k_cache.dtype in FP8_DTYPES,
     )
 
 
@@ -111,6 +125,8 @@ def _paged_attention_kernel(
     stride_vch,
     stride_table,
     num_partitions,
+    k_scale,
+    v_scale,
     GROUP: tl.constexpr,
     GROUP_PADDED: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -151,16 +167,22 @@ def _paged_attention_kernel(
         key_positions = block_index * BLOCK_SIZE + slots
         visible = (slots < BLOCK_SIZE) & (key_positions <= position)
         kv_mask = visible[:, None] & in_dim[None, :]
-        k = tl.load(
-            k_cache_ptr + block * stride_cb + slots[:, None] * stride_cs + kv_head * stride_ch + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
-        v = tl.load(
-            v_cache_ptr + block * stride_vcb + slots[:, None] * stride_vcs + kv_head * stride_vch + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
+        k = (
+            tl.load(
+                k_cache_ptr + block * stride_cb + slots[:, None] * stride_cs + kv_head * stride_ch + dims[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(tl.float32)
+            * k_scale
+        )
+        v = (
+            tl.load(
+                v_cache_ptr + block * stride_vcb + slots[:, None] * stride_vcs + kv_head * stride_vch + dims[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(tl.float32)
+            * v_scale
+        )
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP, BLOCK]
         scores = tl.where(visible[None, :], scores, float("-inf"))
         new_max = tl.maximum(max_score, tl.max(scores, axis=1))
@@ -239,6 +261,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    kv_scales: tuple[float, float] = NO_SCALES,
     partition_blocks: int = PARTITION_BLOCKS,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention``; each token's sequence and position come from the
@@ -291,6 +314,7 @@ def paged_attention(
         v_cache.stride(2),
         metadata.block_tables.stride(0),
         num_partitions,
+        *(kv_scales if k_cache.dtype in FP8_DTYPES else NO_SCALES),  # other dtypes ignore the scales
         GROUP=group,
         GROUP_PADDED=triton.next_power_of_2(group),
         HEAD_DIM=head_dim,

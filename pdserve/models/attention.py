@@ -17,12 +17,13 @@ from pdserve.models.rope import apply_rotary
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    # (qk, v, cos, sin, k_cache, v_cache, metadata): rotate the q and k heads of qk [tokens,
+    # (qk, v, cos, sin, k_cache, v_cache, metadata, kv_scales): rotate the q and k heads of qk [tokens,
     # q_heads + kv_heads, head_dim] in place, then store the k heads and v in their cache slots.
     rotate_and_cache: Callable[..., None]
+    # (q, k_cache, v_cache, metadata, scale, kv_scales): ``reference.paged_attention``'s contract.
     paged_attention: Callable[..., torch.Tensor]
-    # (key, value, k_cache, v_cache, metadata): store already-rotated k heads and v (partial rotary,
-    # where the rotation is the model's own).
+    # (key, value, k_cache, v_cache, metadata, kv_scales): store already-rotated k heads and v (partial
+    # rotary, where the rotation is the model's own). ``kv_scales``: an 8-bit cache's (k, v) scales.
     write_kv: Callable[..., None]
 
 
@@ -40,11 +41,12 @@ def rotate_and_cache_with(
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        kv_scales: tuple[float, float] = reference.NO_SCALES,
     ) -> None:
-        if fused is not None and fused(qk, value, cos, sin, k_cache, v_cache, metadata):
+        if fused is not None and fused(qk, value, cos, sin, k_cache, v_cache, metadata, kv_scales):
             return
         qk.copy_(apply_rotary(qk, cos, sin))
-        write_kv(qk[:, qk.shape[1] - value.shape[1] :], value, k_cache, v_cache, metadata)
+        write_kv(qk[:, qk.shape[1] - value.shape[1] :], value, k_cache, v_cache, metadata, kv_scales)
 
     return rotate_and_cache
 

@@ -30,12 +30,14 @@ from pdserve.models.linear import Linear
 from pdserve.models.moe import SparseMoeBlock
 from pdserve.models.parallel import TensorParallel, rank_config
 from pdserve.models.rope import RotaryEmbedding
-from pdserve.models.transformer import CausalLM
+from pdserve.models.transformer import Attention, CausalLM
 
 logger = logging.getLogger(__name__)
 # Checkpoint rows a rank reads: all (None), a range, or ranges joined in order.
 SourceRows = slice | tuple[slice, ...] | None
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# An 8-bit KV cache's per-layer scales, as quantised checkpoints store them (scalars).
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -231,6 +233,23 @@ def _expert_target(block: SparseMoeBlock, name: str, experts: Experts, layout: _
     return _Target(block.w13, rows, transposed=True, source_rows=layout.expert_rows, expert=int(expert))
 
 
+def _set_kv_scale(model: CausalLM, name: str, checkpoint: Any, stored_name: str) -> bool:
+    """A layer's KV-cache scale (``model.layers.N.self_attn.k_scale`` / ``v_scale``) put where its attention
+    reads it (``Attention.kv_scales``); False for any other tensor."""
+    match = _KV_SCALE.match(name)
+    if match is None:
+        return False
+    attention = model.layers[int(match.group(1))].self_attn
+    if not isinstance(attention, Attention):
+        raise ValueError(f"{name}: layer {match.group(1)} has no attention to scale")
+    value = float(checkpoint.get_tensor(stored_name).float().reshape(-1)[0])
+    if not value > 0:
+        raise ValueError(f"{name}: a KV-cache scale must be positive, got {value}")
+    k_scale, v_scale = attention.kv_scales
+    attention.kv_scales = (value, v_scale) if match.group(2) == "k" else (k_scale, value)
+    return True
+
+
 def _renamed_prefix(name: str, checkpoint: Checkpoint) -> str:
     """``name`` with a prefix the family renames (a vision-language class's text model) made ours."""
     for theirs, ours in checkpoint.prefixes.items():
@@ -282,6 +301,8 @@ def load_model(
                     name = _renamed_prefix(stored_name, names)
                     if name.endswith(names.ignored) or (name == "lm_head.weight" and model.lm_head is None):
                         continue  # tied checkpoints sometimes store the shared matrix twice
+                    if _set_kv_scale(model, name, checkpoint, stored_name):
+                        continue
                     target = _target(model, name, names, layout)
                     if target is None:
                         unexpected.append(name)

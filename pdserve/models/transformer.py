@@ -118,6 +118,9 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_width + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, tp)
+        # An 8-bit KV cache's (k, v) scales: the checkpoint's ``self_attn.k_scale`` / ``v_scale`` where it has
+        # them (the loader sets them), else 1.0. Other cache dtypes ignore them.
+        self.kv_scales = (1.0, 1.0)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend = backend
@@ -138,13 +141,13 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             qk = torch.cat([q, k], dim=1)
         if self.rotary_dim == self.head_dim:
-            self.backend.rotate_and_cache(qk, v, *rope, k_cache, v_cache, metadata)
+            self.backend.rotate_and_cache(qk, v, *rope, k_cache, v_cache, metadata, self.kv_scales)
         else:  # partial rotary: the leading features of each head turn, the rest pass as they are
             turned = qk[..., : self.rotary_dim]
             turned.copy_(apply_rotary(turned, *rope))
-            self.backend.write_kv(qk[:, self.num_heads :], v, k_cache, v_cache, metadata)
+            self.backend.write_kv(qk[:, self.num_heads :], v, k_cache, v_cache, metadata, self.kv_scales)
         q = qk[:, : self.num_heads]
-        out = self.backend.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        out = self.backend.paged_attention(q, k_cache, v_cache, metadata, self.scale, self.kv_scales)
         if self.gated:
             gate = qkv[:, : self.q_width].view(num_tokens, self.num_heads, -1)[..., self.head_dim :]
             out = out.view(num_tokens, self.num_heads, self.head_dim) * torch.sigmoid(gate)

@@ -68,16 +68,14 @@ def test_unsupported_things_fail_clearly(tmp_path):
     assert resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
 
 
-def test_kv_cache_dtypes_resolve_by_name_and_fp8_is_refused():
+def test_kv_cache_dtypes_resolve_by_name():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert resolve_kv_cache_dtype("auto", torch.float32, cpu) == torch.float32
     assert resolve_kv_cache_dtype("bf16", torch.float32, cpu) == torch.bfloat16
     assert resolve_kv_cache_dtype("float16", torch.float32, cpu) == torch.float16
     assert resolve_kv_cache_dtype("fp32", torch.bfloat16, gpu) == torch.float32
-    with pytest.raises(ValueError, match="fp8_e4m3 \\(needs a GPU"):
-        resolve_kv_cache_dtype("fp8_e4m3", torch.float32, cpu)
-    with pytest.raises(ValueError, match="fp8_e4m3 \\(on GPU, not built yet"):  # the scaled kernels are not
-        resolve_kv_cache_dtype("fp8", torch.bfloat16, gpu)
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16, gpu) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("fp8_e4m3", torch.float32, cpu) == torch.float8_e4m3fn  # the reference path
     with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):
         resolve_kv_cache_dtype("int4", torch.float32, cpu)
 
@@ -106,6 +104,25 @@ def test_missing_and_unexpected_weights_are_named(tmp_path):
         load_model(tmp_path, config, torch.float32, torch.device("cpu"), 64)
     save_file({**weights, "model.layers.0.extra.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="no place in LlamaForCausalLM"):
+        load_model(tmp_path, config, torch.float32, torch.device("cpu"), 64)
+
+
+def test_kv_cache_scales_of_a_quantised_checkpoint_reach_their_layers(tmp_path):
+    """``self_attn.k_scale`` / ``v_scale`` (scalars, as fp8-quantised checkpoints store them) become the layer's
+    ``kv_scales``; a layer without them keeps 1.0; a scale that is not positive is refused by name."""
+    build_hf_model("Llama", {"num_attention_heads": 4}, tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    config = ModelConfig.from_folder(tmp_path)
+    scales = {
+        "model.layers.0.self_attn.k_scale": torch.tensor(2.0),
+        "model.layers.0.self_attn.v_scale": torch.tensor([0.5]),
+    }
+    save_file({**weights, **scales}, str(tmp_path / "model.safetensors"))
+    model = load_model(tmp_path, config, torch.float32, torch.device("cpu"), 64)
+    assert model.layers[0].self_attn.kv_scales == (2.0, 0.5)
+    assert model.layers[1].self_attn.kv_scales == (1.0, 1.0)
+    save_file({**weights, "model.layers.1.self_attn.v_scale": torch.tensor(0.0)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.v_scale: a KV-cache scale must be positive"):
         load_model(tmp_path, config, torch.float32, torch.device("cpu"), 64)
 
 
