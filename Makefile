@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # pdserve/__init__.py), and processes sharing a small CPU starve each other.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup serve test test-slow test-k8s lint bench bench-vs-vllm
+.PHONY: setup serve test test-slow test-k8s lint bench bench-vs-vllm gpu-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,21 @@ test-slow: setup
 test-k8s: setup
 	bash tests/k8s/control_plane.sh install
 	$(BIN)/python -m pytest -m k8s tests/k8s --durations=5 -p no:cacheprovider
+
+# The wheels bench/gpu_check.sh installs on a lent GPU machine (bench/gpu-wheels.txt says which and why), at
+# this venv's versions, for its Python 3.12; then a dry install of the folder, which fails on a missing or
+# mismatched wheel. Pass bench/gpu-wheels in the device tool's carry.
+GPU_WHEELS := bench/gpu-wheels
+GPU_PLATFORMS := --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+gpu-wheels: setup
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	pins=$$(grep -v '^#' bench/gpu-wheels.txt | $(BIN)/python -c "import sys, importlib.metadata as m; \
+		print(' '.join(f'{p}=={m.version(p)}' for p in sys.stdin.read().split()))") && \
+	$(BIN)/pip download --quiet --no-deps --dest $(GPU_WHEELS) $(GPU_PLATFORMS) $$pins && \
+	$(BIN)/pip install --dry-run --quiet --no-deps --no-index --find-links $(GPU_WHEELS) $(GPU_PLATFORMS) \
+		--target $$(mktemp -d) $$pins
+	du -sh $(GPU_WHEELS)
 
 bench: setup
 	$(BIN)/pip install --quiet -e '.[bench]'

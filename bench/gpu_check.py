@@ -371,11 +371,11 @@ GRAPH_SIZES = "1,2,4,8,16,32,64"
 
 
 def check_cuda_graphs() -> dict:
-    """Decode steps replayed from CUDA graphs against eager ones (``--enforce-eager``): greedy tokens on dense
-    and mixture-of-experts test shapes in fp32, with batches that shrink through sizes that need padding; then
-    the ~110M Llama's decode step in bf16 at batch 1, 8 and 64, eager and replayed (goal: graphs >= 1.5x at
-    batch 1). Dry run: no graphs on CPU, so the padded path runs without capture (``DecodeGraphs.eager``) and
-    the times are not judged."""
+    """Decode steps replayed from CUDA graphs against eager ones (``--enforce-eager``): greedy tokens on a test
+    shape of every family graphs run for (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral) in fp32, with batches that
+    shrink through sizes that need padding; then the ~110M Llama's decode step in bf16 at batch 1, 8 and 64,
+    eager and replayed (goal: graphs >= 1.5x at batch 1). Dry run: no graphs on CPU, so the padded path runs
+    without capture (``DecodeGraphs.eager``) and the times are not judged."""
     from pdserve import LLM, SamplingParams
     from pdserve.engine.request import Request
     from pdserve.models.demo import ensure_demo_model
@@ -421,7 +421,14 @@ def check_cuda_graphs() -> dict:
         return seen
 
     results: dict = {"sizes": sizes, "shapes": {}}
-    shapes = ["llama-gqa2-biases", "qwen3-gqa2-headdim", "qwen3moe-e8-top2-mlponly"]
+    # One shape per family graphs run for (hybrid models run eagerly: no graphs to check).
+    shapes = [
+        "llama-gqa2-biases",
+        "qwen2-gqa2-bias",
+        "qwen3-gqa2-headdim",
+        "qwen3moe-e8-top2-mlponly",
+        "mixtral-e4-top2",
+    ]
     with tempfile.TemporaryDirectory() as root:
         for name in shapes[: 2 if DRY_RUN else None]:
             folder = os.path.join(root, name)
