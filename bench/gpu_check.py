@@ -630,6 +630,13 @@ def check_worker_process() -> dict:
     return {"passed": tokens["uni"] == tokens["mp"] == tokens["async"], **seconds}
 
 
+def _write_whole(path: str, text: str) -> None:
+    """Write ``path`` so that a kill at any moment leaves the old file or the new one, never half of one."""
+    with open(path + ".part", "w") as handle:
+        handle.write(text)
+    os.replace(path + ".part", path)
+
+
 def markdown_table(report: dict, names: list[str]) -> str:
     """The results so far as a Markdown table: a row per section, its verdict, time and top-level figures."""
     rows = ["| section | result | seconds | figures |", "| --- | --- | ---: | --- |"]
@@ -705,11 +712,9 @@ def main() -> None:
         report[name]["seconds"] = round(time.perf_counter() - start, 1)
         _release_gpu()
         print(json.dumps(report[name], default=str)[:2000], flush=True)
-        if args.out:  # after every section: a timeout still leaves results
-            with open(args.out, "w") as handle:
-                json.dump(report, handle, indent=2, default=str)
-            with open(os.path.splitext(args.out)[0] + ".md", "w") as handle:
-                handle.write(markdown_table(report, list(sections)))
+        if args.out:  # after every section: a run stopped at its bound still leaves whole files
+            _write_whole(args.out, json.dumps(report, indent=2, default=str))
+            _write_whole(os.path.splitext(args.out)[0] + ".md", markdown_table(report, list(sections)))
     failed = [n for n in sections if report[n].get("passed") is False]
     print(
         f"GPU check: {len(sections) - len(failed)} of {len(sections)} sections passed, skipped or not judged; "

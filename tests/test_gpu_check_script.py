@@ -14,7 +14,22 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow  # 17 s: the script's logic, checked with every long suite
+@pytest.mark.slow  # 10 s
+def test_a_run_stopped_at_its_bound_keeps_the_sections_it_finished(tmp_path):
+    """bench/gpu_check.sh's time bound (290 s on a GPU; a few seconds here): the sections done before it are in
+    the JSON and the Markdown table, the others marked not reached, and the exit status says it was stopped."""
+    # kernels takes ~2 s here, parity (its dry run builds and runs two models) ~15-30 s: the bound falls in parity.
+    env = dict(os.environ, GPU_CHECK_LIMIT_S="12", PYTHON=sys.executable)
+    command = ["bash", "bench/gpu_check.sh", str(tmp_path), "--dry-run", "--sections", "kernels,parity"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 124 and "stopped at the 12 s limit" in result.stdout, result.stdout[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["kernels"].get("passed") is True and "parity" not in report, report.keys()
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "| kernels | passed |" in table and "| parity | not reached |" in table, table
+
+
+@pytest.mark.slow  # 22 s: the script's logic, checked with every long suite
 def test_gpu_check_dry_run_passes_every_section(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -170,6 +170,7 @@ class Stub:
         self.die_after: int | None = None  # decode: drop the connection after this many tokens
         # As a decode engine does for the router: token comments (token i is 100 + i) and continuations.
         self.compat_hash: str | None = None
+        self.kv_cache_dtype: str | None = None  # what /health says the KV cache stores
         self.continue_status = 200  # the answer to a continuation (a 4xx: its history refused)
         self.error_after: int | None = None  # decode: end the stream with a 503 error event after this many tokens
         self.cancelled = threading.Event()  # a handler of ours was cancelled or found its client gone
@@ -265,7 +266,12 @@ class Stub:
     async def health(self, request: web.Request) -> web.Response:
         if self.hung:
             await asyncio.sleep(60)
-        health = {"status": "ok", "engine_id": self.engine_id, "kv_compat_hash": self.compat_hash}
+        health = {
+            "status": "ok",
+            "engine_id": self.engine_id,
+            "kv_compat_hash": self.compat_hash,
+            "kv_cache_dtype": self.kv_cache_dtype,
+        }
         if self.verifier is not None:
             health["leg_key"] = self.verifier.leg_key
         if self.kv_events_port is not None:

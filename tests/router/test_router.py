@@ -174,6 +174,27 @@ def test_decode_only_when_one_prefill_leg_cannot_serve(loop, cluster):
     assert metric(metrics_text(loop, no_prefill), "pdserve_router_requests_total", path="decode_only") == 1
 
 
+def test_pods_of_different_kv_cache_dtypes_do_not_pair_and_the_log_says_why_once(loop, cluster, caplog):
+    """--kv-cache-dtype differs between the pools: the compatibility hashes differ, so the decode pod prefills
+    (no_compatible_prefill), and the router names both dtypes in one warning, not one per request."""
+    prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
+    prefill.compat_hash, prefill.kv_cache_dtype = "bf16-cache", "bfloat16"
+    decode.compat_hash, decode.kv_cache_dtype = "fp32-cache", "float32"
+    router = cluster.router([prefill.url], [decode.url], health_interval=0.2)
+
+    async def dtypes_seen() -> None:
+        while not all(pod.kv_cache_dtype for pod in (*router.router.prefill.pods, *router.router.decode.pods)):
+            await asyncio.sleep(0.05)
+
+    loop.run(asyncio.wait_for(dtypes_seen(), 10))
+    for _ in range(3):
+        assert loop.run(post(router.url + "/v1/completions", {"prompt": "hi"}))[0] == 200
+    assert prefill.seen == [] and len(decode.seen) == 3
+    assert metric(metrics_text(loop, router), "pdserve_router_errors_total", kind="no_compatible_prefill") == 3
+    warnings = [r.getMessage() for r in caplog.records if "--kv-cache-dtype" in r.getMessage()]
+    assert len(warnings) == 1 and "stores KV as float32 but the prefill pods as bfloat16" in warnings[0], warnings
+
+
 def test_a_hung_prefill_costs_its_timeout_then_decode_prefills_and_the_pod_leaves_rotation(loop, cluster):
     prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
     prefill.delay = 30.0  # answers nothing in time: a stopped or wedged pod
