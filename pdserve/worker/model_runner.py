@@ -163,6 +163,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @torch.inference_mode()
     def _capture_graphs(self, sizes: list[int]) -> DecodeGraphs:
         from pdserve.kernels.triton_attention import static_partitions  # imports triton: GPU only
 
