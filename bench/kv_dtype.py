@@ -30,6 +30,7 @@ import pdserve  # noqa: F401  (before torch loads: how its OpenMP threads wait, 
 
 # isort: split
 import torch
+from cpu_matmul import cpu_name
 from throughput import MODEL, build_model, median_decode_step, tokens_per_second
 
 from pdserve import LLM, SamplingParams
@@ -110,7 +111,7 @@ def main() -> None:
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     long_prompts = [[rng.randrange(vocab) for _ in range(args.long_context)] for _ in range(16)]
     max_model_len = args.long_context + 128
-    print(f"CPU: {_cpu_model()}, torch threads {torch.get_num_threads()}")
+    print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory() as folder:
         build_model(folder)
         engines = {
@@ -163,14 +164,6 @@ def main() -> None:
                 f"({base['long_context_step_ms'] / row['long_context_step_ms']:.3f}x)"
             )
         print(json.dumps({"bench": "kv_dtype", "medians": medians, "accuracy": accuracy_rows}))
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":
