@@ -437,6 +437,11 @@ def _find_vllm_router(given: str | None) -> str | None:
     return found
 
 
+def _chosen(name: str, only: str | None) -> bool:
+    """Whether ``--only`` (comma-separated name prefixes) keeps the proxy named ``name``."""
+    return only is None or any(name.strip().startswith(prefix.strip()) for prefix in only.split(","))
+
+
 def _median_rows(rounds: list[list[dict]]) -> list[dict]:
     rows = []
     for measured in zip(*rounds, strict=True):
@@ -455,8 +460,8 @@ async def run(args: argparse.Namespace) -> None:
     prefill_port, decode_port = free_port(), free_port()
     stubs = _spawn(["--serve", "stubs", "--port", str(prefill_port), "--decode-port", str(decode_port)], own_core)
     prefill, decode = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
-    proxies = _proxies(_find_vllm_router(args.vllm_router))
-    modes = {"P/D": prefill, "plain": None}
+    proxies = [proxy for proxy in _proxies(_find_vllm_router(args.vllm_router)) if _chosen(proxy.name, args.only)]
+    modes = {mode: leg for mode, leg in {"P/D": prefill, "plain": None}.items() if mode in args.modes}
     tables: dict[str, list[dict]] = {}
     try:
         p50, p99 = await latency(lambda: TwoLegClient(prefill, decode), args.requests)
@@ -503,7 +508,7 @@ async def run(args: argparse.Namespace) -> None:
         baseline = next((row for row in rows if row["name"].startswith("FastAPI")), None)
         if baseline is not None:
             summary[f"{key}_rps_vs_fastapi"] = round(ours["rps"] / baseline["rps"], 2)
-    if args.plot:
+    if args.plot and "P/D" in tables:
         rows = [direct, *tables["P/D"]]
         bar_chart(
             args.plot,
@@ -529,6 +534,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="length of each requests/s measurement")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (the median is reported)")
     parser.add_argument("--vllm-router", metavar="BIN", help="the vllm-router binary (default: on PATH)")
+    parser.add_argument(
+        "--only", metavar="NAMES", help="only the proxies whose names start so (comma-separated; default: all)"
+    )
+    parser.add_argument("--modes", nargs="+", choices=["P/D", "plain"], default=["P/D", "plain"], help="modes to run")
     add_plot_argument(parser)
     parser.add_argument(
         "--serve", choices=["stubs", "router", "router-mac", "router-ed25519", "baseline"], help=argparse.SUPPRESS

@@ -127,6 +127,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--light-rate", type=float, default=1.0, help="tenant B's requests/s")
+    parser.add_argument(
+        "--engine-args", default="", help="more flags for the engine, one string (e.g. '--max-num-batched-tokens 72')"
+    )
     args = parser.parse_args()
     model = str(ensure_demo_model())
     with tempfile.TemporaryDirectory() as scratch_dir:
@@ -137,6 +140,7 @@ def main() -> None:
         try:
             port = free_port()
             flags = [*cpu_engine_flags("64MiB"), "--max-num-seqs", "8", "--scheduling-policy", "priority"]
+            flags += args.engine_args.split()
             engine = start("engine", port, ["decode", "--port", str(port), "--model", model, *flags], scratch, "0")
             processes.append(engine)
             engine.wait_healthy(300)

@@ -9,7 +9,7 @@ import asyncio
 import hmac
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -33,19 +33,35 @@ def json_response(payload: msgspec.Struct, status: int = 200, headers: dict[str,
     )
 
 
-def api_key_middleware(api_key: str | None, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> Middleware:
+class ApiKeyCheck:
     """With a key, requests under ``prefixes`` need ``Authorization: Bearer <key>`` (401 otherwise).
 
     Compared in constant time, so the key cannot be guessed byte by byte from response times.
     """
-    expected = f"Bearer {api_key}".encode() if api_key is not None else None
+
+    def __init__(self, api_key: str | None, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> None:
+        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.prefixes = prefixes
+
+    def refusal(self, path: str, headers: Mapping[str, str]) -> ProtocolError | None:
+        """The error answering a request for ``path`` with ``headers``; None: it may go on."""
+        if self.expected is None or not path.startswith(self.prefixes):
+            return None
+        given = headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if hmac.compare_digest(given, self.expected):
+            return None
+        return ProtocolError("invalid or missing API key", status=401, error_type="authentication_error")
+
+
+def api_key_middleware(api_key: str | None, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> Middleware:
+    """:class:`ApiKeyCheck` in front of an aiohttp application."""
+    check = ApiKeyCheck(api_key, prefixes)
 
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if expected is not None and request.path.startswith(prefixes):
-            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(given, expected):
-                raise ProtocolError("invalid or missing API key", status=401, error_type="authentication_error")
+        refusal = check.refusal(request.path, request.headers)
+        if refusal is not None:
+            raise refusal
         return await handler(request)
 
     return check_api_key

@@ -25,13 +25,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
 from pdserve.api.continuation import CONTINUED_HEADER, TOKENS_HEADER
 from pdserve.api.protocol import KV_PARAMS_REJECTED_HEADER, SSE_DONE
 from pdserve.api.report import REPORT_HEADER, Report, from_header
 from pdserve.router.config import RouterConfig
 from pdserve.router.exchange import REQUEST_ID, Exchange
+from pdserve.router.http_server import Response, StreamResponse
 from pdserve.router.leg_client import LegAnswer, LegConnectError, LegError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pods import Pod, PodSet, no_decode_pod
@@ -159,7 +159,7 @@ class DecodeLegs:
             return {**exchange.headers, TOKENS_HEADER: "1"}
         return exchange.headers
 
-    async def send(self, exchange: Exchange, body: bytes) -> web.StreamResponse:
+    async def send(self, exchange: Exchange, body: bytes) -> Response | StreamResponse:
         """The client's answer: the first decode pod's that takes ``body``; 503 if none does."""
         tried: list[Pod] = []
         attempts = min(MAX_DECODE_ATTEMPTS, len(self.pods))
@@ -225,7 +225,7 @@ class DecodeLegs:
         choice: Choice,
         answer: LegAnswer,
         watch: _RotationWatch | None = None,
-    ) -> web.StreamResponse:
+    ) -> Response | StreamResponse:
         """The decode pod's answer to the client: status, content type and bytes as they come. Until the
         first byte reaches the client, its pod leaving rotation abandons it (:class:`_LeftRotation`)."""
         pod = choice.pod
@@ -248,7 +248,7 @@ class DecodeLegs:
             headers = {"Content-Type": content_type, REQUEST_ID: exchange.request_id}
             if "Retry-After" in answer.headers:  # an overloaded or draining pod's hint, for the client
                 headers["Retry-After"] = answer.headers["Retry-After"]
-            return web.Response(body=payload, status=answer.status, headers=headers)
+            return Response(payload, answer.status, headers)
         chunks = answer.iter_any()
         # The client's answer starts with the first byte from decode, so until then another pod can take over.
         try:
@@ -259,7 +259,7 @@ class DecodeLegs:
             raise _NothingSent() from error
         if watch is not None:
             watch.close()  # the stream is the client's now: leaving rotation no longer abandons it
-        response = web.StreamResponse(
+        response = StreamResponse(
             status=answer.status,
             headers={"Content-Type": content_type, "Cache-Control": "no-cache", REQUEST_ID: exchange.request_id},
         )
@@ -294,7 +294,7 @@ class DecodeLegs:
         return response
 
     async def _relay_events(
-        self, response: web.StreamResponse, splice: StreamSplice, first: bytes | None, chunks: Any
+        self, response: StreamResponse, splice: StreamSplice, first: bytes | None, chunks: Any
     ) -> str:
         """One leg's events to the client until it ends: ``whole`` ([DONE] passed, or the engine closed a stream
         it answered with an error), ``client_gone``, or why it broke: ``broken`` (connection lost, or closed

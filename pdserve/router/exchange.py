@@ -5,25 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
-from aiohttp import web
 
 from pdserve.api.continuation import Continuation
 from pdserve.api.report import Report
+from pdserve.router.http_server import Request, StreamResponse
 from pdserve.router.policy import Choice
 from pdserve.router.prompt import Prompt
 
 REQUEST_ID = "X-Request-Id"
-REQUEST_ID_KEY = web.RequestKey("request_id", str)  # where the error middleware finds it for error answers
+REQUEST_ID_KEY = "request_id"  # where the error path finds it (request[REQUEST_ID_KEY]) for error answers
 
 
 @dataclass
 class Exchange:
-    request: web.Request
+    request: Request
     headers: dict[str, str]  # sent on both legs
     request_id: str
     body: bytes = b""  # the client's, without kv_transfer_params: what a continuation resends
     peer_hold: str | None = None  # the handle the decode pod holds the finished turn under for peer reads
-    response: web.StreamResponse | None = None  # set once the answer to the client has started
+    response: StreamResponse | None = None  # set once the answer to the client has started
     prompt: Prompt | None = None  # known when pod choice or the decider uses it
     session: str | None = None  # session affinity key
     decode: Choice | None = None  # the decode pod holding the request (counted in its in_flight)

@@ -1,11 +1,13 @@
 """The router's HTTP/1.1 client for legs and releases: keep-alive connections to each engine, a POST written in
-one call, the answer read by Content-Length or chunks as they come.
+one call, the answer parsed by llhttp (``httptools``) as it comes: by Content-Length, chunks, or the connection's
+end.
 
 Why not aiohttp's client: per leg it costs ~90 us of CPU on this path (request and response objects, timers,
 payload registries, cookie and redirect handling) - about a third of the router's cost per P/D request
-(``bench/router.py``). Engines speak plain HTTP/1.1; this client knows exactly that and nothing more (no
-redirects, no cookies, no proxies, no compression). Health probes, model lists and OpenAPI documents stay on
-aiohttp: they are not per request.
+(``bench/router.py``); asyncio's streams, which this client used before, cost another ~20 us a leg in readers,
+waiters and the chunk framing done in Python. Engines speak plain HTTP/1.1; this client knows exactly that and
+nothing more (no redirects, no cookies, no proxies, no compression). Health probes, model lists and OpenAPI
+documents stay on aiohttp: they are not per request.
 
 A connection goes back to its pool only when its answer was read to the end and the engine did not ask to
 close; one idle longer than ``IDLE_S`` is dropped (the engine may close it first: aiohttp servers keep an idle
@@ -21,11 +23,12 @@ from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from urllib.parse import urlsplit
 
+import httptools
 from multidict import CIMultiDict
 
 IDLE_S = 15.0  # aiohttp's client keeps idle connections as long, under the servers' 75 s
 MAX_HEAD_BYTES = 64 << 10  # of an answer's status line and headers
-_MAX_SIZE_LINE = 1024  # a chunk's size and extensions
+_BUFFERED_BYTES = 1 << 20  # of an answer's body not yet taken, before reading from the engine pauses
 _OWN_HEADERS = frozenset(("host", "content-length", "transfer-encoding", "connection"))  # this client's to write
 
 
@@ -37,19 +40,138 @@ class LegConnectError(LegError):
     """Nothing answered the connection (refused, unreachable, timed out): nothing listens there."""
 
 
-class _Connection:
-    __slots__ = ("idle_since", "reader", "writer")
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to an engine; the answer to its current leg as llhttp parses it."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
+        self.error: LegError | None = None  # why the connection can carry nothing more
+        self._waiter: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        # The current answer.
+        self.expecting = False  # a leg was written and its answer has not ended
+        self.head_done = False
+        self.complete = False
+        self.keep_alive = False  # the engine keeps the connection open after this answer
+        self.headers: list[tuple[str, str]] = []
+        self.body: list[bytes] = []
+        self._body_bytes = 0
+        self._head_bytes = 0
+        self._until_close = False  # the body ends with the connection (neither length nor chunks)
+
+    def start(self) -> None:
+        """A new leg is written: its answer comes next."""
+        self.expecting = True
+        self.head_done = self.complete = self.keep_alive = False
+        self.headers = []
+        self.body = []
+        self._body_bytes = self._head_bytes = 0
+        self._until_close = False
 
     def usable(self, now: float) -> bool:
-        return not self.writer.is_closing() and not self.reader.at_eof() and now - self.idle_since < IDLE_S
+        return (
+            self.transport is not None
+            and not self.transport.is_closing()
+            and self.error is None
+            and now - self.idle_since < IDLE_S
+        )
 
     def close(self) -> None:
-        self.writer.close()
+        if self.transport is not None:
+            self.transport.close()
+
+    async def wait(self) -> None:
+        """Until more of the answer came, or the connection failed."""
+        if self.error is not None:
+            raise self.error
+        waiter = self._waiter = self.loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+        if self.error is not None and not (self.complete or self.body):
+            raise self.error
+
+    def take_body(self) -> bytes:
+        """The body's bytes that came since the last take."""
+        body = self.body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        self.body = []
+        self._body_bytes = 0
+        if self._reading_paused and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        return data
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # ----- asyncio.Protocol -----
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if not self.expecting:  # bytes nobody asked for: the connection is out of step
+            self.error = LegError("the engine sent bytes outside an answer")
+            self.close()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as error:
+            self.error = error.__context__ if isinstance(error.__context__, LegError) else LegError(repr(error))
+            self.close()
+        except httptools.HttpParserError as error:
+            self.error = LegError(f"malformed answer: {error!r}")
+            self.close()
+        self._wake()
+
+    def connection_lost(self, error: Exception | None) -> None:
+        self.transport = None
+        if self.expecting and self.head_done and self._until_close:
+            self.complete = True  # the connection's end was the body's
+            self.expecting = False
+        elif self.error is None:
+            cause = f": {error!r}" if error is not None else ""
+            what = "before the answer's end" if self.expecting else "while idle"
+            self.error = LegError(f"connection closed {what}{cause}")
+        self._wake()
+
+    # ----- httptools callbacks -----
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise LegError(f"an answer's headers over {MAX_HEAD_BYTES} bytes")
+        if not name and self.headers:  # a header cut across reads continues the last
+            last_name, last_value = self.headers[-1]
+            self.headers[-1] = (last_name, last_value + value.decode("latin-1"))
+            return
+        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self.head_done = True
+        framing = {name.lower() for name, _ in self.headers} & {"content-length", "transfer-encoding"}
+        status = self.parser.get_status_code()
+        self._until_close = not framing and status >= 200 and status not in (204, 304)
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self._body_bytes += len(body)
+        if self._body_bytes > _BUFFERED_BYTES and not self._reading_paused and self.transport is not None:
+            self._reading_paused = True  # the client reads slower than the engine writes
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.expecting = False
+        self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the message is over
 
 
 class LegAnswer:
@@ -63,60 +185,33 @@ class LegAnswer:
         self._client = client
         self._key = key
         self._connection: _Connection | None = connection
-        self._chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
-        length = headers.get("Content-Length")
-        self._remaining = int(length) if length is not None and not self._chunked else None
-        self._reusable = headers.get("Connection", "").lower() != "close" and (self._chunked or length is not None)
-        self._done = self._remaining == 0
 
     async def read(self) -> bytes:
         """The whole body."""
         return b"".join([chunk async for chunk in self.iter_any()])
 
     async def iter_any(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive (each HTTP chunk's data, or what the socket gave)."""
+        """The body's bytes as they arrive (what came together, chunk framing taken off, in one piece)."""
         connection = self._connection
-        if connection is None or self._done:
+        if connection is None:
             return
-        reader = connection.reader
-        try:
-            if self._chunked:
-                # Each read's complete chunks at once: an engine's burst of events is one write to the client.
-                buffer = bytearray()
-                while True:
-                    data = await reader.read(1 << 16)
-                    if not data:
-                        raise LegError("connection closed before the answer's end")
-                    buffer += data
-                    ready, ended = _take_chunks(buffer)
-                    if ready:
-                        yield ready
-                    if ended:
-                        self._reusable = self._reusable and not buffer  # nothing may follow an answer
-                        break
-            elif self._remaining is not None:
-                while self._remaining > 0:
-                    data = await reader.read(min(self._remaining, 1 << 16))
-                    if not data:
-                        raise LegError("connection closed before the answer's end")
-                    self._remaining -= len(data)
-                    yield data
-            else:  # neither length nor chunks: the body ends with the connection
-                while data := await reader.read(1 << 16):
-                    yield data
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as error:
-            self.close()
-            raise LegError(f"malformed or cut answer: {error!r}") from error
-        except OSError as error:
-            self.close()
-            raise LegError(f"connection broke: {error!r}") from error
-        self._done = True
+        while True:
+            if connection.body:
+                yield connection.take_body()
+                continue
+            if connection.complete:
+                return
+            try:
+                await connection.wait()
+            except LegError:
+                self.close()
+                raise
 
     def release(self) -> None:
         connection, self._connection = self._connection, None
         if connection is None:
             return
-        if self._done and self._reusable:
+        if connection.complete and not connection.body and connection.keep_alive:
             self._client.put_back(self._key, connection)
         else:
             connection.close()
@@ -133,33 +228,6 @@ class LegAnswer:
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.release()
-
-
-def _take_chunks(buffer: bytearray) -> tuple[bytes, bool]:
-    """The data of the complete chunks at the start of ``buffer``, removed from it, and whether the body's end
-    (its last chunk, trailers and blank line) was among them. Raises ValueError on a malformed chunk size."""
-    taken: list[bytes] = []
-    at = 0
-    while True:
-        line_end = buffer.find(b"\r\n", at)
-        if line_end < 0:
-            if len(buffer) - at > _MAX_SIZE_LINE:
-                raise ValueError("a chunk size line without its end")
-            break
-        size = int(buffer[at:line_end].split(b";", 1)[0], 16)
-        if size == 0:
-            end = buffer.find(b"\r\n\r\n", line_end)  # trailers (if any), then the blank line
-            if end < 0:
-                break
-            del buffer[: end + 4]
-            return b"".join(taken), True
-        data_end = line_end + 2 + size
-        if len(buffer) < data_end + 2:
-            break
-        taken.append(bytes(buffer[line_end + 2 : data_end]))
-        at = data_end + 2
-    del buffer[:at]
-    return b"".join(taken), False
 
 
 class LegClient:
@@ -226,36 +294,27 @@ class LegClient:
             self._tls = ssl.create_default_context()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                reader, writer = await asyncio.open_connection(
-                    parts.hostname,
+                _, connection = await asyncio.get_running_loop().create_connection(
+                    _Connection,
+                    parts.hostname or "",
                     parts.port or (443 if tls else 80),
                     ssl=self._tls if tls else None,
-                    limit=MAX_HEAD_BYTES,
                 )
         except (OSError, TimeoutError) as error:
             raise LegConnectError(f"cannot connect to {key}: {error!r}") from error
-        return _Connection(reader, writer)
+        return connection
 
     async def _exchange(self, key: str, connection: _Connection, request: bytes) -> LegAnswer:
+        assert connection.transport is not None
+        connection.start()
+        connection.transport.write(request)
         try:
-            connection.writer.write(request)
-            head = await connection.reader.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as error:
+            while not connection.head_done:
+                await connection.wait()
+        except LegError as error:
             connection.close()
-            raise LegError(f"no answer from {key}: {error!r}") from error
+            raise LegError(f"no answer from {key}: {error}") from error
         except BaseException:  # cancelled mid-answer: the connection's state is unknown
             connection.close()
             raise
-        lines = head[:-4].decode("latin-1").split("\r\n")
-        status_line = lines[0].split(" ", 2)
-        if len(status_line) < 2 or not status_line[0].startswith("HTTP/1.") or not status_line[1].isdigit():
-            connection.close()
-            raise LegError(f"not an HTTP/1.1 answer from {key}: {lines[0][:80]!r}")
-        headers: CIMultiDict[str] = CIMultiDict()
-        for line in lines[1:]:
-            name, colon, value = line.partition(":")
-            if not colon:
-                connection.close()
-                raise LegError(f"malformed header from {key}: {line[:80]!r}")
-            headers.add(name.strip(), value.strip())
-        return LegAnswer(self, key, connection, int(status_line[1]), headers)
+        return LegAnswer(self, key, connection, connection.parser.get_status_code(), CIMultiDict(connection.headers))

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
 from pdserve.api.prefill_leg import leg_body, prefill_timeout_s
 from pdserve.router.config import RouterConfig
 from pdserve.router.exchange import REQUEST_ID, Exchange
+from pdserve.router.http_server import Response
 from pdserve.router.leg_client import LegConnectError, LegError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.peer_holds import PeerHolds
@@ -54,7 +54,7 @@ class PrefillResult:
     params: dict[str, Any] | None = None
     pod: Pod | None = None  # the prefill pod holding the blocks the params name
     failed: bool = False
-    rejection: web.Response | None = None  # a prefill 4xx, returned to the client as is
+    rejection: Response | None = None  # a prefill 4xx, returned to the client as is
 
 
 class PrefillLegs:
@@ -157,9 +157,7 @@ class PrefillLegs:
         if 400 <= status < 500:
             pod.failures = 0
             return PrefillResult(
-                rejection=web.Response(
-                    body=payload, status=status, headers={"Content-Type": content_type, REQUEST_ID: exchange.request_id}
-                )
+                rejection=Response(payload, status, {"Content-Type": content_type, REQUEST_ID: exchange.request_id})
             )
         if status != 200:
             self.metrics.errors["prefill_5xx"].inc()

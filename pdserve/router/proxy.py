@@ -29,7 +29,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request
 from pdserve.api.report import REPORT_HEADER
@@ -38,6 +37,7 @@ from pdserve.router.admission import Admission, Ticket
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_leg import DecodeLegs
 from pdserve.router.exchange import REQUEST_ID, REQUEST_ID_KEY, Exchange
+from pdserve.router.http_server import Request, Response, StreamResponse
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.peer_holds import PeerHolds
 from pdserve.router.pods import PodSet, no_decode_pod
@@ -82,7 +82,7 @@ class Proxy:
         self.prefill_legs = PrefillLegs(self.upstream, config, prefill, chooser, metrics, self.peer_holds, decode)
         self.decode_legs = DecodeLegs(config, self.upstream, decode, chooser, metrics)
 
-    async def forward(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def forward(self, request: Request, chat: bool) -> Response | StreamResponse:
         """Serve one /v1/completions (or, with ``chat``, /v1/chat/completions) request."""
         started = time.perf_counter()
         exchange: Exchange | None = None
@@ -154,7 +154,7 @@ class Proxy:
             headers[TENANT_HEADER] = tenant.name
         return headers
 
-    async def _serve(self, exchange: Exchange, raw: bytes, parsed: Any, chat: bool) -> web.StreamResponse:
+    async def _serve(self, exchange: Exchange, raw: bytes, parsed: Any, chat: bool) -> Response | StreamResponse:
         if parsed.kv_transfer_params is not None:
             # The P/D protocol is the router's to speak: a client's own params could make an engine hold
             # blocks for a decode that never comes, or pull from a host of the client's choosing.
@@ -225,7 +225,9 @@ class Proxy:
                 self.prefill_legs.release_later(result.pod, result.params, exchange.headers)
             raise
 
-    async def _decode(self, exchange: Exchange, body: bytes | dict[str, Any], handle: str | None) -> web.StreamResponse:
+    async def _decode(
+        self, exchange: Exchange, body: bytes | dict[str, Any], handle: str | None
+    ) -> Response | StreamResponse:
         """Send the decode leg (``body``: bytes as they are, or an object to encode); with a ``handle``, the pod is
         asked to hold the finished turn for peer reads, remembered once it answered."""
         if handle is None:

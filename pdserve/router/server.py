@@ -1,6 +1,6 @@
-"""The router's HTTP face: the aiohttp application (OpenAI endpoints, health, metrics, OpenAPI, /debug/index)
-with the shared API-key and error middlewares (pdserve.api.http), the life of what runs beside requests
-(client session, health checks, KV-event subscriptions, discovery), and ``start_router``.
+"""The router's HTTP face: its routes (OpenAI endpoints, health, metrics, OpenAPI, /debug/index) on the router's
+own HTTP server (``http_server.py``) behind the shared API-key check (pdserve.api.http), the life of what runs
+beside requests (client session, health checks, KV-event subscriptions, discovery), and ``start_router``.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 import aiohttp
 import msgspec
-from aiohttp import web
 
-from pdserve.api.http import PROTECTED_PREFIXES, api_key_middleware, error_middleware, start_app
+from pdserve.api.http import PROTECTED_PREFIXES, ApiKeyCheck, base_url
 from pdserve.api.keys import EVENTS_KEY, load_secret
 from pdserve.api.openapi import MAX_BODY_BYTES, ApiLimits, openapi_document, read_limits
 from pdserve.router.admission import Admission, FlowMetrics, FlowSettings, PodSignals, Saturation
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import KubernetesDiscovery
 from pdserve.router.exchange import REQUEST_ID, REQUEST_ID_KEY
+from pdserve.router.http_server import HttpServer, Request, Response, Routes, StreamResponse, json_response
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pods import HealthChecker, Pod, PodSet, no_decode_pod
@@ -32,10 +32,12 @@ from pdserve.router.tenants import Tenants, parse_priority_range
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_S = 60.0  # how long a stopping router lets requests under way finish (aiohttp's default, as before)
+
 
 class Router:
-    """One router replica. Serve ``app()`` with ``handler_cancellation=True`` (start_router does), so that a
-    client that goes away also cancels the legs still running for it."""
+    """One router replica: ``start()``, serve ``routes()`` (``start_router`` does both), ``stop()``. A client that
+    goes away cancels its handler, and so the legs still running for it."""
 
     def __init__(self, config: RouterConfig) -> None:
         if config.discovery not in ("static", "kubernetes"):
@@ -89,28 +91,23 @@ class Router:
         self._openapi: bytes | None = None
         self._session: aiohttp.ClientSession | None = None
 
-    def app(self) -> web.Application:
-        app = web.Application(
-            client_max_size=MAX_BODY_BYTES,
-            middlewares=[
-                error_middleware(extra_headers=_request_id_header),
-                # Tenant keys authenticate clients on /v1/ (the proxy asks the tenant table); --api-key is then the
-                # key of /debug/ and of the engines.
-                api_key_middleware(self.config.api_key, ("/debug/",) if self.tenants.keyed else PROTECTED_PREFIXES),
-            ],
-        )
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.render_metrics)
-        app.router.add_get("/openapi.json", self.openapi)
-        app.router.add_get("/debug/index", self.debug_index)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
-        return app
+    def routes(self) -> Routes:
+        routes = Routes()
+        routes.add("POST", "/v1/completions", self.completions)
+        routes.add("POST", "/v1/chat/completions", self.chat_completions)
+        routes.add("GET", "/v1/models", self.models)
+        routes.add("GET", "/health", self.health)
+        routes.add("GET", "/metrics", self.render_metrics)
+        routes.add("GET", "/openapi.json", self.openapi)
+        routes.add("GET", "/debug/index", self.debug_index)
+        return routes
 
-    async def _start(self, app: web.Application) -> None:
+    def key_check(self) -> ApiKeyCheck:
+        """Tenant keys authenticate clients on /v1/ (the proxy asks the tenant table); --api-key is then the key of
+        /debug/ and of the engines."""
+        return ApiKeyCheck(self.config.api_key, ("/debug/",) if self.tenants.keyed else PROTECTED_PREFIXES)
+
+    async def start(self) -> None:
         # Health probes and documents (legs have their own client): connections reused, no pool limit.
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
@@ -152,7 +149,7 @@ class Router:
         if self._health is not None:  # probe newcomers now: health and KV events without waiting an interval
             self._probe = asyncio.get_running_loop().create_task(self._health.check_all())
 
-    async def _stop(self, app: web.Application) -> None:
+    async def stop(self) -> None:
         if self._discovery is not None:
             self._discovery.stop()
         if self._health is not None:
@@ -167,37 +164,37 @@ class Router:
         if self._session is not None:
             await self._session.close()
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> Response | StreamResponse:
         return await self.proxy.forward(request, chat=False)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def chat_completions(self, request: Request) -> Response | StreamResponse:
         return await self.proxy.forward(request, chat=True)
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         """The first healthy decode pod's model list (every pod serves the same model)."""
         headers = self.proxy.engine_headers(request.headers, self.tenants.identify(request.headers))
         ordered = sorted(self.decode.pods, key=lambda pod: not pod.healthy)
         for pod in ordered:
             try:
                 async with self.proxy.upstream.session.get(pod.url + "/v1/models", headers=headers) as answer:
-                    return web.Response(
-                        body=await answer.read(),
-                        status=answer.status,
-                        headers={"Content-Type": answer.headers.get("Content-Type", "application/json")},
+                    return Response(
+                        await answer.read(),
+                        answer.status,
+                        content_type=answer.headers.get("Content-Type", "application/json"),
                     )
             except aiohttp.ClientError:
                 continue
         raise no_decode_pod(self.config.health_interval)
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Response:
         if not self.decode.any_healthy():
-            return web.json_response({"status": "no decode pod is up"}, status=503)
-        return web.json_response({"status": "ok"})
+            return json_response({"status": "no decode pod is up"}, status=503)
+        return json_response({"status": "ok"})
 
-    async def debug_index(self, request: web.Request) -> web.Response:
+    async def debug_index(self, request: Request) -> Response:
         """What the router believes each pod has cached (``?hashes=1``: the hashes too, hex), and its load."""
         with_hashes = request.query.get("hashes", "") not in ("", "0", "false")
-        return web.json_response(
+        return json_response(
             {
                 "routing": self.config.routing,
                 "prefix_aware": self.chooser.prefix_aware,
@@ -206,14 +203,14 @@ class Router:
             }
         )
 
-    async def render_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+    async def render_metrics(self, request: Request) -> Response:
+        return Response(self.metrics.render(), content_type="text/plain; charset=utf-8")
 
-    async def openapi(self, request: web.Request) -> web.Response:
+    async def openapi(self, request: Request) -> Response:
         """The engines' API as the router serves it, with their limits (context length, vocabulary...), which it
         learns from a decode pod's document; until one answers, the document states the fields without them."""
         if self._openapi is not None:
-            return web.Response(body=self._openapi, content_type="application/json")
+            return Response(self._openapi, content_type="application/json")
         limits = await self._engine_limits()
         document = msgspec.json.encode(
             openapi_document(
@@ -222,7 +219,7 @@ class Router:
         )
         if limits is not None:
             self._openapi = document
-        return web.Response(body=document, content_type="application/json")
+        return Response(document, content_type="application/json")
 
     async def _engine_limits(self) -> ApiLimits | None:
         for pod in sorted(self.decode.pods, key=lambda pod: not pod.healthy):
@@ -253,7 +250,7 @@ def _own_namespace() -> str:
         return "default"
 
 
-def _request_id_header(request: web.Request) -> dict[str, str]:
+def _request_id_header(request: Request) -> dict[str, str]:
     """Error answers carry the request's id too, once the proxy assigned one."""
     request_id = request.get(REQUEST_ID_KEY)
     return {REQUEST_ID: request_id} if request_id is not None else {}
@@ -265,15 +262,26 @@ class RunningRouter:
 
     url: str
     router: Router
-    runner: web.AppRunner
+    server: HttpServer
 
-    async def close(self) -> None:
-        await self.runner.cleanup()
+    async def close(self, shutdown_timeout: float = SHUTDOWN_S) -> None:
+        """Stop taking connections, let the requests under way finish (at most ``shutdown_timeout`` seconds), stop."""
+        try:
+            await self.server.stop(shutdown_timeout)
+        finally:
+            await self.router.stop()
 
 
 async def start_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 0) -> RunningRouter:
     """Start a router on ``host:port`` (0 picks a free port) in the running event loop."""
     router = Router(config)
-    runner, url = await start_app(router.app(), host, port)
+    await router.start()
+    try:
+        server = HttpServer(router.routes(), MAX_BODY_BYTES, router.key_check().refusal, _request_id_header)
+        port = await server.start(host, port)
+    except BaseException:
+        await router.stop()
+        raise
+    url = base_url(host, port)
     logger.info("router at %s: %d prefill, %d decode pods", url, len(router.prefill), len(router.decode))
-    return RunningRouter(url, router, runner)
+    return RunningRouter(url, router, server)
