@@ -149,8 +149,10 @@ class Ticket:
     cost: float  # tokens it is expected to cost (prompt + output bound), what VTC charges when it goes
     arrived: float
     deadline: float | None
-    granted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    granted: asyncio.Future[None] | None = None  # made when it queues: set when it is admitted
     charged: float = 0.0  # what its tenant's counter was charged
+    admitted: bool = False
+    prompt_tokens: int = 0  # what it counts against its tenant's tokens per minute
 
 
 @dataclass
@@ -217,6 +219,16 @@ class FlowMetrics:
             ["stage"],
             registry=registry,
         )
+        self._admissions: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+
+    def admission(self, tenant: str, band: str) -> tuple[Counter, Histogram]:
+        """The admitted counter and queue-time histogram of a tenant label and band (labels() costs a lock and a
+        lookup: once per pair, not per request)."""
+        key = (tenant, band)
+        children = self._admissions.get(key)
+        if children is None:
+            children = self._admissions[key] = (self.admitted.labels(*key), self.queue_time.labels(*key))
+        return children
 
 
 @dataclass
@@ -256,7 +268,9 @@ class Admission:
             bucket = self._buckets[key] = TokenBucket(per_minute / self.settings.replicas)
         return bucket
 
-    def _check_limits(self, tenant: Tenant, band: str, prompt_tokens: int, now: float) -> None:
+    def _check_limits(self, tenant: Tenant, priority: int, prompt_tokens: int, now: float) -> None:
+        if tenant.spec.requests_per_minute is None and tenant.spec.tokens_per_minute is None:
+            return
         requests = self._bucket(tenant, "requests")
         tokens = self._bucket(tenant, "tokens")
         for bucket, amount, cause in ((requests, 1.0, "requests_per_minute"), (tokens, 1.0, "tokens_per_minute")):
@@ -264,12 +278,14 @@ class Admission:
                 continue
             wait = bucket.wait_for(amount, now)
             if wait > 0:
-                self.metrics.rejected.labels(tenant.label, band, cause).inc()
+                self.metrics.rejected.labels(tenant.label, str(priority), cause).inc()
                 raise Overloaded(f"tenant {tenant.label!r} is over its {cause.replace('_', ' ')}", cause, wait)
         self._charge(tenant, 1.0, prompt_tokens, now)
 
     def _charge(self, tenant: Tenant, requests: float, tokens: float, now: float) -> None:
         """Count a request and tokens against the tenant's per-minute limits (negative: give them back)."""
+        if tenant.spec.requests_per_minute is None and tenant.spec.tokens_per_minute is None:
+            return
         for kind, amount in (("requests", requests), ("tokens", tokens)):
             bucket = self._bucket(tenant, kind)
             if bucket is not None and amount:
@@ -295,12 +311,23 @@ class Admission:
         self, tenant: Tenant, priority: int, prompt_tokens: int, max_output_tokens: int, queue_timeout: float | None
     ) -> Ticket:
         """Wait until the request may go; Overloaded (429) when it may not. The caller calls ``done`` afterwards."""
+        ticket = self.enter(tenant, priority, prompt_tokens, max_output_tokens, queue_timeout)
+        if not ticket.admitted:
+            await self.wait(ticket)
+        return ticket
+
+    def enter(
+        self, tenant: Tenant, priority: int, prompt_tokens: int, max_output_tokens: int, queue_timeout: float | None
+    ) -> Ticket:
+        """A request at the door: admitted at once (``ticket.admitted``) or queued (then ``wait`` for it);
+        Overloaded (429) when it may not wait. Without a coroutine, since most requests go at once."""
         now = time.monotonic()
-        band = str(priority)
-        self._check_limits(tenant, band, prompt_tokens, now)
-        timeouts = [t for t in (tenant.spec.queue_timeout, queue_timeout) if t is not None]
-        deadline = now + min(timeouts) if timeouts else None
-        ticket = Ticket(tenant, priority, prompt_tokens + max_output_tokens, now, deadline)
+        self._check_limits(tenant, priority, prompt_tokens, now)
+        limit = tenant.spec.queue_timeout
+        if queue_timeout is not None and (limit is None or queue_timeout < limit):
+            limit = queue_timeout
+        deadline = None if limit is None else now + limit
+        ticket = Ticket(tenant, priority, prompt_tokens + max_output_tokens, now, deadline, prompt_tokens=prompt_tokens)
         if not self._ahead_of(priority):
             saturation = self.saturation(self._pending)
             if saturation.stage is None:
@@ -312,27 +339,32 @@ class Admission:
         except Overloaded:
             self._charge(tenant, -1.0, -prompt_tokens, time.monotonic())  # refused: it cost its tenant nothing
             raise
+        return ticket
+
+    async def wait(self, ticket: Ticket) -> None:
+        """Until a queued ticket is admitted; Overloaded (429) when its deadline passes first."""
+        assert ticket.granted is not None
+        tenant, prompt_tokens = ticket.tenant, ticket.prompt_tokens
         try:
             if ticket.deadline is None:
                 await ticket.granted
             else:
-                async with asyncio.timeout_at(asyncio.get_running_loop().time() + ticket.deadline - now):
+                async with asyncio.timeout(ticket.deadline - time.monotonic()):
                     await ticket.granted
         except TimeoutError:
-            if ticket.granted.done() and not ticket.granted.cancelled():
-                return ticket  # granted as its deadline came
+            if ticket.admitted:
+                return  # granted as its deadline came
             self._dequeue(ticket)
             self._charge(tenant, -1.0, -prompt_tokens, time.monotonic())
-            self.metrics.rejected.labels(tenant.label, band, "deadline").inc()
+            self.metrics.rejected.labels(tenant.label, str(ticket.band), "deadline").inc()
             message = "the fleet is saturated and the request's queue deadline passed"
             raise Overloaded(message, "deadline", 1.0) from None
         except asyncio.CancelledError:
-            if ticket.granted.done() and not ticket.granted.cancelled():
+            if ticket.admitted:
                 self.done(ticket)  # granted just as its client left
             else:
                 self._dequeue(ticket)
             raise
-        return ticket
 
     def _ahead_of(self, priority: int) -> bool:
         """Whether requests of this priority or a better one are waiting (a newcomer goes behind them)."""
@@ -354,6 +386,7 @@ class Admission:
             waiting = [band.counters.get(name, 0.0) for name in band.queues if name != tenant.name]
             if waiting:
                 band.counters[tenant.name] = max(band.counters.get(tenant.name, 0.0), min(waiting))
+        ticket.granted = asyncio.get_running_loop().create_future()
         queue.append(ticket)
         band.queued += 1
         self.queued += 1
@@ -370,10 +403,11 @@ class Admission:
 
     def _grant(self, ticket: Ticket, now: float) -> None:
         self._grants.append(now)
-        labels = (ticket.tenant.label, str(ticket.band))
-        self.metrics.admitted.labels(*labels).inc()
-        self.metrics.queue_time.labels(*labels).observe(now - ticket.arrived)
-        if not ticket.granted.done():
+        admitted, queue_time = self.metrics.admission(ticket.tenant.label, str(ticket.band))
+        admitted.inc()
+        queue_time.observe(now - ticket.arrived)
+        ticket.admitted = True
+        if ticket.granted is not None and not ticket.granted.done():
             ticket.granted.set_result(None)
 
     def dispatch(self) -> None:
@@ -386,7 +420,7 @@ class Admission:
             band = self.bands[band_value]
             ticket = band.next_ticket()
             self.queued -= 1
-            if ticket.granted.done():  # its client left; already counted out
+            if ticket.granted is None or ticket.granted.done():  # its client left; already counted out
                 continue
             charge = ticket.cost / ticket.tenant.spec.weight
             band.counters[ticket.tenant.name] = band.counters.get(ticket.tenant.name, 0.0) + charge

@@ -30,6 +30,7 @@ from pdserve.api.continuation import CONTINUED_HEADER, TOKENS_HEADER
 from pdserve.api.protocol import KV_PARAMS_REJECTED_HEADER, SSE_DONE
 from pdserve.api.report import REPORT_HEADER, Report, from_header
 from pdserve.router.config import RouterConfig
+from pdserve.router.deadlines import Deadlines
 from pdserve.router.exchange import REQUEST_ID, Exchange
 from pdserve.router.http_server import Response, StreamResponse
 from pdserve.router.leg_client import LegAnswer, LegConnectError, LegError
@@ -110,19 +111,24 @@ async def _unless_left_rotation(wait: Callable[[], Awaitable[Any]], watch: _Rota
 
 class _StallWatch:
     """Ends the current task's wait for a leg's next chunk once ``deadline`` seconds pass without one (it is
-    cancelled, and ``stalled()`` says why): one timer per deadline, not one per chunk, so a stream's relay stays
-    as cheap as a pass-through. Only a wait for the leg is cancelled, never a write to the client."""
+    cancelled, and ``stalled()`` says why): kept by the router's deadline tick, not a timer per chunk, so a
+    stream's relay stays as cheap as a pass-through. Only a wait for the leg is cancelled, never a write to the
+    client."""
 
-    def __init__(self, deadline: float) -> None:
+    __slots__ = ("_deadlines", "_fired", "deadline", "last", "loop", "reading", "task", "when")
+
+    def __init__(self, deadline: float, deadlines: Deadlines) -> None:
         self.loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
         self.task = task
         self.deadline = deadline
         self.last = self.loop.time()
+        self.when = self.last + deadline
         self.reading = False
         self._fired = False
-        self._timer = self.loop.call_later(deadline, self._check)
+        self._deadlines = deadlines
+        deadlines.keep(self)
 
     def fed(self) -> None:
         self.last = self.loop.time()
@@ -133,22 +139,30 @@ class _StallWatch:
         return _take_back(self.task, self._fired)
 
     def close(self) -> None:
-        self._timer.cancel()
+        self._deadlines.drop(self)
 
-    def _check(self) -> None:
-        idle = self.loop.time() - self.last
+    def due(self, now: float) -> None:
+        idle = now - self.last
         if idle < self.deadline or not self.reading:
-            self._timer = self.loop.call_later(max(self.deadline - idle, 0.05), self._check)
+            self.when = now + max(self.deadline - idle, 0.05)
             return
+        self._deadlines.drop(self)
         self._fired = True
         self.task.cancel()
 
 
 class DecodeLegs:
     def __init__(
-        self, config: RouterConfig, upstream: Upstream, pods: PodSet, chooser: Chooser, metrics: RouterMetrics
+        self,
+        config: RouterConfig,
+        upstream: Upstream,
+        pods: PodSet,
+        chooser: Chooser,
+        metrics: RouterMetrics,
+        deadlines: Deadlines,
     ) -> None:
         self.config = config
+        self.deadlines = deadlines
         self.upstream = upstream
         self.pods = pods
         self.chooser = chooser
@@ -296,10 +310,11 @@ class DecodeLegs:
     async def _relay_events(
         self, response: StreamResponse, splice: StreamSplice, first: bytes | None, chunks: Any
     ) -> str:
-        """One leg's events to the client until it ends: ``whole`` ([DONE] passed, or the engine closed a stream
-        it answered with an error), ``client_gone``, or why it broke: ``broken`` (connection lost, or closed
+        """One leg's events to the client until it ends: ``whole`` ([DONE] passed: the client's answer ended with
+        it, and the leg is read to its end so its connection can serve again; or the engine closed a stream it
+        answered with an error), ``client_gone``, or why it broke: ``broken`` (connection lost, or closed
         before [DONE]), ``stall`` (nothing within the token deadline), ``engine_error`` (its server error)."""
-        watch = _StallWatch(self.config.token_deadline) if self.config.token_deadline else None
+        watch = _StallWatch(self.config.token_deadline, self.deadlines) if self.config.token_deadline else None
         pending = first
         try:
             while True:
@@ -315,16 +330,19 @@ class DecodeLegs:
                     except asyncio.CancelledError:
                         if watch is None or not watch.stalled():
                             raise
-                        return "stall"
+                        return "whole" if splice.done else "stall"
                     except LegError:
-                        return "broken"
+                        return "whole" if splice.done else "broken"
                     finally:
                         if watch is not None:
                             watch.fed()
                 events = splice.feed(chunk)
-                if events:
+                if events and not response.ended:
                     try:
-                        await response.write(events)
+                        if splice.done:  # [DONE]: the client's answer ends with these events, in one write
+                            await response.write_eof(events)
+                        else:
+                            await response.write(events)
                     except ConnectionResetError:
                         return "client_gone"
                 if splice.failed_engine:

@@ -93,6 +93,13 @@ class Request:
         """The client's connection (None once it closed)."""
         return self._connection.transport
 
+    def finish_even_if_client_leaves(self) -> ClientWatch:
+        """``with request.finish_even_if_client_leaves() as watch:`` - a client that leaves inside the block does
+        not cancel the handler there (``watch.client_left`` says it did): for work that must end cleanly once
+        started, as a task under ``asyncio.shield`` would, without the task. The handler decides what to do after
+        (it should stop: nobody reads its answer)."""
+        return ClientWatch(self._connection)
+
     def get(self, key: str, default: Any = None) -> Any:
         return self._state.get(key, default)
 
@@ -101,6 +108,23 @@ class Request:
 
     def __setitem__(self, key: str, value: Any) -> None:
         self._state[key] = value
+
+
+class ClientWatch:
+    """Whether the client left while its handler was in a ``finish_even_if_client_leaves`` block."""
+
+    __slots__ = ("_connection", "client_left")
+
+    def __init__(self, connection: _Connection) -> None:
+        self._connection = connection
+        self.client_left = connection.transport is None
+
+    def __enter__(self) -> ClientWatch:
+        self._connection.watch = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._connection.watch = None
 
 
 class Response:
@@ -246,6 +270,7 @@ class _Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._pending: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None  # the request being answered
+        self.watch: ClientWatch | None = None  # set while the handler must not be cancelled by the client leaving
         self._idle: asyncio.TimerHandle | None = None
         self._reading_paused = False
         # The request being parsed.
@@ -271,7 +296,9 @@ class _Connection(asyncio.Protocol):
         if self._idle is not None:
             self._idle.cancel()
         self._pending.clear()
-        if self._task is not None and not self._task.done():
+        if self.watch is not None:
+            self.watch.client_left = True
+        elif self._task is not None and not self._task.done():
             self._task.cancel()  # the client left: what its request started is aborted by the handler's cleanup
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(ConnectionResetError("the client closed its connection"))

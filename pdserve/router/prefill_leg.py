@@ -18,6 +18,7 @@ import msgspec
 
 from pdserve.api.prefill_leg import leg_body, prefill_timeout_s
 from pdserve.router.config import RouterConfig
+from pdserve.router.deadlines import Deadlines
 from pdserve.router.exchange import REQUEST_ID, Exchange
 from pdserve.router.http_server import Response
 from pdserve.router.leg_client import LegConnectError, LegError
@@ -65,10 +66,12 @@ class PrefillLegs:
         pods: PodSet,
         chooser: Chooser,
         metrics: RouterMetrics,
+        deadlines: Deadlines,
         peer_holds: PeerHolds | None = None,
         holders: PodSet | None = None,
     ) -> None:
         """``peer_holds``, ``holders``: the turns the ``holders`` pods hold for peer reads (None: no peer reads)."""
+        self.deadlines = deadlines
         self.peer_holds = peer_holds
         self.holders = holders
         self.upstream = upstream
@@ -129,11 +132,14 @@ class PrefillLegs:
         started = time.perf_counter()
         pod.take()
         try:
-            async with asyncio.timeout(timeout):
-                async with await self.upstream.post(pod, exchange.request.path, encoded, exchange.headers) as answer:
-                    payload = await answer.read()
-                    status = answer.status
-                    content_type = answer.headers.get("Content-Type", "application/json")
+            # One statement, as nested ones: the leg is sent inside the timeout.
+            async with (
+                self.deadlines.timeout(timeout),
+                await self.upstream.post(pod, exchange.request.path, encoded, exchange.headers) as answer,
+            ):
+                payload = await answer.read()
+                status = answer.status
+                content_type = answer.headers.get("Content-Type", "application/json")
         except TimeoutError:
             # A hung pod (stopped, wedged) answers nothing: decode computes the prompt, and the pod
             # stays out of rotation until its health probe answers again. Leaving the leg closes its
@@ -179,14 +185,6 @@ class PrefillLegs:
             speed = max(computed, 1) / max(time.perf_counter() - started, 1e-3)
             pod.prefill_speed = speed if pod.prefill_speed is None else 0.8 * pod.prefill_speed + 0.2 * speed
         return PrefillResult(params=answer_body.kv_transfer_params, pod=pod)
-
-    def release_abandoned(self, leg: asyncio.Future[PrefillResult], headers: dict[str, str]) -> None:
-        """A prefill leg whose client left before it ended: free what it holds, if anything."""
-        if leg.cancelled() or leg.exception() is not None:
-            return
-        result = leg.result()
-        if result.params is not None and result.pod is not None:
-            self.release_later(result.pod, result.params, headers)
 
     def release_later(self, pod: Pod, params: dict[str, Any], headers: dict[str, str]) -> None:
         """Tell ``pod`` to free the blocks ``params`` name, in the background."""

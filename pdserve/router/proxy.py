@@ -35,6 +35,7 @@ from pdserve.api.report import REPORT_HEADER
 from pdserve.api.tenancy import TENANT_HEADER
 from pdserve.router.admission import Admission, Ticket
 from pdserve.router.config import RouterConfig
+from pdserve.router.deadlines import Deadlines
 from pdserve.router.decode_leg import DecodeLegs
 from pdserve.router.exchange import REQUEST_ID, REQUEST_ID_KEY, Exchange
 from pdserve.router.http_server import Request, Response, StreamResponse
@@ -79,8 +80,11 @@ class Proxy:
         self.upstream = Upstream(config, metrics)
         # Finished turns held for peer reads need the prompt's hashes to be found again.
         self.peer_holds = PeerHolds(chooser.index) if prompts is not None else None
-        self.prefill_legs = PrefillLegs(self.upstream, config, prefill, chooser, metrics, self.peer_holds, decode)
-        self.decode_legs = DecodeLegs(config, self.upstream, decode, chooser, metrics)
+        self.deadlines = Deadlines()  # every request's timeouts, on one tick
+        self.prefill_legs = PrefillLegs(
+            self.upstream, config, prefill, chooser, metrics, self.deadlines, self.peer_holds, decode
+        )
+        self.decode_legs = DecodeLegs(config, self.upstream, decode, chooser, metrics, self.deadlines)
 
     async def forward(self, request: Request, chat: bool) -> Response | StreamResponse:
         """Serve one /v1/completions (or, with ``chat``, /v1/chat/completions) request."""
@@ -104,15 +108,17 @@ class Proxy:
                 raw = msgspec.json.encode(body)
             exchange = Exchange(request, headers, request_id, started=started)
             if self.admission is not None:
-                ticket = await self.admission.admit(
+                ticket = self.admission.enter(
                     tenant,
                     priority,
                     len(raw) // 4,
                     output_bound(parsed),
                     queue_timeout(request.headers.get(QUEUE_TIMEOUT_HEADER)),
                 )
+                if not ticket.admitted:
+                    await self.admission.wait(ticket)
             try:
-                async with asyncio.timeout(self.config.request_timeout):
+                async with self.deadlines.timeout(self.config.request_timeout):
                     return await self._serve(exchange, raw, parsed, chat)
             except TimeoutError:
                 self.metrics.errors["timeout"].inc()
@@ -196,15 +202,14 @@ class Proxy:
             self.metrics.paths["decode_only"].inc()
             return await self._decode(exchange, raw, handle)
         body = msgspec.json.decode(raw)  # the client's object, unknown fields included
-        # Shielded: a client that leaves mid-leg must not cut the leg off after the prefill engine has
-        # answered (its blocks then held under an id only the answer names); the leg finishes in the
-        # background and its blocks are released.
-        leg = asyncio.ensure_future(self.prefill_legs.run(exchange, body, chat))
-        try:
-            result = await asyncio.shield(leg)
-        except asyncio.CancelledError:
-            leg.add_done_callback(lambda done: self.prefill_legs.release_abandoned(done, exchange.headers))
-            raise
+        # A client that leaves mid-leg must not cut the leg off after the prefill engine has answered (its
+        # blocks then held under an id only the answer names): the leg ends, then its blocks are released.
+        with exchange.request.finish_even_if_client_leaves() as watch:
+            result = await self.prefill_legs.run(exchange, body, chat)
+        if watch.client_left:
+            if result.params is not None and result.pod is not None:
+                self.prefill_legs.release_later(result.pod, result.params, exchange.headers)
+            raise asyncio.CancelledError
         if result.rejection is not None:
             return result.rejection
         if result.failed:

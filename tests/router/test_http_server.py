@@ -41,6 +41,7 @@ class App:
         routes.add("POST", "/v1/slow", self.slow)
         routes.add("GET", "/v1/boom", self.boom)
         routes.add("GET", "/v1/refuse", self.refuse)
+        routes.add("POST", "/v1/shielded", self.shielded)
         return routes
 
     async def echo(self, request: Request) -> Response:
@@ -66,6 +67,14 @@ class App:
             raise
         self.finished += 1
         return Response(b"done")
+
+    async def shielded(self, request: Request) -> Response:
+        with request.finish_even_if_client_leaves() as watch:
+            self.started.set()
+            await self.release.wait()  # the client leaves meanwhile: no cancellation here
+        self.finished += 1
+        assert watch.client_left
+        return Response(b"nobody reads this")
 
     async def boom(self, request: Request) -> Response:
         raise RuntimeError("a bug")
@@ -230,6 +239,24 @@ def test_a_client_that_leaves_cancels_its_handler():
         writer.close()
         await asyncio.wait_for(app.cancelled.wait(), 5)
         assert not server.connections
+
+    _serve(test)
+
+
+def test_inside_finish_even_if_client_leaves_a_client_that_leaves_does_not_cancel_the_handler():
+    async def test(app: App, server: HttpServer, port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_post("/v1/shielded", b""))
+        await asyncio.wait_for(app.started.wait(), 5)
+        writer.close()
+        await asyncio.sleep(0.1)  # the server saw the connection end
+        assert not server.connections and not app.cancelled.is_set()
+        app.release.set()
+        for _ in range(50):
+            if app.finished:
+                break
+            await asyncio.sleep(0.01)
+        assert app.finished == 1  # the block ran to its end, and the handler learnt the client had left
 
     _serve(test)
 
