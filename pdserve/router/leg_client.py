@@ -246,17 +246,22 @@ class LegClient:
         head = [f"POST /{path} HTTP/1.1\r\nHost: {base}\r\n"]
         content_type = "Content-Type: application/json\r\n"
         for name, value in headers.items():
-            if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-                raise ValueError(f"header {name!r} has a line break")
             lower = name.lower()
             if lower == "content-type":
                 content_type = ""
             elif lower in _OWN_HEADERS:
                 continue
             head.append(f"{name}: {value}\r\n")
+        lines = len(head)
         head.append(content_type)
         head.append(f"Content-Length: {len(body)}\r\n\r\n")
-        request = "".join(head).encode("latin-1") + body
+        text = "".join(head)
+        # A line break inside a name or value would add lines of the caller's making (one scan, not one per header).
+        end = len(text) - len(head[-1]) - len(content_type)
+        if text.count("\n", 0, end) != lines + 1 or text.count("\r", 0, end) != lines + 1:
+            bad = next(name for name, value in headers.items() if "\r" in name + value or "\n" in name + value)
+            raise ValueError(f"header {bad!r} has a line break")
+        request = text.encode("latin-1") + body
         connection = self._pooled(key)
         if connection is not None:
             try:

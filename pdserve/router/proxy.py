@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -96,7 +96,8 @@ class Proxy:
             raw = await request.read()
             parsed = decode_request(raw, ChatCompletionRequest if chat else CompletionRequest)
             self.metrics.received.inc()
-            request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+            # 128 random bits, as uuid4 has (less 6 fixed ones), at a quarter of its cost.
+            request_id = request.headers.get(REQUEST_ID) or os.urandom(16).hex()
             request[REQUEST_ID_KEY] = request_id
             # The report (pdserve/api/report.py) feeds the length and latency histograms.
             headers = {"Content-Type": "application/json", REQUEST_ID: request_id, REPORT_HEADER: "1"}

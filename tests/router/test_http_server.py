@@ -233,7 +233,7 @@ def test_http_10_clients_get_a_stream_ended_by_the_connection_and_are_not_kept()
 
 def test_a_client_that_leaves_cancels_its_handler():
     async def test(app: App, server: HttpServer, port: int) -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(_post("/v1/slow", b""))
         await asyncio.wait_for(app.started.wait(), 5)
         writer.close()
@@ -245,7 +245,7 @@ def test_a_client_that_leaves_cancels_its_handler():
 
 def test_inside_finish_even_if_client_leaves_a_client_that_leaves_does_not_cancel_the_handler():
     async def test(app: App, server: HttpServer, port: int) -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(_post("/v1/shielded", b""))
         await asyncio.wait_for(app.started.wait(), 5)
         writer.close()
