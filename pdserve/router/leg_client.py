@@ -83,15 +83,16 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    async def wait(self) -> None:
-        """Until more of the answer came, or the connection failed."""
+    def more(self) -> asyncio.Future[None]:
+        """Done once more of the answer came or the connection failed (then ``check``). A future, not a coroutine:
+        awaited directly, a wake-up passes through one frame less."""
         if self.error is not None:
             raise self.error
         waiter = self._waiter = self.loop.create_future()
-        try:
-            await waiter
-        finally:
-            self._waiter = None
+        return waiter
+
+    def check(self) -> None:
+        """After ``more``: LegError if the connection failed before what was waited for came."""
         if self.error is not None and not (self.complete or self.body):
             raise self.error
 
@@ -108,8 +109,10 @@ class _Connection(asyncio.Protocol):
 
     def _wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     # ----- asyncio.Protocol -----
 
@@ -202,7 +205,8 @@ class LegAnswer:
             if connection.complete:
                 return
             try:
-                await connection.wait()
+                await connection.more()
+                connection.check()
             except LegError:
                 self.close()
                 raise
@@ -263,13 +267,30 @@ class LegClient:
             raise ValueError(f"header {bad!r} has a line break")
         request = text.encode("latin-1") + body
         connection = self._pooled(key)
-        if connection is not None:
+        reused = connection is not None
+        if connection is None:
+            connection = await self._connect(key)
+        while True:  # written and awaited here, not in a helper: every wake-up crosses one frame less
+            assert connection.transport is not None
+            connection.start()
+            connection.transport.write(request)
             try:
-                return await self._exchange(key, connection, request)
-            except LegError:
-                # An idle connection the engine closed as this leg was written: once more on a new one.
-                pass
-        return await self._exchange(key, await self._connect(key), request)
+                while not connection.head_done:
+                    await connection.more()
+                    connection.check()
+            except LegError as error:
+                connection.close()
+                if reused:  # an idle connection the engine closed as this leg was written: once more on a new one
+                    reused = False
+                    connection = await self._connect(key)
+                    continue
+                raise LegError(f"no answer from {key}: {error}") from error
+            except BaseException:  # cancelled mid-answer: the connection's state is unknown
+                connection.close()
+                raise
+            return LegAnswer(
+                self, key, connection, connection.parser.get_status_code(), CIMultiDict(connection.headers)
+            )
 
     def put_back(self, key: str, connection: _Connection) -> None:
         connection.idle_since = time.monotonic()
@@ -308,18 +329,3 @@ class LegClient:
         except (OSError, TimeoutError) as error:
             raise LegConnectError(f"cannot connect to {key}: {error!r}") from error
         return connection
-
-    async def _exchange(self, key: str, connection: _Connection, request: bytes) -> LegAnswer:
-        assert connection.transport is not None
-        connection.start()
-        connection.transport.write(request)
-        try:
-            while not connection.head_done:
-                await connection.wait()
-        except LegError as error:
-            connection.close()
-            raise LegError(f"no answer from {key}: {error}") from error
-        except BaseException:  # cancelled mid-answer: the connection's state is unknown
-            connection.close()
-            raise
-        return LegAnswer(self, key, connection, connection.parser.get_status_code(), CIMultiDict(connection.headers))
