@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -92,21 +90,29 @@ class _RotationWatch:
         self.pod.on_leave.discard(self._leave)
 
 
-async def _unless_left_rotation(wait: Callable[[], Awaitable[Any]], watch: _RotationWatch | None) -> Any:
-    """What ``wait()`` gives, or :class:`_LeftRotation` if ``watch``'s pod left rotation before it did."""
-    if watch is None:
-        return await wait()
-    if watch.left:
-        raise _LeftRotation()
-    watch.waiting = True
-    try:
-        return await wait()
-    except asyncio.CancelledError:
-        if not watch.took_back():
-            raise
-        raise _LeftRotation() from None
-    finally:
+class _UnlessLeftRotation:
+    """``with _UnlessLeftRotation(watch): await ...``: the wait, or :class:`_LeftRotation` if ``watch``'s pod left
+    rotation before it ended (a context, not a wrapping coroutine: the wait's wake-ups cross no frame of its)."""
+
+    __slots__ = ("watch",)
+
+    def __init__(self, watch: _RotationWatch | None) -> None:
+        self.watch = watch
+
+    def __enter__(self) -> None:
+        watch = self.watch
+        if watch is not None:
+            if watch.left:
+                raise _LeftRotation()
+            watch.waiting = True
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
+        watch = self.watch
+        if watch is None:
+            return
         watch.waiting = False
+        if kind is asyncio.CancelledError and watch.took_back():
+            raise _LeftRotation() from None
 
 
 class _StallWatch:
@@ -187,10 +193,8 @@ class DecodeLegs:
             watch = _RotationWatch(pod) if pod.healthy else None
             exchange.decode_sent = time.perf_counter()
             try:
-                answer = await _unless_left_rotation(
-                    functools.partial(self.upstream.post, pod, exchange.request.path, body, self._headers(exchange)),
-                    watch,
-                )
+                with _UnlessLeftRotation(watch):
+                    answer = await self.upstream.post(pod, exchange.request.path, body, self._headers(exchange))
             except _LeftRotation:
                 self.metrics.errors["decode_hung"].inc()
             except LegError as error:
@@ -248,7 +252,8 @@ class DecodeLegs:
         content_type = answer.headers.get("Content-Type", "application/json")
         if not content_type.startswith("text/event-stream"):
             try:
-                payload = await _unless_left_rotation(answer.read, watch)
+                with _UnlessLeftRotation(watch):
+                    payload = await answer.read()
             except LegError as error:
                 # Nothing reached the client: another pod may answer it whole.
                 self.metrics.errors["decode_broken"].inc()
@@ -266,7 +271,8 @@ class DecodeLegs:
         chunks = answer.iter_any()
         # The client's answer starts with the first byte from decode, so until then another pod can take over.
         try:
-            first = await _unless_left_rotation(chunks.__anext__, watch)
+            with _UnlessLeftRotation(watch):
+                first = await chunks.__anext__()
         except StopAsyncIteration:
             first = b""
         except LegError as error:

@@ -191,7 +191,21 @@ class LegAnswer:
 
     async def read(self) -> bytes:
         """The whole body."""
-        return b"".join([chunk async for chunk in self.iter_any()])
+        connection = self._connection
+        if connection is None:
+            return b""
+        parts = []
+        while True:
+            if connection.body:  # taken as it comes: a paused read (over _BUFFERED_BYTES) resumes
+                parts.append(connection.take_body())
+            if connection.complete:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            try:
+                await connection.more()
+                connection.check()
+            except LegError:
+                self.close()
+                raise
 
     async def iter_any(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (what came together, chunk framing taken off, in one piece)."""

@@ -296,3 +296,21 @@ def test_chunks_that_arrive_together_come_out_as_one_piece():
             client.close()
 
     asyncio.run(run())
+
+
+def test_an_answer_larger_than_the_buffer_is_read_whole():
+    async def run() -> None:
+        big = b"x" * (3 * leg_client._BUFFERED_BYTES)
+
+        async def large(reader, writer, body) -> bool:
+            writer.write(_whole(big))
+            await writer.drain()
+            return True
+
+        async with Engine(large) as url:
+            client = LegClient(connect_timeout=2)
+            async with await client.post(url + "/x", b"{}", {}) as answer:
+                assert await asyncio.wait_for(answer.read(), 10) == big
+            client.close()
+
+    asyncio.run(run())
