@@ -18,6 +18,9 @@ vLLM's toy P/D proxy is (the bench extra), P/D only. Every proxy once per round,
 The routing policy is round-robin on both sides (pdserve's prefix policies tokenize; vllm-router's round robin
 does not).
 
+``--only NAMES`` (name prefixes, comma-separated) and ``--modes`` run a part, e.g. ``--only "pdserve router,vllm-router"
+--modes P/D`` (about 2 minutes) while working on the router's hot path.
+
 With --plot DIR, writes DIR/router_latency.png and DIR/router_throughput.png (P/D).
 Last line: {"bench": "router", "pd_rps", "pd_cpu_us", "pd_rps_vs_vllm_router", "pd_cpu_vs_vllm_router", ...}.
 """

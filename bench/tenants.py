@@ -14,7 +14,8 @@ First the engine's capacity C (requests/s, closed loop at concurrency 8). Then, 
 Requests: a ~60-token prompt, 16 output tokens, streamed; TTFT is the first content event's arrival. Reported:
 B's TTFT p50/p90 per phase and their ratio to ``alone``, A's answered/429 counts, its answered rate (over the
 phase until its last answer) and the seconds its backlog took to drain after sending stopped, and what
-Retry-After said. Last line JSON {"bench": "tenants", ...}.
+Retry-After said. ``--engine-args`` adds engine flags (e.g. ``'--max-num-batched-tokens 72'``: shorter steps, so a
+light tenant's prompt waits less behind a step of the flood's). Last line JSON {"bench": "tenants", ...}.
 """
 
 from __future__ import annotations

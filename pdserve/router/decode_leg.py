@@ -286,12 +286,13 @@ class DecodeLegs:
         exchange.response = response
         await response.prepare(exchange.request)
         splice = StreamSplice()
-        end = await self._relay_events(response, splice, first, chunks)
-        migrated = end not in _ENDED
-        if migrated:
+        settle = _Settle(self, exchange, choice, answer.status, splice)
+        end = await self._relay_events(response, splice, first, chunks, settle)
+        if end not in _ENDED:
+            settle.migrated = True
             self._broken(pod, end)
             answer.close()  # closed, not released: the engine aborts the request and frees its KV now
-            end = await self._continue(exchange, splice, end, [pod])
+            end = await self._continue(exchange, splice, end, [pod], settle)
         if end == "client_gone":
             self.metrics.errors["client_disconnect"].inc()
             return response  # the caller's release() closes the decode connection
@@ -299,22 +300,26 @@ class DecodeLegs:
             self.metrics.errors["stream_cut"].inc()
             exchange.cut()  # the client must not mistake a cut answer for a whole one
             return response
+        settle()
         with contextlib.suppress(ConnectionResetError):  # a client that left once it had [DONE]
             await response.write_eof()
+        return response
+
+    def _settle(self, exchange: Exchange, choice: Choice, status: int, splice: StreamSplice, migrated: bool) -> None:
+        """The accounts of a stream whose answer is whole (its report, its pod's health, its usage)."""
         if migrated:
             if splice.report is not None:  # its counts are the whole request's; its times the last leg's only
                 splice.report.ttft_s = splice.report.tpot_s = None
             self._reported(exchange, splice.report)
-            return response
-        self._answered(pod, answer.status)
-        if answer.status == 200:
+            return
+        self._answered(choice.pod, status)
+        if status == 200:
             self._reported(exchange, splice.report)
-        if exchange.stream_usage and answer.status == 200 and splice.last_data:
+        if exchange.stream_usage and status == 200 and splice.last_data:
             self.upstream.observe("decode", choice, _stream_usage(splice.last_data))
-        return response
 
     async def _relay_events(
-        self, response: StreamResponse, splice: StreamSplice, first: bytes | None, chunks: Any
+        self, response: StreamResponse, splice: StreamSplice, first: bytes | None, chunks: Any, settle: _Settle
     ) -> str:
         """One leg's events to the client until it ends: ``whole`` ([DONE] passed: the client's answer ended with
         it, and the leg is read to its end so its connection can serve again; or the engine closed a stream it
@@ -345,7 +350,8 @@ class DecodeLegs:
                 events = splice.feed(chunk)
                 if events and not response.ended:
                     try:
-                        if splice.done:  # [DONE]: the client's answer ends with these events, in one write
+                        if splice.done:  # [DONE]: the client's answer ends with these events, in one write,
+                            settle()  # once its accounts are kept (a client may read the metrics at once)
                             await response.write_eof(events)
                         else:
                             await response.write(events)
@@ -359,7 +365,9 @@ class DecodeLegs:
             if watch is not None:
                 watch.close()
 
-    async def _continue(self, exchange: Exchange, splice: StreamSplice, cause: str, tried: list[Pod]) -> str:
+    async def _continue(
+        self, exchange: Exchange, splice: StreamSplice, cause: str, tried: list[Pod], settle: _Settle
+    ) -> str:
         """Continue a broken stream on other decode pods (at most ``migration_limit`` continuations; pods that
         cannot be reached or refuse it for now are tried once each, uncounted); how it ended."""
         migrations = 0
@@ -405,7 +413,7 @@ class DecodeLegs:
                 self.metrics.migrations[cause].inc()
                 logger.info("request %s: its stream (%s) continues on %s", exchange.request_id, cause, pod.url)
                 splice.start_leg()
-                end = await self._relay_events(exchange.response, splice, None, answer.iter_any())  # type: ignore[arg-type]
+                end = await self._relay_events(exchange.response, splice, None, answer.iter_any(), settle)  # type: ignore[arg-type]
                 if end in _ENDED:
                     return end
                 self._broken(pod, end)
@@ -451,6 +459,26 @@ class DecodeLegs:
             pod.failures = 0
         elif status != 503:
             self.upstream.failed(self.pods, pod, f"answered {status}")
+
+
+class _Settle:
+    """A stream's accounts, kept once, when its answer is whole (``DecodeLegs._settle``)."""
+
+    __slots__ = ("choice", "done", "exchange", "legs", "migrated", "splice", "status")
+
+    def __init__(self, legs: DecodeLegs, exchange: Exchange, choice: Choice, status: int, splice: StreamSplice) -> None:
+        self.legs = legs
+        self.exchange = exchange
+        self.choice = choice
+        self.status = status
+        self.splice = splice
+        self.migrated = False
+        self.done = False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.legs._settle(self.exchange, self.choice, self.status, self.splice, self.migrated)
 
 
 def _stream_usage(event: bytes) -> Usage | None:
