@@ -92,8 +92,10 @@ class _Connection(asyncio.Protocol):
         return waiter
 
     def check(self) -> None:
-        """After ``more``: LegError if the connection failed before what was waited for came."""
+        """After ``more``: LegError if the connection failed before what was waited for came (it is closed: the
+        engine aborts the request)."""
         if self.error is not None and not (self.complete or self.body):
+            self.close()
             raise self.error
 
     def take_body(self) -> bytes:
@@ -200,12 +202,8 @@ class LegAnswer:
                 parts.append(connection.take_body())
             if connection.complete:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
-            try:
-                await connection.more()
-                connection.check()
-            except LegError:
-                self.close()
-                raise
+            await connection.more()
+            connection.check()
 
     async def iter_any(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (what came together, chunk framing taken off, in one piece)."""
@@ -218,12 +216,8 @@ class LegAnswer:
                 continue
             if connection.complete:
                 return
-            try:
-                await connection.more()
-                connection.check()
-            except LegError:
-                self.close()
-                raise
+            await connection.more()
+            connection.check()
 
     def release(self) -> None:
         connection, self._connection = self._connection, None
