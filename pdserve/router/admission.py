@@ -152,6 +152,7 @@ class Ticket:
     granted: asyncio.Future[None] | None = None  # made when it queues: set when it is admitted
     charged: float = 0.0  # what its tenant's counter was charged
     admitted: bool = False
+    ended: bool = False  # done() was called
     prompt_tokens: int = 0  # what it counts against its tenant's tokens per minute
 
 
@@ -219,6 +220,13 @@ class FlowMetrics:
             ["stage"],
             registry=registry,
         )
+        self.preempting = Counter(
+            "pdserve_router_flow_preempting",
+            "Requests sent to a saturated fleet because their priority was more urgent than every request in flight "
+            "(the engines run them first), by tenant and band",
+            ["tenant", "band"],
+            registry=registry,
+        )
         self._admissions: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
 
     def admission(self, tenant: str, band: str) -> tuple[Counter, Histogram]:
@@ -253,6 +261,7 @@ class Admission:
         self.bands: dict[int, _Band] = {}
         self.queued = 0
         self._grants: deque[float] = deque()  # when recent requests were admitted
+        self._in_flight: dict[int, int] = {}  # admitted and not done, by priority
         self._buckets: dict[tuple[str, str], TokenBucket] = {}
         self._dispatcher: asyncio.Task[None] | None = None
 
@@ -334,6 +343,13 @@ class Admission:
                 self._grant(ticket, now)
                 return ticket
             self.metrics.saturated.labels(saturation.stage).inc()
+            if self._in_flight and priority < min(self._in_flight):
+                # More urgent than every request this replica has in flight: the engines, scheduling by priority,
+                # run it first (preempting if they must), so waiting here for room would only add to its TTFT.
+                # One such request at a time per priority: the next finds this one in flight and queues.
+                self.metrics.preempting.labels(tenant.label, str(priority)).inc()
+                self._grant(ticket, now)
+                return ticket
         try:
             self._enqueue(ticket)
         except Overloaded:
@@ -407,6 +423,7 @@ class Admission:
         admitted.inc()
         queue_time.observe(now - ticket.arrived)
         ticket.admitted = True
+        self._in_flight[ticket.band] = self._in_flight.get(ticket.band, 0) + 1
         if ticket.granted is not None and not ticket.granted.done():
             ticket.granted.set_result(None)
 
@@ -443,6 +460,14 @@ class Admission:
     def done(self, ticket: Ticket, output_tokens: int | None = None, prompt_tokens: int | None = None) -> None:
         """An admitted request ended: its tokens count against its tenant's per-minute tokens, and its VTC charge is
         corrected from the expected cost to the real one (when the decode engine reported it)."""
+        if not ticket.admitted or ticket.ended:
+            return
+        ticket.ended = True
+        left = self._in_flight[ticket.band] - 1
+        if left:
+            self._in_flight[ticket.band] = left
+        else:
+            del self._in_flight[ticket.band]
         tenant = ticket.tenant
         if output_tokens is not None:
             self._charge(tenant, 0.0, output_tokens, time.monotonic())

@@ -109,15 +109,16 @@ class Proxy:
                 raw = msgspec.json.encode(body)
             exchange = Exchange(request, headers, request_id, started=started)
             if self.admission is not None:
-                ticket = self.admission.enter(
+                entered = self.admission.enter(
                     tenant,
                     priority,
                     len(raw) // 4,
                     output_bound(parsed),
                     queue_timeout(request.headers.get(QUEUE_TIMEOUT_HEADER)),
                 )
-                if not ticket.admitted:
-                    await self.admission.wait(ticket)
+                if not entered.admitted:
+                    await self.admission.wait(entered)  # if it raises, the ticket was never admitted or is done
+                ticket = entered
             try:
                 async with self.deadlines.timeout(self.config.request_timeout):
                     return await self._serve(exchange, raw, parsed, chat)

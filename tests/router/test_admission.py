@@ -226,3 +226,28 @@ def test_a_request_refused_for_a_full_queue_or_its_deadline_costs_its_tenant_not
             await admission.admit(patient, 0, 100, 10, None)
 
     asyncio.run(scenario())
+
+
+def test_a_request_more_urgent_than_all_in_flight_goes_to_a_saturated_fleet_one_at_a_time():
+    async def scenario():
+        gate = Gate(1)
+        admission = _admission(gate)
+        low = await asyncio.wait_for(admission.admit(_tenant("a"), 5, 10, 10, None), 1)  # the fleet is now full
+        urgent = admission.enter(_tenant("b"), 0, 10, 10, None)
+        assert urgent.admitted  # the engines run it before the priority-5 one: no wait here
+        second = admission.enter(_tenant("b"), 0, 10, 10, None)
+        assert not second.admitted and admission.queued == 1  # one of its band is in flight: it queues
+        more_urgent = admission.enter(_tenant("c"), -1, 10, 10, None)
+        assert more_urgent.admitted
+        preempting = admission.metrics.preempting
+        assert preempting.labels("b", "0")._value.get() == 1 and preempting.labels("c", "-1")._value.get() == 1
+        for ticket in (urgent, more_urgent, low):
+            admission.done(ticket)
+            admission.done(ticket)  # a second call changes nothing
+        assert not admission._in_flight
+        gate.allowed = 10  # room again: the queued one goes
+        await asyncio.wait_for(admission.wait(second), 1)
+        admission.done(second)
+        assert not admission._in_flight and admission.queued == 0
+
+    asyncio.run(scenario())
