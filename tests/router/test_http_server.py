@@ -121,6 +121,14 @@ async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str
     return status, headers, body
 
 
+async def _under_way(app: App, port: int, path: str = "/v1/slow") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection whose request to ``path`` its handler has started (and waits in)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(_post(path, b""))
+    await asyncio.wait_for(app.started.wait(), 5)
+    return reader, writer
+
+
 def _post(path: str, body: bytes, extra: bytes = b"") -> bytes:
     return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n%s" % (path.encode(), len(body), extra, body)
 
@@ -233,9 +241,7 @@ def test_http_10_clients_get_a_stream_ended_by_the_connection_and_are_not_kept()
 
 def test_a_client_that_leaves_cancels_its_handler():
     async def test(app: App, server: HttpServer, port: int) -> None:
-        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(_post("/v1/slow", b""))
-        await asyncio.wait_for(app.started.wait(), 5)
+        _reader, writer = await _under_way(app, port)
         writer.close()
         await asyncio.wait_for(app.cancelled.wait(), 5)
         assert not server.connections
@@ -245,9 +251,7 @@ def test_a_client_that_leaves_cancels_its_handler():
 
 def test_inside_finish_even_if_client_leaves_a_client_that_leaves_does_not_cancel_the_handler():
     async def test(app: App, server: HttpServer, port: int) -> None:
-        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(_post("/v1/shielded", b""))
-        await asyncio.wait_for(app.started.wait(), 5)
+        _reader, writer = await _under_way(app, port, "/v1/shielded")
         writer.close()
         await asyncio.sleep(0.1)  # the server saw the connection end
         assert not server.connections and not app.cancelled.is_set()
@@ -263,12 +267,10 @@ def test_inside_finish_even_if_client_leaves_a_client_that_leaves_does_not_cance
 
 def test_a_stopping_server_lets_requests_under_way_finish_and_closes_idle_connections():
     async def test(app: App, server: HttpServer, port: int) -> None:
-        busy_reader, busy_writer = await asyncio.open_connection("127.0.0.1", port)
         idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
         idle_writer.write(b"GET /health HTTP/1.1\r\n\r\n")
         await _read_answer(idle_reader)
-        busy_writer.write(_post("/v1/slow", b""))
-        await asyncio.wait_for(app.started.wait(), 5)
+        busy_reader, busy_writer = await _under_way(app, port)
         stopping = asyncio.create_task(server.stop(5.0))
         assert await asyncio.wait_for(idle_reader.read(), 5) == b""  # the idle one closes at once
         app.release.set()
@@ -285,9 +287,7 @@ def test_a_stopping_server_lets_requests_under_way_finish_and_closes_idle_connec
 
 def test_a_stop_past_its_timeout_cancels_what_is_left():
     async def test(app: App, server: HttpServer, port: int) -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(_post("/v1/slow", b""))
-        await asyncio.wait_for(app.started.wait(), 5)
+        reader, writer = await _under_way(app, port)
         await server.stop(0.1)
         await asyncio.wait_for(app.cancelled.wait(), 5)
         assert await asyncio.wait_for(reader.read(), 5) == b""  # no half answer
