@@ -100,6 +100,7 @@ def test_a_second_engine_hits_what_another_stored_in_a_shared_folder(tmp_path, o
     try:
         assert tier(reader, "shared").num_blocks == 0
         generate(writer)
+        assert tier(writer, "shared").num_blocks == 36  # its stores on disk before the reader asks for them
         assert generate(reader) == oracle
         assert tier(reader, "shared").hit_tokens == 6 * 6 * 16  # found by lookup: stored after it started
         assert tier(reader, "shared").stored_bytes == 0  # read-only
