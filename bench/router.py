@@ -42,7 +42,11 @@ from pathlib import Path
 import msgspec
 from plots import add_plot_argument, bar_chart
 
+from pdserve.api.continuation import TOKENS_HEADER, StreamTokens, tokens_comment
+from pdserve.api.report import REPORT_HEADER, Report
+from pdserve.api.report import comment as report_comment
 from pdserve.launcher import free_port
+from pdserve.router import event_loop
 
 TOKENS = 8
 CONCURRENCY = 64
@@ -57,22 +61,33 @@ KV_PARAMS = {
 }
 _CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.IGNORECASE)
 _STREAM_TRUE = re.compile(rb'"stream":\s*true')
+_ASKS_TOKENS = re.compile(rb"\r\n%s:\s*1\r\n" % TOKENS_HEADER.encode(), re.IGNORECASE)
+_ASKS_REPORT = re.compile(rb"\r\n%s:\s*1\r\n" % REPORT_HEADER.encode(), re.IGNORECASE)
 
 
 # ----- stub engines (plain asyncio streams: an HTTP/1.1 server that knows just enough) -----------------------
 
 
-def _sse_events() -> list[bytes]:
+def _sse_events(with_tokens: bool, with_report: bool) -> list[bytes]:
+    """A decode engine's stream as it writes it: per token one data event, after its token comment when the leg
+    asked for them (``X-PDServe-Tokens``: the router's migration support), then the report comment when asked
+    (``X-PDServe-Report``), then [DONE]."""
     events = []
     for i in range(TOKENS):
+        finish = "length" if i == TOKENS - 1 else None
         chunk = {
             "id": "cmpl-1",
             "object": "text_completion",
             "created": 1,
             "model": "demo",
-            "choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if i == TOKENS - 1 else None}],
+            "choices": [{"index": 0, "text": f" t{i}", "finish_reason": finish}],
         }
-        events.append(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+        event = b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+        if with_tokens:
+            event = tokens_comment(StreamTokens(0, [100 + i], finish)) + event
+        events.append(event)
+    if with_report:
+        events.append(report_comment(Report(prompt_tokens=8, completion_tokens=TOKENS, ttft_s=0.001, tpot_s=0.0005)))
     return [*events, b"data: [DONE]\n\n"]
 
 
@@ -97,7 +112,11 @@ async def _stub(role: str, health: bytes, reader: asyncio.StreamReader, writer: 
             }
         ),
     )
-    events = [b"%x\r\n%s\r\n" % (len(event), event) for event in _sse_events()]
+    streams = {
+        (tokens, report): [b"%x\r\n%s\r\n" % (len(event), event) for event in _sse_events(tokens, report)]
+        for tokens in (False, True)
+        for report in (False, True)
+    }
     stream_head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     try:
         while True:
@@ -110,8 +129,8 @@ async def _stub(role: str, health: bytes, reader: asyncio.StreamReader, writer: 
                 writer.write(prefill_answer)
             elif _STREAM_TRUE.search(body):
                 writer.write(stream_head)
-                for event in events:  # one chunk per token, as an engine writes them
-                    writer.write(event)
+                for event in streams[bool(_ASKS_TOKENS.search(head)), bool(_ASKS_REPORT.search(head))]:
+                    writer.write(event)  # one chunk per token, as an engine writes them
                 writer.write(b"0\r\n\r\n")
             else:
                 writer.write(_whole(200, b'{"choices": [{"index": 0, "text": "t"}]}'))
@@ -556,7 +575,7 @@ def main() -> None:
     elif args.serve in ("router", "router-mac", "router-ed25519"):
         settings = json.loads(args.settings)
         keyed = args.serve.removeprefix("router-") if args.serve != "router" else None
-        asyncio.run(serve_router(args.port, args.prefill, args.decode, keyed, settings))
+        event_loop.run(serve_router(args.port, args.prefill, args.decode, keyed, settings))
     elif args.serve == "baseline":
         serve_baseline(args.port, args.prefill, args.decode)
     else:
