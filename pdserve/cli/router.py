@@ -82,6 +82,8 @@ def _epp(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
+    from pdserve.router import event_loop
+
     set_log_level(args)
-    asyncio.run(_run_router(args))
+    event_loop.run(_run_router(args))
     return 0

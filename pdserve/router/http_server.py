@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from email.utils import formatdate
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, unquote
 
 import httptools
@@ -285,8 +285,8 @@ class _Connection(asyncio.Protocol):
     # ----- asyncio.Protocol -----
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport  # asyncio sets TCP_NODELAY on TCP sockets itself
+        # uvloop's transports have a Transport's methods without subclassing it; either loop sets TCP_NODELAY.
+        self.transport = cast(asyncio.Transport, transport)
         self.server.connections.add(self)
         self._arm_idle()
 

@@ -21,6 +21,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -119,8 +120,7 @@ class _Connection(asyncio.Protocol):
     # ----- asyncio.Protocol -----
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's: a Transport's methods, not its class
 
     def data_received(self, data: bytes) -> None:
         if not self.expecting:  # bytes nobody asked for: the connection is out of step

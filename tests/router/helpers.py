@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import uvloop
 import zmq
 import zmq.asyncio
 from aiohttp import web
@@ -40,10 +41,10 @@ KV_PARAMS = {
 
 
 class LoopThread:
-    """An event loop in a daemon thread, as a separate process would have."""
+    """An event loop in a daemon thread, as a separate process would have: uvloop's, the router process's."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
