@@ -24,8 +24,9 @@
   (pdserve/api/kv_events.py): HMAC-SHA256 (:class:`Signer`) with ``engine.key`` and ``events.key``, each
   signed value naming its receiver or its publisher.
 
-Each signed value carries the wall-clock time it was made and a random nonce; a receiver accepts it within
-:data:`MAX_CLOCK_SKEW_S` of its own clock and only once (:class:`ReplayGuard`).
+Each signed value carries the wall-clock time it was made and a nonce (random; the router's legs: its run's
+random prefix and a count); a receiver accepts it within :data:`MAX_CLOCK_SKEW_S` of its own clock and only
+once (:class:`ReplayGuard`).
 
 Without keys nothing is authenticated; :func:`exposure_problem` allows that only on loopback addresses, or
 when the operator of the process said ``--kv-insecure``.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import itertools
 import secrets
 import time
 from collections import OrderedDict
@@ -58,6 +60,7 @@ NONCE_BYTES = 16
 SIDE_CHANNEL = "side-channel"
 KV_EVENTS = "kv-events"
 ROUTER_LEG = "router-leg"
+_ROUTER_LEG = ROUTER_LEG.encode()
 PREFIX_READ = "prefix-read"
 # The longest a peer-read capability may be valid for (an older or longer one is refused).
 MAX_CAPABILITY_S = 300.0
@@ -105,7 +108,11 @@ def exposure_problem(component: str, hosts: list[str], keyed: bool, insecure: bo
 
 def _framed(*parts: bytes) -> bytes:
     """Length-prefixed parts: no two different part lists frame alike."""
-    return b"".join(len(part).to_bytes(8, "big") + part for part in parts)
+    framed: list[bytes] = []
+    for part in parts:  # a loop, not a generator: this frames every leg the router sends
+        framed.append(len(part).to_bytes(8, "big"))
+        framed.append(part)
+    return b"".join(framed)
 
 
 class Signer:
@@ -157,7 +164,7 @@ class ReplayGuard:
 def _leg_message(sent_at: str, nonce: str, method: str, path: str, target: str, body: bytes) -> bytes:
     digest = hashlib.sha256(body).digest()
     return _framed(
-        ROUTER_LEG.encode(),
+        _ROUTER_LEG,
         sent_at.encode(),
         nonce.encode(),
         method.upper().encode(),
@@ -189,13 +196,21 @@ class RouterSigner:
         self._leg_key = X25519PrivateKey.generate()
         self._leg_key_public = _raw_public(self._leg_key)
         self._delegation: tuple[str, float, Ed25519PrivateKey] | None = None  # (value, expires_at, signed with)
-        self._mac_keys: OrderedDict[str, bytes | None] = OrderedDict()  # engine leg key (hex) -> MAC key
+        # Engine leg key (hex) -> HMAC keyed with the MAC key (copied per leg: the key's pads are hashed once).
+        self._macs: OrderedDict[str, hmac.HMAC | None] = OrderedDict()
+        # Nonces need only be unique (the time and the MAC bind them): this run's random prefix and a count, which
+        # spares a read of the system's randomness per leg.
+        self._nonce_prefix = secrets.token_hex(NONCE_BYTES // 2)
+        self._nonce_count = itertools.count()
+
+    def _nonce(self) -> str:
+        return f"{self._nonce_prefix}{next(self._nonce_count):016x}"
 
     def header(self, method: str, path: str, body: bytes, target: str, now: float | None = None) -> str:
         """``TIME NONCE TARGET SIGNATURE``: an Ed25519 signature for one HTTP request to the engine whose id is
         ``target``, which anyone with ``router.pub`` can check."""
         sent_at = f"{time.time() if now is None else now:.6f}"
-        nonce = secrets.token_hex(NONCE_BYTES)
+        nonce = self._nonce()
         signature = self.keys.current.sign(_leg_message(sent_at, nonce, method, path, target, body))
         return f"{sent_at} {nonce} {target} {signature.hex()}"
 
@@ -204,29 +219,31 @@ class RouterSigner:
     ) -> str:
         """``TIME NONCE TARGET MAC DELEGATION`` for the engine ``target`` whose leg key (its /health's) is
         ``leg_key``; :meth:`header`'s signature where that is None or not a key."""
-        mac_key = self._mac_key(leg_key) if leg_key else None
-        if mac_key is None:
+        keyed = self._mac(leg_key) if leg_key else None
+        if keyed is None:
             return self.header(method, path, body, target, now)
         now = time.time() if now is None else now
         sent_at = f"{now:.6f}"
-        nonce = secrets.token_hex(NONCE_BYTES)
-        mac = hmac.new(mac_key, _leg_message(sent_at, nonce, method, path, target, body), hashlib.sha256).hexdigest()
-        return f"{sent_at} {nonce} {target} {mac} {self._delegated(now)}"
+        nonce = self._nonce()
+        mac = keyed.copy()
+        mac.update(_leg_message(sent_at, nonce, method, path, target, body))
+        return f"{sent_at} {nonce} {target} {mac.hexdigest()} {self._delegated(now)}"
 
-    def _mac_key(self, leg_key: str) -> bytes | None:
-        known = self._mac_keys.get(leg_key, b"")
-        if known != b"":
-            return known
+    def _mac(self, leg_key: str) -> hmac.HMAC | None:
+        if leg_key in self._macs:
+            return self._macs[leg_key]
         try:
             engine_leg_key = bytes.fromhex(leg_key)
             shared = self._leg_key.exchange(X25519PublicKey.from_public_bytes(engine_leg_key))
-            derived: bytes | None = _mac_key(shared, self._leg_key_public, engine_leg_key)
+            keyed: hmac.HMAC | None = hmac.new(
+                _mac_key(shared, self._leg_key_public, engine_leg_key), digestmod=hashlib.sha256
+            )
         except ValueError:  # not a key, or one of the few points whose secret is all zeros
-            derived = None
-        if len(self._mac_keys) >= MAX_LEG_KEYS:
-            self._mac_keys.popitem(last=False)
-        self._mac_keys[leg_key] = derived
-        return derived
+            keyed = None
+        if len(self._macs) >= MAX_LEG_KEYS:
+            self._macs.popitem(last=False)
+        self._macs[leg_key] = keyed
+        return keyed
 
     def _delegated(self, now: float) -> str:
         """``LEGKEY,EXPIRES,SIGNATURE``: this run's leg key, signed with the current router.key."""
