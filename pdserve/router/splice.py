@@ -8,6 +8,9 @@ passed on, and the report comment (pdserve/api/report.py) is kept for the metric
 response's ``id`` and ``created``, which a continuation answers under. An error event of a failed engine (5xx) is
 held back: the stream is continued elsewhere instead; a client error (4xx) is the answer and passes. A draining
 engine's hand-off comment ends its leg the same way.
+
+Token comments are kept as they came and read in batches (one JSON decode per ``READ_BATCH`` of them, or when the
+stream is continued): one decode per token was ~10% of the router's CPU per streamed request.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import msgspec
 
 from pdserve.api.continuation import (
     HANDOFF_COMMENT,
+    TOKENS_COMMENT,
     Continuation,
     ContinuedChoice,
     StreamTokens,
@@ -31,11 +35,16 @@ _ERROR_EVENT = b'data: {"error"'
 _DONE = SSE_DONE.strip()
 _END = b"\n\n"
 _HANDOFF = HANDOFF_COMMENT.strip()
+_COLON = ord(":")
+READ_BATCH = 64
 
 
 class _Identity(msgspec.Struct):
     id: str = ""
     created: int = 0
+
+
+_TOKENS_LIST = msgspec.json.Decoder(list[StreamTokens])
 
 
 class _ErrorBody(msgspec.Struct):
@@ -49,8 +58,9 @@ class _ErrorEvent(msgspec.Struct):
 class StreamSplice:
     def __init__(self) -> None:
         self._partial = b""  # the start of an event whose end has not come yet
-        self._tokens: StreamTokens | None = None  # the token comment of the data event that comes next
-        self.choices: dict[int, ContinuedChoice] = {}  # what the client has of each choice
+        self._tokens: bytes | None = None  # the token comment of the data event that comes next
+        self._passed: list[bytes] = []  # token comments whose data event passed, not yet read into ``_choices``
+        self._choices: dict[int, ContinuedChoice] = {}  # what the client has of each choice
         self.id = ""
         self.created = 0
         self.report: Report | None = None
@@ -74,14 +84,15 @@ class StreamSplice:
             self._partial = data
             return b""
         self._partial = data[end + 2 :]
+        whole = data[:end]
+        errors = _ERROR_EVENT in whole  # one search per chunk, not a check per event
         out: list[bytes] = []
-        for event in data[:end].split(_END):
+        for event in whole.split(_END):
             if not event:
                 continue
-            if event.startswith(b":"):
-                tokens = read_tokens_comment(event)
-                if tokens is not None:
-                    self._tokens = tokens
+            if event[0] == _COLON:
+                if event.startswith(TOKENS_COMMENT):
+                    self._tokens = event
                     continue
                 if event == _HANDOFF:
                     self.handed_off = True
@@ -91,7 +102,7 @@ class StreamSplice:
                     with contextlib.suppress(msgspec.MsgspecError):  # unreadable: it counts nowhere
                         self.report = msgspec.json.decode(event[len(REPORT_COMMENT) :], type=Report)
                     continue
-            elif event.startswith(_ERROR_EVENT) and _server_error(event):
+            elif errors and event.startswith(_ERROR_EVENT) and _server_error(event):
                 self.failed_engine = True
                 self._partial = b""
                 break
@@ -105,15 +116,32 @@ class StreamSplice:
                         identity = msgspec.json.decode(event[len(_DATA) :], type=_Identity)
                         self.id, self.created = identity.id, identity.created
                 if self._tokens is not None:
-                    self._record(self._tokens)
+                    self._passed.append(self._tokens)
                     self._tokens = None
-            out.append(event + _END)
-        return b"".join(out)
+            out.append(event)
+        if len(self._passed) >= READ_BATCH:
+            self._read_passed()
+        if not out:
+            return b""
+        out.append(b"")
+        return _END.join(out)
+
+    def _read_passed(self) -> None:
+        """Fold the token comments whose events passed into ``_choices``, in one decode (where one is unreadable,
+        one by one: that one counts nowhere)."""
+        start = len(TOKENS_COMMENT)
+        try:
+            read = _TOKENS_LIST.decode(b"[%s]" % b",".join([event[start:] for event in self._passed]))
+        except msgspec.MsgspecError:
+            read = [tokens for tokens in map(read_tokens_comment, self._passed) if tokens is not None]
+        for tokens in read:
+            self._record(tokens)
+        self._passed.clear()
 
     def _record(self, tokens: StreamTokens) -> None:
-        choice = self.choices.get(tokens.index)
+        choice = self._choices.get(tokens.index)
         if choice is None:
-            choice = self.choices[tokens.index] = ContinuedChoice(tokens.index, [])
+            choice = self._choices[tokens.index] = ContinuedChoice(tokens.index, [])
         choice.token_ids.extend(tokens.token_ids)
         if tokens.seed is not None:
             choice.seed = tokens.seed
@@ -125,7 +153,8 @@ class StreamSplice:
         before the stream said its id (nothing of it can be continued: it starts again)."""
         if not self.id:
             return None
-        return Continuation(self.id, self.created, list(self.choices.values()))
+        self._read_passed()
+        return Continuation(self.id, self.created, list(self._choices.values()))
 
 
 def _server_error(event: bytes) -> bool:

@@ -96,3 +96,19 @@ def test_a_handoff_ends_the_leg_and_the_next_leg_starts_clean():
     assert not splice.handed_off and not splice.failed_engine
     assert splice.feed(_data(0, "b") + SSE_DONE) == _data(0, "b") + SSE_DONE
     assert splice.done
+
+
+def test_a_long_stream_counts_every_token_and_an_unreadable_comment_none():
+    """Token comments are read in batches (READ_BATCH): across batches every passed token counts, in order; an
+    unreadable comment counts nowhere and leaves the rest of its batch read."""
+    splice = StreamSplice()
+    out = []
+    for step in range(150):
+        comment_line = tokens_comment(StreamTokens(0, [step]))
+        if step == 70:
+            comment_line = b": pdserve-tokens [0, [oops\n\n"
+        out.append(splice.feed(comment_line + _data(0, f"<{step}>")))
+    assert b"".join(out) == b"".join(_data(0, f"<{step}>") for step in range(150))
+    continuation = splice.continuation()
+    assert continuation is not None
+    assert continuation.choices[0].token_ids == [step for step in range(150) if step != 70]
