@@ -33,10 +33,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
 from pdserve.api.protocol import ProtocolError
 from pdserve.router.kv_index import KVIndex
+from pdserve.router.loop_metrics import Counter, CounterChild, Histogram, HistogramChild
 from pdserve.router.pods import PodSet
 from pdserve.router.tenants import Tenant
 
@@ -227,9 +228,9 @@ class FlowMetrics:
             ["tenant", "band"],
             registry=registry,
         )
-        self._admissions: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        self._admissions: dict[tuple[str, str], tuple[CounterChild, HistogramChild]] = {}
 
-    def admission(self, tenant: str, band: str) -> tuple[Counter, Histogram]:
+    def admission(self, tenant: str, band: str) -> tuple[CounterChild, HistogramChild]:
         """The admitted counter and queue-time histogram of a tenant label and band (labels() costs a lock and a
         lookup: once per pair, not per request)."""
         key = (tenant, band)

@@ -1,5 +1,6 @@
 """The router's Prometheus series (names are a contract: docs/contracts.md), in a registry of its own
-so several routers can live in one process (tests) without clashing.
+so several routers can live in one process (tests) without clashing; updated on the event loop's thread only
+(``loop_metrics``: no lock per update).
 
 ``pdserve_router_errors_total{kind}`` kinds:
 - ``prefill_unreachable``, ``prefill_5xx``, ``prefill_bad_answer``, ``no_prefill`` (no prefill pod up): these
@@ -27,12 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdserve.api.report import LATENCY_BUCKETS, TOKEN_BUCKETS, Report
 from pdserve.router.kv_index import KVIndex
+from pdserve.router.loop_metrics import Counter, CounterChild, Histogram
 
 PATHS = ("disagg", "decode_only", "fallback")
 ERROR_KINDS = (
@@ -127,7 +129,7 @@ class RouterMetrics:
             ["role", "pod", "policy"],
             registry=self.registry,
         )
-        self._choice_children: dict[tuple[str, str, str], Counter] = {}
+        self._choice_children: dict[tuple[str, str, str], CounterChild] = {}
         predicted = Counter(
             "pdserve_router_prefix_blocks_predicted",
             "Cached leading prompt blocks the index predicted on the chosen pod",

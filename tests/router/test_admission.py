@@ -240,7 +240,7 @@ def test_a_request_more_urgent_than_all_in_flight_goes_to_a_saturated_fleet_one_
         more_urgent = admission.enter(_tenant("c"), -1, 10, 10, None)
         assert more_urgent.admitted
         preempting = admission.metrics.preempting
-        assert preempting.labels("b", "0")._value.get() == 1 and preempting.labels("c", "-1")._value.get() == 1
+        assert preempting.labels("b", "0").value == 1 and preempting.labels("c", "-1").value == 1
         for ticket in (urgent, more_urgent, low):
             admission.done(ticket)
             admission.done(ticket)  # a second call changes nothing
