@@ -19,7 +19,9 @@ The routing policy is round-robin on both sides (pdserve's prefix policies token
 does not).
 
 ``--only NAMES`` (name prefixes, comma-separated) and ``--modes`` run a part, e.g. ``--only "pdserve router,vllm-router"
---modes P/D`` (about 2 minutes) while working on the router's hot path.
+--modes P/D`` (about 2 minutes) while working on the router's hot path. CPU time on a 2-core VM moves ±7% between
+runs of one configuration; ``--instructions`` counts user-space instructions per request under callgrind instead
+(valgrind; the same to ±0.2% run to run), which shows a 1-2% change of the hot path.
 
 With --plot DIR, writes DIR/router_latency.png and DIR/router_throughput.png (P/D).
 Last line: {"bench": "router", "pd_rps", "pd_cpu_us", "pd_rps_vs_vllm_router", "pd_cpu_vs_vllm_router", ...}.
@@ -332,19 +334,21 @@ def _ready(process: subprocess.Popen, what: str) -> subprocess.Popen:
     return process
 
 
-def _spawn(args: list[str], core: int | None) -> subprocess.Popen:
-    command = [sys.executable, __file__, *args]
-    if core is not None and shutil.which("taskset"):
-        command = ["taskset", "-c", str(core), *command]
+def _on_core(core: int | None) -> list[str]:
+    """The words that start a command on ``core`` (none: anywhere)."""
+    return ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
+
+
+def _spawn(args: list[str], launcher: list[str]) -> subprocess.Popen:
+    """This script in another role, started under ``launcher`` (``_on_core``, or callgrind)."""
+    command = [*launcher, sys.executable, __file__, *args]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     return _ready(subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True), args[1])
 
 
-def _spawn_binary(argv: list[str], core: int | None) -> subprocess.Popen:
+def _spawn_binary(argv: list[str], launcher: list[str]) -> subprocess.Popen:
     """A proxy that is not ours (vllm-router): it says nothing when ready; its /health is polled."""
-    if core is not None and shutil.which("taskset"):
-        argv = ["taskset", "-c", str(core), *argv]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([*launcher, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -374,39 +378,40 @@ class Proxy:
     """One proxy under test: a name and how to start it on a port over the stubs (``prefill`` None: plain mode)."""
 
     name: str
-    start: Callable[[int, str | None, str, int | None], subprocess.Popen]
+    start: Callable[[int, str | None, str, list[str]], subprocess.Popen]  # port, prefill, decode, launcher
     pd_only: bool = False  # it has no plain mode
 
 
-def _ours(role: str, **settings) -> Callable[[int, str | None, str, int | None], subprocess.Popen]:
-    def start(port: int, prefill: str | None, decode: str, core: int | None) -> subprocess.Popen:
+def _ours(role: str, **settings) -> Callable[[int, str | None, str, list[str]], subprocess.Popen]:
+    def start(port: int, prefill: str | None, decode: str, launcher: list[str]) -> subprocess.Popen:
         argv = ["--serve", role, "--port", str(port), "--decode", decode, "--settings", json.dumps(settings)]
-        return _spawn([*argv, *(["--prefill", prefill] if prefill else [])], core)
+        return _spawn([*argv, *(["--prefill", prefill] if prefill else [])], launcher)
 
     return start
 
 
-def _vllm_router(binary: str) -> Callable[[int, str | None, str, int | None], subprocess.Popen]:
-    def start(port: int, prefill: str | None, decode: str, core: int | None) -> subprocess.Popen:
+def _vllm_router(binary: str) -> Callable[[int, str | None, str, list[str]], subprocess.Popen]:
+    def start(port: int, prefill: str | None, decode: str, launcher: list[str]) -> subprocess.Popen:
         argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin", "--log-level", "error"]
         if prefill:
             argv += ["--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode]
         else:
             argv += ["--worker-urls", decode]
-        return _spawn_binary(argv, core)
+        return _spawn_binary(argv, launcher)
 
     return start
 
 
-def _baseline(port: int, prefill: str | None, decode: str, core: int | None) -> subprocess.Popen:
-    return _spawn(["--serve", "baseline", "--port", str(port), "--prefill", prefill or "", "--decode", decode], core)
+def _baseline(port: int, prefill: str | None, decode: str, launcher: list[str]) -> subprocess.Popen:
+    argv = ["--serve", "baseline", "--port", str(port), "--prefill", prefill or "", "--decode", decode]
+    return _spawn(argv, launcher)
 
 
 async def measure_proxy(
     proxy: Proxy, prefill: str | None, decode: str, core: int | None, requests: int, seconds: float
 ) -> dict:
     port = free_port()
-    process = proxy.start(port, prefill, decode, core)
+    process = proxy.start(port, prefill, decode, _on_core(core))
     try:
         await _wait_listening(port)
         url = f"http://127.0.0.1:{port}"
@@ -418,6 +423,50 @@ async def measure_proxy(
         process.terminate()
         process.wait(10)
     return {"name": proxy.name, "p50_ms": p50, "p99_ms": p99, "rps": rps, "cpu_us": cpu / max(done, 1) * 1e6}
+
+
+async def _requests(url: str, count: int, concurrency: int = 16) -> int:
+    """``count`` P/D requests (rounded down to a multiple of ``concurrency``), that many at a time; how many."""
+    body = msgspec.json.encode(BODY)
+    each = count // concurrency
+
+    async def worker() -> None:
+        client = Connection(url)
+        for _ in range(each):
+            _check(*await client.post("/v1/completions", body))
+        client.close()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return each * concurrency
+
+
+async def measure_instructions(proxy: Proxy, prefill: str | None, decode: str, requests: int) -> dict:
+    """User-space instructions the proxy executes per request, counted by callgrind: unlike CPU time on a shared
+    machine, the same from run to run (±0.2%), so a change of 1-2% on the hot path shows. The kernel's share (the
+    socket calls) is not counted; the proxy runs uninstrumented until it is warm."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pdserve-callgrind-") as folder:
+        out = f"{folder}/callgrind.out"
+        launcher = ["valgrind", "-q", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+        port = free_port()
+        process = proxy.start(port, prefill, decode, launcher)
+        try:
+            await _wait_listening(port)
+            url = f"http://127.0.0.1:{port}"
+            await _requests(url, 400)
+            control = ["callgrind_control"]
+            subprocess.run([*control, "--instr=on", str(process.pid)], check=True, capture_output=True)
+            await _requests(url, 64)  # the instrumented code's first run
+            subprocess.run([*control, "--zero", str(process.pid)], check=True, capture_output=True)
+            done = await _requests(url, requests)
+            subprocess.run([*control, "--dump", str(process.pid)], check=True, capture_output=True)
+            dumps = sorted(Path(folder).glob("callgrind.out.*"), key=lambda path: int(path.name.rsplit(".", 1)[1]))
+            summary = next(line for line in dumps[-1].read_text().splitlines() if line.startswith("summary:"))
+        finally:
+            process.terminate()
+            process.wait(60)
+    return {"name": proxy.name, "instructions": int(summary.split()[1]) / done}
 
 
 def _have_baseline() -> bool:
@@ -480,11 +529,25 @@ async def run(args: argparse.Namespace) -> None:
     if own_core is not None:
         os.sched_setaffinity(0, {own_core})  # the load generator and the stubs share the other core
     prefill_port, decode_port = free_port(), free_port()
-    stubs = _spawn(["--serve", "stubs", "--port", str(prefill_port), "--decode-port", str(decode_port)], own_core)
+    stubs = _spawn(
+        ["--serve", "stubs", "--port", str(prefill_port), "--decode-port", str(decode_port)], _on_core(own_core)
+    )
     prefill, decode = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
     proxies = [proxy for proxy in _proxies(_find_vllm_router(args.vllm_router)) if _chosen(proxy.name, args.only)]
     modes = {mode: leg for mode, leg in {"P/D": prefill, "plain": None}.items() if mode in args.modes}
     tables: dict[str, list[dict]] = {}
+    if args.instructions:
+        try:
+            for mode, leg in modes.items():
+                print(f"\n{mode} mode: user-space instructions per request (callgrind, {args.requests} requests)")
+                for proxy in proxies:
+                    if leg is not None or not proxy.pd_only:
+                        row = await measure_instructions(proxy, leg, decode, args.requests)
+                        print(f"{row['name']:<26}{row['instructions']:>12,.0f}", flush=True)
+        finally:
+            stubs.terminate()
+            stubs.wait(10)
+        return
     try:
         p50, p99 = await latency(lambda: TwoLegClient(prefill, decode), args.requests)
         rps, _ = await throughput(lambda: TwoLegClient(prefill, decode), args.seconds)
@@ -560,6 +623,12 @@ def main() -> None:
         "--only", metavar="NAMES", help="only the proxies whose names start so (comma-separated; default: all)"
     )
     parser.add_argument("--modes", nargs="+", choices=["P/D", "plain"], default=["P/D", "plain"], help="modes to run")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count each proxy's user-space instructions per request with callgrind (valgrind) instead: "
+        "deterministic, for A/B work on the router's hot path (--requests of them, default 1000; ~10 s a proxy)",
+    )
     add_plot_argument(parser)
     parser.add_argument(
         "--serve", choices=["stubs", "router", "router-mac", "router-ed25519", "baseline"], help=argparse.SUPPRESS
