@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
@@ -70,8 +71,8 @@ class _Family(Collector, Generic[ChildT]):
             child = self._children[values] = self._new_child()
         return child
 
-    def _new_child(self) -> ChildT:
-        raise NotImplementedError
+    @abstractmethod
+    def _new_child(self) -> ChildT: ...
 
     def labels(self, *values: str) -> ChildT:
         return self._child(tuple(str(value) for value in values))
@@ -82,8 +83,8 @@ class _Family(Collector, Generic[ChildT]):
     def describe(self) -> list[Metric]:
         return [self._family()]
 
-    def _family(self) -> Metric:
-        raise NotImplementedError
+    @abstractmethod
+    def _family(self) -> Metric: ...
 
 
 class Counter(_Family[CounterChild]):
