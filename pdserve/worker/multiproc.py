@@ -30,6 +30,7 @@ import zmq
 
 from pdserve.kvtransfer.aggregate import RankReports
 from pdserve.kvtransfer.base import KVConnectorOutput
+from pdserve.kvtransfer.tiers.worker import CLOSE_FLUSH_SECONDS
 from pdserve.worker.executors import LoadedExecutor
 from pdserve.worker.interface import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.worker.kv_cache import CacheSize
@@ -62,6 +63,8 @@ class MultiprocExecutor:
         # P/D at TP > 1: every rank's transfer agent reports, and a request's blocks change hands once all did.
         has_connector = spec.kv_transfer is not None or spec.kv_tiers is not None
         self._reports = RankReports(size) if has_connector and size > 1 else None
+        # How long a worker gets to exit once told: KV tiers first write out the stores they were given.
+        self._exit_seconds = 10.0 + (CLOSE_FLUSH_SECONDS if spec.kv_tiers is not None else 0.0)
         generations_path = None
         if spec.kv_transfer is not None:
             generations_path = generations_file()
@@ -187,7 +190,7 @@ class MultiprocExecutor:
                 steps.send(encode_shutdown, zmq.NOBLOCK)
         for process in self.processes:
             try:
-                process.wait(10)
+                process.wait(self._exit_seconds)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(10)

@@ -13,6 +13,10 @@ Within a step (``submit`` before the forward, ``collect`` after it):
   request's own and unused until the load is reported landed; a block that fails its checks fails the load,
   and the request's blocks are freed uncached), or through a staging buffer on a GPU;
 - deletes go on the same queue as stores, so a delete and a later store of one block happen in order.
+
+``close`` lets the I/O thread finish the stores and deletes it was given (for up to ``CLOSE_FLUSH_SECONDS``; what
+is left then is logged and dropped): a block the engine reported stored before it stopped is on disk for the
+next engine to start from. Queued loads are dropped: no request is left to use them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pdserve.kvtransfer.work import TierLoad, TransferWork
 logger = logging.getLogger(__name__)
 
 MAX_STORE_BACKLOG_BYTES = 256 << 20
+CLOSE_FLUSH_SECONDS = 30.0
 
 
 @dataclass(slots=True)
@@ -71,6 +76,7 @@ class TierWorker:
         self._output = KVConnectorOutput()
         self._lock = threading.Condition()
         self._closed = False
+        self._abandoned = False  # set when closing gave up waiting for the writes
         self._thread = threading.Thread(target=self._run, name=f"kv-tiers-{rank}", daemon=True)
         self._thread.start()
 
@@ -123,8 +129,14 @@ class TierWorker:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            self._loads.clear()
             self._lock.notify()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=CLOSE_FLUSH_SECONDS)
+        if self._thread.is_alive():
+            with self._lock:
+                self._abandoned = True
+                left = len(self._writes)
+            logger.warning("KV tiers: %d block writes left undone after %.0f s of closing", left, CLOSE_FLUSH_SECONDS)
 
     # ----- the I/O thread ---------------------------------------------------------------------------
 
@@ -133,7 +145,7 @@ class TierWorker:
             with self._lock:
                 while not (self._loads or self._writes or self._closed):
                     self._lock.wait()
-                if self._closed:
+                if self._abandoned or (self._closed and not self._writes):
                     return
                 load = self._loads.popleft() if self._loads else None
                 write = self._writes.popleft() if load is None else None

@@ -240,3 +240,46 @@ def test_close_stops_the_io_thread(tmp_path):
     assert thread.is_alive()
     worker.close()
     assert not thread.is_alive()
+
+
+def _slow_writes(monkeypatch, gate: threading.Event | None = None, seconds: float = 0.0) -> list[bytes]:
+    """Every block write waits (for ``gate`` or ``seconds``) first: stores stay queued when the test closes."""
+    written: list[bytes] = []
+    write = BlockFolder.write
+
+    def slow_write(folder: BlockFolder, digest: bytes, payload) -> None:
+        if gate is not None:
+            gate.wait(timeout=30)
+        time.sleep(seconds)
+        write(folder, digest, payload)
+        written.append(digest)
+
+    monkeypatch.setattr(BlockFolder, "write", slow_write)
+    return written
+
+
+def test_close_writes_the_stores_it_was_given_first(tmp_path, monkeypatch):
+    written = _slow_writes(monkeypatch, seconds=0.05)
+    kv_cache = _kv_cache()
+    worker = TierWorker(_config(tmp_path), kv_cache, COMPAT, 0, 1)
+    _step(worker, TransferWork(tier_stores=[TierStore(n, H[n], ["disk"]) for n in range(NUM_BLOCKS)]))
+    worker.close()  # with most of the writes still queued
+    assert written == H[:NUM_BLOCKS]
+    for n in range(NUM_BLOCKS):
+        assert _file_payload(tmp_path / "disk", H[n], worker.block_bytes) == _block_bytes(kv_cache, n)
+
+
+def test_close_gives_up_on_writes_that_outlast_its_bound(tmp_path, monkeypatch, caplog):
+    gate = threading.Event()
+    written = _slow_writes(monkeypatch, gate)
+    monkeypatch.setattr(worker_module, "CLOSE_FLUSH_SECONDS", 0.2)
+    worker = TierWorker(_config(tmp_path), _kv_cache(), COMPAT, 5, 8)
+    [thread] = [t for t in threading.enumerate() if t.name == "kv-tiers-5"]
+    _step(worker, TransferWork(tier_stores=[TierStore(n, H[n], ["disk"]) for n in range(4)]))
+    started = time.monotonic()
+    worker.close()  # the first write hangs (a stuck disk)
+    assert time.monotonic() - started < 5
+    assert "3 block writes left undone" in caplog.text
+    gate.set()  # the disk comes back: the write under way ends, the rest are dropped
+    thread.join(timeout=10)
+    assert not thread.is_alive() and written == [H[0]]
