@@ -20,6 +20,10 @@ import hashlib
 
 _BEARER = "Bearer "
 TENANT_HEADER = "X-PDServe-Tenant"
+# "1": the router's flow control found the request's tenant with nothing in flight while other tenants of its
+# priority had requests in flight; an engine scheduling by priority runs it before the others of its priority
+# (preempting one if it must). Set by the router (or the gateway's picker), never passed on from a client.
+AHEAD_HEADER = "X-PDServe-Ahead"
 
 
 def request_cache_salt(authorization: str | None, cache_salt: str | None, tenant: str | None = None) -> str | None:

@@ -58,6 +58,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     peer: PeerKV | None = None  # peer reads: hold its blocks for peers when it ends, or read its prefix from one
     output_token_ids: list[int] = []  # a continued stream's output so far (another engine's)
     priority: int = 0  # lower first, under the priority scheduling policy
+    ahead: bool = False  # before the others of its priority, under that policy (the router's fairness mark)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -230,6 +231,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                                 message.peer,
                                 message.output_token_ids,
                                 message.priority,
+                                message.ahead,
                             )
                         )
                     except ValueError as error:

@@ -51,6 +51,7 @@ _FINISH_REASONS = {
 
 class Request:
     __slots__ = (
+        "ahead",
         "all_token_ids",
         "arrival_time",
         "block_hashes",
@@ -89,13 +90,16 @@ class Request:
         peer: PeerKV | None = None,
         output_token_ids: list[int] | None = None,
         priority: int = 0,
+        ahead: bool = False,
     ) -> None:
         """``remote_prefill``: a P/D decode leg's remote blocks, screened by the API process (pdserve/server/
         pd_gate.py); ``remote_decode``: a P/D prefill leg, whose KV is held for a decode engine when it ends;
         ``peer``: hold its blocks for peer reads when it ends, or read its prompt's leading blocks from a peer;
         ``output_token_ids``: output another engine generated (a continued stream): the request starts as a
         preempted one resumes, computing prompt and output, and samples what follows them; ``priority``: under
-        the priority scheduling policy, lower values go first (vLLM's semantics; ignored under fcfs)."""
+        the priority scheduling policy, lower values go first (vLLM's semantics; ignored under fcfs); ``ahead``: under
+        that policy, it goes before the requests of its priority that are not (the router's flow control marks a
+        tenant's request when the tenant had none in flight and others of its band had)."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         self.request_id = request_id
@@ -109,6 +113,7 @@ class Request:
         self.remote_decode = remote_decode
         self.peer = peer
         self.priority = priority
+        self.ahead = ahead
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = list(output_token_ids or ())
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids

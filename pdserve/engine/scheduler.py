@@ -7,9 +7,12 @@ block, the most recently admitted running request is preempted (its blocks freed
 later; its own freed blocks usually come back as prefix-cache hits). Aborts work in any state.
 
 Under the priority policy (``--scheduling-policy priority``, vLLM's semantics) the queue and the running list
-are kept in (priority, arrival) order, lower values first: running requests are preempted from the other end
-(the largest value, latest arrival), and a waiting request that cannot start for want of blocks or a
-``max_num_seqs`` seat displaces running requests of a larger value before the step is scheduled.
+are kept in (priority, ahead, arrival) order, lower values first, and in a priority the requests marked ``ahead``
+(a light tenant's, by the router's flow control) before the others: running requests are preempted from the other
+end (the largest value, latest arrival), and a waiting request that cannot start for want of blocks or a
+``max_num_seqs`` seat displaces running requests that rank after it (a larger value, or the same one not marked
+ahead when it is) before the step is scheduled. A step starts waiting requests of one rank only: a less urgent
+prompt would lengthen the step that ends with a more urgent request's first token.
 
 A step that will sample a token for a request counts that token as a placeholder until its output
 comes back, so the next step can be scheduled before it does (async scheduling, ``EngineCore``):
@@ -60,9 +63,10 @@ def _before_last_prompt_token(request: Request, num_computed: int, num_new: int)
     return min(num_new, last - num_computed) if num_computed < last else num_new
 
 
-def _order(request: Request) -> tuple[int, float]:
-    """Where a request stands under the priority policy: lower priority values first, then earlier arrivals."""
-    return request.priority, request.arrival_time
+def _order(request: Request) -> tuple[int, bool, float]:
+    """Where a request stands under the priority policy: lower priority values first, in one those marked ahead,
+    then earlier arrivals."""
+    return request.priority, not request.ahead, request.arrival_time
 
 
 def _waiting_status(request: Request) -> RequestStatus:
@@ -324,8 +328,13 @@ class Scheduler:
         if self.remote_kv.finished_recving:
             self._promote_finished_loads()
         parked: list[Request] = []  # still loading remote KV: keep their place in the queue
+        first_rank: tuple[int, bool] | None = None  # priority policy: of the first request admitted in this step
         while waiting and budget > 0 and len(running) < max_num_seqs:
             request = waiting[0]
+            if first_rank is not None and (request.priority, not request.ahead) > first_rank:
+                # Ranked after a request this step starts: it waits for the next step, since its prompt would
+                # lengthen the step whose end is the more urgent request's first token.
+                break
             if request.status == _WAITING_FOR_REMOTE_KVS or request.num_output_placeholders:
                 # Loading remote KV, or preempted while its last token is on its way (its recompute
                 # needs that token).
@@ -390,6 +399,8 @@ class Scheduler:
 
             request.status = _RUNNING
             if self.by_priority:
+                if first_rank is None:
+                    first_rank = (request.priority, not request.ahead)
                 bisect.insort(running, request, key=_order)
             else:
                 running.append(request)
@@ -445,8 +456,9 @@ class Scheduler:
 
     def _make_room_by_priority(self) -> set[str]:
         """Priority policy: the first waiting request able to start now, when it finds no seat or not the blocks for
-        its first chunk, displaces running requests of a larger priority value (the largest, latest first) until
-        it fits. Done before the step is scheduled, so nothing displaced was scheduled in it."""
+        its first chunk, displaces running requests that rank after it (a larger priority value, or its own not
+        marked ahead when it is; the last ranked, latest first) until it fits. Done before the step is scheduled,
+        so nothing displaced was scheduled in it."""
         candidate = next(
             (
                 r
@@ -464,7 +476,8 @@ class Scheduler:
         config = self.config
         # A request whose prompt is pulled from a P/D prefill takes blocks for all of it at once.
         whole = self.connector.expects_remote_kv(candidate)
-        while running and running[-1].priority > candidate.priority:  # equals never displace each other
+        rank = (candidate.priority, not candidate.ahead)
+        while running and (running[-1].priority, not running[-1].ahead) > rank:  # equals never displace each other
             if len(running) < config.max_num_seqs and self.kv_cache_manager.can_start(
                 candidate, None if whole else config.max_num_batched_tokens
             ):

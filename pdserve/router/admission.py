@@ -19,6 +19,17 @@ same pods).
   band (``--max-queued``); a request that waits past its deadline (the tenant's ``queue_timeout``, or the
   request's ``X-PDServe-Queue-Timeout`` header in seconds, whichever is shorter) is refused before it costs a
   prefill.
+- **More urgent than the rest**: a request whose priority is more urgent than every request of other priorities in
+  flight goes to a saturated fleet at once (the engines, scheduling by priority, run it first), up to
+  ``max_ahead`` of its priority in flight.
+- **Ahead of its band**: a tenant's request that finds the tenant with under half the requests in flight (per
+  weight) of every other tenant that has some at its priority (typically: a light tenant with none, beside a
+  flood) goes at once, saturated or not, past the band's queue, marked ``ahead``: the router tells the engines
+  (``AHEAD_HEADER``), which, scheduling by priority, run it before the others of its priority, preempting one if
+  they must. Without it a light tenant's request, first in the router's queue, would still wait behind the
+  flood's requests already in the engine's queue and for one of their seats to end. At most ``max_ahead`` such
+  requests per band are in flight (tenant names may come from a gateway's header: unbounded); tenants near their
+  shares (within 2x of each other) never go ahead of each other, so they do not preempt each other by turns.
 
 A request admitted holds its place until ``done``; what a continuation (a migrated stream) does inside it never
 passes through here again.
@@ -32,6 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -153,6 +165,7 @@ class Ticket:
     granted: asyncio.Future[None] | None = None  # made when it queues: set when it is admitted
     charged: float = 0.0  # what its tenant's counter was charged
     admitted: bool = False
+    ahead: bool = False  # sent ahead of its band's others (its tenant had nothing in flight)
     ended: bool = False  # done() was called
     prompt_tokens: int = 0  # what it counts against its tenant's tokens per minute
 
@@ -221,6 +234,13 @@ class FlowMetrics:
             ["stage"],
             registry=registry,
         )
+        self.ahead = Counter(
+            "pdserve_router_flow_ahead",
+            "Requests sent at once, ahead of their band's others, because their tenant had none in flight while other "
+            "tenants of the band had (the engines run them first), by tenant and band",
+            ["tenant", "band"],
+            registry=registry,
+        )
         self.preempting = Counter(
             "pdserve_router_flow_preempting",
             "Requests sent to a saturated fleet because their priority was more urgent than every request in flight "
@@ -244,6 +264,9 @@ class FlowMetrics:
 class FlowSettings:
     max_queued: int = 1024  # per band, in this replica
     replicas: int = 1  # router replicas sharing the tenants' limits
+    # Requests per band in flight sent to a saturated fleet at once: ahead of the band's others (their tenant under
+    # its share), or of a priority more urgent than every other in flight (0: none).
+    max_ahead: int = 4
 
 
 class Admission:
@@ -263,6 +286,9 @@ class Admission:
         self.queued = 0
         self._grants: deque[float] = deque()  # when recent requests were admitted
         self._in_flight: dict[int, int] = {}  # admitted and not done, by priority
+        # Admitted and not done, by priority: per tenant name, [how many, the tenant's weight].
+        self._flows: dict[int, dict[str, list[float]]] = {}
+        self._ahead: dict[int, int] = {}  # of those, sent ahead of their band, by priority
         self._buckets: dict[tuple[str, str], TokenBucket] = {}
         self._dispatcher: asyncio.Task[None] | None = None
 
@@ -338,16 +364,28 @@ class Admission:
             limit = queue_timeout
         deadline = None if limit is None else now + limit
         ticket = Ticket(tenant, priority, prompt_tokens + max_output_tokens, now, deadline, prompt_tokens=prompt_tokens)
+        if self._goes_ahead(tenant, priority):
+            ticket.ahead = True
+            self._ahead[priority] = self._ahead.get(priority, 0) + 1
+            self.metrics.ahead.labels(tenant.label, str(priority)).inc()
+            self._grant(ticket, now)
+            return ticket
         if not self._ahead_of(priority):
             saturation = self.saturation(self._pending)
             if saturation.stage is None:
                 self._grant(ticket, now)
                 return ticket
             self.metrics.saturated.labels(saturation.stage).inc()
-            if self._in_flight and priority < min(self._in_flight):
-                # More urgent than every request this replica has in flight: the engines, scheduling by priority,
-                # run it first (preempting if they must), so waiting here for room would only add to its TTFT.
-                # One such request at a time per priority: the next finds this one in flight and queues.
+            bands = self._in_flight
+            if (
+                bands
+                and min(bands) >= priority
+                and max(bands) > priority
+                and bands.get(priority, 0) < self.settings.max_ahead
+            ):
+                # More urgent than every request of other priorities this replica has in flight: the engines,
+                # scheduling by priority, run it first (preempting if they must), so waiting here for room would
+                # only add to its TTFT. Up to max_ahead of its priority in flight: the next queues.
                 self.metrics.preempting.labels(tenant.label, str(priority)).inc()
                 self._grant(ticket, now)
                 return ticket
@@ -382,6 +420,21 @@ class Admission:
             else:
                 self._dequeue(ticket)
             raise
+
+    def _goes_ahead(self, tenant: Tenant, priority: int) -> bool:
+        """Whether a request of this tenant and priority goes ahead of its band's others: the tenant has under half
+        the requests in flight (per weight) of every other tenant that has some at this priority (none at all, the
+        usual case of a light tenant), no more urgent request waits, and the band's requests sent ahead are fewer
+        than ``max_ahead``. Half, so that tenants near their shares never preempt each other by turns."""
+        flows = self._flows.get(priority)
+        if not flows or self._ahead.get(priority, 0) >= self.settings.max_ahead:
+            return False
+        mine = flows.get(tenant.name)
+        share = 0.0 if mine is None else mine[0] / mine[1]
+        least_other = min((count / weight for name, (count, weight) in flows.items() if name != tenant.name), default=0)
+        return 2 * share < least_other and not any(
+            band < priority and queue.queued for band, queue in self.bands.items()
+        )
 
     def _ahead_of(self, priority: int) -> bool:
         """Whether requests of this priority or a better one are waiting (a newcomer goes behind them)."""
@@ -425,6 +478,12 @@ class Admission:
         queue_time.observe(now - ticket.arrived)
         ticket.admitted = True
         self._in_flight[ticket.band] = self._in_flight.get(ticket.band, 0) + 1
+        flows = self._flows.setdefault(ticket.band, {})
+        flow = flows.get(ticket.tenant.name)
+        if flow is None:
+            flows[ticket.tenant.name] = [1, ticket.tenant.spec.weight]
+        else:
+            flow[0] += 1
         if ticket.granted is not None and not ticket.granted.done():
             ticket.granted.set_result(None)
 
@@ -464,11 +523,16 @@ class Admission:
         if not ticket.admitted or ticket.ended:
             return
         ticket.ended = True
-        left = self._in_flight[ticket.band] - 1
-        if left:
-            self._in_flight[ticket.band] = left
-        else:
-            del self._in_flight[ticket.band]
+        _count_out(self._in_flight, ticket.band)
+        flows = self._flows[ticket.band]
+        flow = flows[ticket.tenant.name]
+        flow[0] -= 1
+        if not flow[0]:
+            del flows[ticket.tenant.name]
+            if not flows:
+                del self._flows[ticket.band]
+        if ticket.ahead:
+            _count_out(self._ahead, ticket.band)
         tenant = ticket.tenant
         if output_tokens is not None:
             self._charge(tenant, 0.0, output_tokens, time.monotonic())
@@ -478,3 +542,12 @@ class Admission:
                 band.counters[tenant.name] += real - ticket.charged
         if self.queued:
             self.dispatch()
+
+
+def _count_out(counts: dict[Any, int], key: Any) -> None:
+    """One fewer of ``key`` (its entry gone at none, so emptiness is the dict's)."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]

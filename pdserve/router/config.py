@@ -174,6 +174,13 @@ class RouterConfig:
         default=0.9, metadata=flag("a pod whose KV cache is this full (0..1) is saturated (flow control)")
     )
     max_queued: int = field(default=1024, metadata=flag("requests waiting per priority band before 429s"))
+    max_ahead: int = field(
+        default=4,
+        metadata=flag(
+            "requests per priority band in flight sent ahead of the band's others, at once, because their tenant "
+            "had none in flight while other tenants had (flow control; 0: none)"
+        ),
+    )
     router_replicas: int = field(
         default=1,
         metadata=flag("router replicas sharing the tenants' per-minute limits: each applies its share"),
@@ -194,6 +201,8 @@ class RouterConfig:
             raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
         if self.saturation_queue < 1 or not 0 < self.saturation_kv <= 1:
             raise ValueError("saturation_queue must be >= 1 and saturation_kv in (0, 1]")
+        if self.max_ahead < 0:
+            raise ValueError(f"max_ahead must be >= 0, got {self.max_ahead}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -40,7 +40,7 @@ from google.protobuf import struct_pb2
 
 from pdserve.api.prefill_leg import PREFILL_AUTH_HEADER, PREFILL_VIA_HEADER, encoded_leg
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request
-from pdserve.api.tenancy import TENANT_HEADER
+from pdserve.api.tenancy import AHEAD_HEADER, TENANT_HEADER
 from pdserve.router.admission import Ticket
 from pdserve.router.exchange import REQUEST_ID
 from pdserve.router.pods import Pod, no_decode_pod
@@ -223,7 +223,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         router.metrics.chose("decode", pod.url, choice.policy)
         destination = urlsplit(pod.url).netloc
         # Clients' copies of what only the picker may say never pass.
-        removed = [TENANT_HEADER.lower(), PREFILL_VIA_HEADER.lower(), PREFILL_AUTH_HEADER.lower()]
+        removed = [TENANT_HEADER.lower(), AHEAD_HEADER.lower(), PREFILL_VIA_HEADER.lower(), PREFILL_AUTH_HEADER.lower()]
         mutation = ext_proc.HeaderMutation(set_headers=[_set(DESTINATION_HEADER, destination)], remove_headers=removed)
         path, leg = prefill_leg
         if leg is not None:
@@ -231,6 +231,8 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         if "Authorization" not in engine_headers:
             mutation.remove_headers.append("authorization")
         mutation.set_headers.extend(_set(name, value) for name, value in engine_headers.items())
+        if ticket is not None and ticket.ahead:
+            mutation.set_headers.append(_set(AHEAD_HEADER, "1"))  # the decode pod passes it to its prefill leg
         if headers.get(REQUEST_ID) is None:  # the engines' logs name it
             mutation.set_headers.append(_set(REQUEST_ID.lower(), uuid.uuid4().hex))
         metadata = struct_pb2.Struct()

@@ -32,7 +32,7 @@ import msgspec
 
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request
 from pdserve.api.report import REPORT_HEADER
-from pdserve.api.tenancy import TENANT_HEADER
+from pdserve.api.tenancy import AHEAD_HEADER, TENANT_HEADER
 from pdserve.router.admission import Admission, Ticket
 from pdserve.router.config import RouterConfig
 from pdserve.router.deadlines import Deadlines
@@ -119,6 +119,8 @@ class Proxy:
                 if not entered.admitted:
                     await self.admission.wait(entered)  # if it raises, the ticket was never admitted or is done
                 ticket = entered
+                if ticket.ahead:
+                    headers[AHEAD_HEADER] = "1"  # on both legs
             try:
                 async with self.deadlines.timeout(self.config.request_timeout):
                     return await self._serve(exchange, raw, parsed, chat)

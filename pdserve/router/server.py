@@ -65,7 +65,7 @@ class Router:
             prompts = PromptReader(config.tokenizer)
         self.tenants = Tenants.load(config.tenants, config.tenant_header, parse_priority_range(config.priority_range))
         self.admission = Admission(
-            FlowSettings(config.max_queued, config.router_replicas),
+            FlowSettings(config.max_queued, config.router_replicas, config.max_ahead if config.flow_control else 0),
             PodSignals(self.prefill, self.decode, self.index, config.saturation_queue, config.saturation_kv)
             if config.flow_control
             else _never_saturated,

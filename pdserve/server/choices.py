@@ -50,6 +50,7 @@ class ChoiceRunner:
         result: ChoiceResult,
         continued: ContinuedChoice | None = None,
         priority: int = 0,
+        ahead: bool = False,
     ) -> AsyncGenerator[ChoiceDelta, None]:
         """Run one choice, updating ``result`` and yielding what it produced at each output; ``continued``:
         its output so far on another engine."""
@@ -86,6 +87,7 @@ class ChoiceRunner:
             leg.peer,
             old_token_ids,
             priority,
+            ahead,
         )
         if old_token_ids:
             yield ChoiceDelta(0, result.text, [], [], None, replayed=True)
@@ -160,6 +162,7 @@ class ChoiceRunner:
         continuation: Continuation | None = None,
         pick_seeds: bool = False,
         priority: int = 0,
+        ahead: bool = False,
     ) -> AsyncGenerator[ChoiceDelta, None]:
         """Run every choice concurrently, yielding their deltas as they come; aborts what is still
         running if the consumer stops early (client gone) or anything fails. ``continuation``: the
@@ -192,6 +195,7 @@ class ChoiceRunner:
                     results[position],
                     continued,
                     priority,
+                    ahead,
                 ):
                     delta.index = index
                     merged.put_nowait(delta)
@@ -228,9 +232,10 @@ class ChoiceRunner:
         leg: PDLeg,
         cache_salt: str | None,
         priority: int = 0,
+        ahead: bool = False,
     ) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in children]
-        stream = self.stream(request_id, children, params, leg, cache_salt, results, priority=priority)
+        stream = self.stream(request_id, children, params, leg, cache_salt, results, priority=priority, ahead=ahead)
         async with aclosing(stream) as deltas:
             async for _ in deltas:
                 pass

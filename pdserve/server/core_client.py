@@ -137,10 +137,12 @@ class EngineCoreClient:
         peer: PeerKV | None = None,
         output_token_ids: list[int] | None = None,
         priority: int = 0,
+        ahead: bool = False,
     ) -> asyncio.Queue[EngineCoreOutput | Exception]:
         """Send a request; its outputs (then possibly an exception) arrive on the returned queue.
         ``remote_prefill``, ``remote_decode``, ``peer``: its P/D leg, as the P/D gate parsed and screened it;
-        ``output_token_ids``: a continued stream's output so far; ``priority``: lower first (priority policy)."""
+        ``output_token_ids``: a continued stream's output so far; ``priority``: lower first (priority policy);
+        ``ahead``: before the others of its priority (that policy)."""
         if self._dead is not None:
             raise self._dead
         if request_id in self._queues:
@@ -161,6 +163,7 @@ class EngineCoreClient:
                     peer,
                     output_token_ids or [],
                     priority,
+                    ahead,
                 )
             )
         )

@@ -31,14 +31,15 @@ from aiohttp import web
 from pdserve.api.auth import ROUTER_AUTH_HEADER, RouterVerifier
 from pdserve.api.prefill_leg import PREFILL_AUTH_HEADER, PREFILL_VIA_HEADER, encoded_leg, prefill_timeout_s
 from pdserve.api.protocol import ProtocolError
-from pdserve.api.tenancy import TENANT_HEADER
+from pdserve.api.tenancy import AHEAD_HEADER, TENANT_HEADER
 from pdserve.server.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
 # What the prefill leg carries of the request's own headers: its key and tenant (the prefill salts its cached
-# blocks with them, as the decode does), and its id for the logs.
-_PASSED_ON = ("Authorization", TENANT_HEADER, "X-Request-Id")
+# blocks with them, as the decode does), the picker's fairness mark (the prefill schedules by it too), and its id
+# for the logs.
+_PASSED_ON = ("Authorization", TENANT_HEADER, AHEAD_HEADER, "X-Request-Id")
 
 
 class _PrefillAnswer(msgspec.Struct):

@@ -50,7 +50,7 @@ from pdserve.api.protocol import (
     sse_event,
 )
 from pdserve.api.report import REPORT_HEADER, comment, header_value
-from pdserve.api.tenancy import TENANT_HEADER, request_cache_salt
+from pdserve.api.tenancy import AHEAD_HEADER, TENANT_HEADER, request_cache_salt
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from pdserve.server.chat_output import ChatOutputReader, ChatParsers
@@ -237,7 +237,7 @@ class OpenAIServing:
         if body.stream:
             return await self._stream_completion(request, body, leg, request_id, created, children, params)
         results = await self.choices.gather(
-            request_id, children, params, leg, _cache_salt(request, body), self._priority(body)
+            request_id, children, params, leg, _cache_salt(request, body), self._priority(body), _ahead(request)
         )
         choices = []
         for (prompt, index), result in zip(children, results, strict=True):
@@ -300,7 +300,7 @@ class OpenAIServing:
         if body.stream:
             return await self._stream_chat(request, body, leg, request_id, created, children, params, readers)
         results = await self.choices.gather(
-            request_id, children, params, leg, _cache_salt(request, body), self._priority(body)
+            request_id, children, params, leg, _cache_salt(request, body), self._priority(body), _ahead(request)
         )
         choices = []
         for (_, index), result, reader in zip(children, results, readers, strict=True):
@@ -434,6 +434,7 @@ class OpenAIServing:
                 leg.continued,
                 events.with_tokens,
                 self._priority(body),
+                _ahead(request),
             )
         ) as deltas:
             try:
@@ -511,6 +512,7 @@ class OpenAIServing:
                 leg.continued,
                 events.with_tokens,
                 self._priority(body),
+                _ahead(request),
             )
         ) as deltas:
             try:
@@ -547,6 +549,11 @@ class OpenAIServing:
             await response.write(chunk([], usage(children, results)))
         await response.write(SSE_DONE)
         return response
+
+
+def _ahead(request: web.Request) -> bool:
+    """Whether the router's flow control put the request ahead of the others of its priority (``AHEAD_HEADER``)."""
+    return request.headers.get(AHEAD_HEADER) == "1"
 
 
 def _cache_salt(request: web.Request, body: CompletionRequest | ChatCompletionRequest) -> str | None:

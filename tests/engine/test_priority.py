@@ -1,6 +1,7 @@
 """The priority scheduling policy (vLLM's semantics: lower values first, then arrival): queue order, preemption of
 the largest values, a waiting request displacing running ones of a larger value, and outputs unchanged by any of
-it. Under fcfs the priority is ignored."""
+it; in one priority, requests marked ahead (the router's fairness mark) before the others; a step starts the
+prompts of one rank only. Under fcfs the priority and the mark are ignored."""
 
 import pytest
 
@@ -16,10 +17,11 @@ from tests.engine.helpers import (
 )
 
 
-def _request(request_id, priority, length=8, max_tokens=6, seed=None):
+def _request(request_id, priority, length=8, max_tokens=6, seed=None, ahead=False):
     request = make_request(request_id, prompt_of(length, seed=seed or len(request_id)), max_tokens=max_tokens)
     request.sampling_params.ignore_eos = True
     request.priority = priority
+    request.ahead = ahead
     return request
 
 
@@ -103,15 +105,67 @@ def test_equal_priorities_never_displace_each_other():
     assert _finish_order(engine) == ["first", "second"]
 
 
+def test_a_request_marked_ahead_goes_before_its_priority_and_displaces_one_unmarked():
+    engine = make_engine(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=2, scheduling_policy="priority")
+    flood = [_request(f"flood-{i}", 0, max_tokens=12, seed=40 + i) for i in range(3)]
+    for request in flood:
+        engine.add_request(request)
+    _step(engine)
+    _step(engine)
+    light = _request("light", 0, max_tokens=3, seed=50, ahead=True)
+    engine.add_request(light)
+    assert [r.request_id for r in engine.scheduler.waiting] == ["light", "flood-2"]  # ahead of an earlier arrival
+    scheduled, preempted, _ = _step(engine)
+    assert preempted == {"flood-1"} and "light" in scheduled  # the latest unmarked one of its priority
+    # A more urgent priority still comes first: the mark orders within a priority only.
+    urgent = _request("urgent", -1, max_tokens=2, seed=51)
+    engine.add_request(urgent)
+    scheduled, preempted, _ = _step(engine)
+    assert "urgent" in scheduled and preempted == {"flood-0"}
+    order = _finish_order(engine)
+    assert order.index("urgent") < order.index("light") < order.index("flood-1")
+    for request in (*flood, light, urgent):
+        assert request.output_token_ids == expected_output(request)[0]
+    assert_nothing_leaks(engine.scheduler)
+
+
+def test_requests_marked_ahead_never_displace_each_other_nor_a_more_urgent_one():
+    engine = make_engine(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=1, scheduling_policy="priority")
+    engine.add_request(_request("first", 0, max_tokens=5, ahead=True))
+    _step(engine)
+    engine.add_request(_request("second", 0, max_tokens=2, ahead=True))
+    scheduled, preempted, _ = _step(engine)
+    assert scheduled == ["first"] and not preempted
+    assert _finish_order(engine) == ["first", "second"]
+    engine.add_request(_request("urgent", -1, max_tokens=5))
+    _step(engine)
+    engine.add_request(_request("marked", 0, max_tokens=2, ahead=True))
+    scheduled, preempted, _ = _step(engine)
+    assert scheduled == ["urgent"] and not preempted
+
+
+def test_fcfs_ignores_the_ahead_mark():
+    engine = make_engine(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=1)
+    engine.add_request(_request("first", 0, max_tokens=5))
+    _step(engine)
+    engine.add_request(_request("second", 0, max_tokens=2))
+    engine.add_request(_request("marked", 0, max_tokens=2, ahead=True))
+    scheduled, preempted, _ = _step(engine)
+    assert scheduled == ["first"] and not preempted
+    assert _finish_order(engine) == ["first", "second", "marked"]
+
+
 def test_running_requests_short_of_blocks_preempt_the_largest_value_first():
-    engine = make_engine(num_blocks=7, block_size=4, max_model_len=24, max_num_seqs=8, scheduling_policy="priority")
-    # Admitted in this order (all fit at first); they grow until one must go.
+    engine = make_engine(num_blocks=9, block_size=4, max_model_len=24, max_num_seqs=8, scheduling_policy="priority")
+    # All fit at first; they grow until one must go.
     requests = [
         _request(request_id, priority, length=8, max_tokens=12, seed=seed)
         for request_id, priority, seed in (("mid", 1, 1), ("worst", 9, 2), ("best", -9, 3))
     ]
     for request in requests:
         engine.add_request(request)
+    # One priority's prompts a step: a less urgent prompt would lengthen the step of a more urgent one's first token.
+    assert [_step(engine)[0] for _ in range(3)] == [["best"], ["best", "mid"], ["best", "mid", "worst"]]
     first_preempted = None
     while engine.has_work() and first_preempted is None:
         _, preempted, _ = _step(engine)

@@ -228,26 +228,104 @@ def test_a_request_refused_for_a_full_queue_or_its_deadline_costs_its_tenant_not
     asyncio.run(scenario())
 
 
-def test_a_request_more_urgent_than_all_in_flight_goes_to_a_saturated_fleet_one_at_a_time():
+def test_requests_more_urgent_than_all_in_flight_go_to_a_saturated_fleet_up_to_a_bound():
     async def scenario():
         gate = Gate(1)
-        admission = _admission(gate)
+        admission = _admission(gate, max_ahead=2)
         low = await asyncio.wait_for(admission.admit(_tenant("a"), 5, 10, 10, None), 1)  # the fleet is now full
-        urgent = admission.enter(_tenant("b"), 0, 10, 10, None)
-        assert urgent.admitted  # the engines run it before the priority-5 one: no wait here
-        second = admission.enter(_tenant("b"), 0, 10, 10, None)
-        assert not second.admitted and admission.queued == 1  # one of its band is in flight: it queues
+        urgent = [admission.enter(_tenant("b"), 0, 10, 10, None) for _ in range(2)]
+        assert all(ticket.admitted for ticket in urgent)  # the engines run them before the priority-5 one
+        third = admission.enter(_tenant("b"), 0, 10, 10, None)
+        assert not third.admitted and admission.queued == 1  # two of its band are in flight: it queues
         more_urgent = admission.enter(_tenant("c"), -1, 10, 10, None)
         assert more_urgent.admitted
         preempting = admission.metrics.preempting
-        assert preempting.labels("b", "0").value == 1 and preempting.labels("c", "-1").value == 1
-        for ticket in (urgent, more_urgent, low):
+        assert preempting.labels("b", "0").value == 2 and preempting.labels("c", "-1").value == 1
+        for ticket in (*urgent, more_urgent, low):
             admission.done(ticket)
             admission.done(ticket)  # a second call changes nothing
         assert not admission._in_flight
         gate.allowed = 10  # room again: the queued one goes
-        await asyncio.wait_for(admission.wait(second), 1)
-        admission.done(second)
+        await asyncio.wait_for(admission.wait(third), 1)
+        admission.done(third)
         assert not admission._in_flight and admission.queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_tenant_with_nothing_in_flight_goes_ahead_of_its_band():
+    async def scenario():
+        gate = Gate(2)
+        admission = _admission(gate)
+        heavy, light = _tenant("heavy"), _tenant("light")
+        flood = [await asyncio.wait_for(admission.admit(heavy, 0, 10, 10, None), 1) for _ in range(2)]
+        assert not any(ticket.ahead for ticket in flood)  # nobody else in flight: nothing to be ahead of
+        queued = admission.enter(heavy, 0, 10, 10, None)
+        assert not queued.admitted  # saturated, and the heavy tenant has requests in flight
+        first = admission.enter(light, 0, 10, 10, None)
+        assert first.admitted and first.ahead  # at once, past the heavy tenant's queued request
+        second = admission.enter(light, 0, 10, 10, None)
+        assert not second.admitted and not second.ahead  # its first is in flight: it waits its turn
+        other_band = admission.enter(_tenant("other"), 3, 10, 10, None)
+        assert not other_band.admitted  # nobody of priority 3 in flight: nothing to be ahead of
+        assert admission.metrics.ahead.labels("light", "0").value == 1
+        admission.done(first)
+        assert not admission._ahead
+        for ticket in flood:
+            admission.done(ticket)
+        gate.allowed = 10
+        for ticket in (queued, second, other_band):
+            await asyncio.wait_for(admission.wait(ticket), 1)
+            admission.done(ticket)
+        assert not admission._in_flight and not admission._flows and admission.queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_tenant_under_half_the_others_share_in_flight_goes_ahead_by_weight():
+    async def scenario():
+        gate = Gate(4)
+        admission = _admission(gate, max_ahead=10)
+        heavy, light, weighty = _tenant("heavy"), _tenant("light"), _tenant("weighty", weight=4)
+        flood = [admission.enter(heavy, 0, 10, 10, None) for _ in range(4)]
+        assert all(ticket.admitted and not ticket.ahead for ticket in flood)  # the fleet is now saturated
+        # Ahead while under half of every other tenant's share in flight: 0 of 4, then 1 of 4; 2 of 4 is not.
+        assert [admission.enter(light, 0, 10, 10, None).ahead for _ in range(3)] == [True, True, False]
+        # Per weight: at weight 4, up to 3 in flight (0.75 a weight) is under half of light's 2.
+        assert [admission.enter(weighty, 0, 10, 10, None).ahead for _ in range(5)] == [True] * 4 + [False]
+        # Tenants near their shares never go ahead of each other (no preempting by turns).
+        assert not admission.enter(heavy, 0, 10, 10, None).ahead
+        assert admission.metrics.ahead.labels("weighty", "0").value == 4
+
+    asyncio.run(scenario())
+
+
+def test_requests_sent_ahead_are_bounded_per_band_and_yield_to_a_more_urgent_queue():
+    async def scenario():
+        gate = Gate(1)
+        admission = _admission(gate, max_ahead=2)
+        await asyncio.wait_for(admission.admit(_tenant("heavy"), 0, 10, 10, None), 1)
+        tickets = [admission.enter(_tenant(f"light-{n}"), 0, 10, 10, None) for n in range(3)]
+        assert [ticket.ahead for ticket in tickets] == [True, True, False]
+        assert not tickets[2].admitted  # two in flight ahead already: it queues
+        admission.done(tickets[0])
+        admission.done(tickets[0])  # a second call changes nothing
+        assert admission.enter(_tenant("light-3"), 0, 10, 10, None).ahead  # a place ahead came free
+        # A more urgent request waiting in the router goes first: nobody of a worse band passes it.
+        urgent_heavy = [admission.enter(_tenant("heavy"), -1, 10, 10, None) for _ in range(3)]
+        assert [ticket.admitted for ticket in urgent_heavy] == [True, True, False]  # the third queued at -1
+        assert not admission.enter(_tenant("light-4"), 0, 10, 10, None).admitted
+        assert admission.enter(_tenant("light-5"), -1, 10, 10, None).ahead  # its own band's queue it may pass
+
+    asyncio.run(scenario())
+
+
+def test_no_request_goes_ahead_without_places_for_them():
+    async def scenario():
+        gate = Gate(1)
+        admission = _admission(gate, max_ahead=0)  # what --no-flow-control sets
+        await asyncio.wait_for(admission.admit(_tenant("heavy"), 0, 10, 10, None), 1)
+        ticket = admission.enter(_tenant("light"), 0, 10, 10, None)
+        assert not ticket.admitted and not ticket.ahead
 
     asyncio.run(scenario())

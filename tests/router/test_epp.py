@@ -5,6 +5,7 @@ picker that is down fails requests instead of letting them go anywhere. Stubs st
 
 from __future__ import annotations
 
+import asyncio
 import json
 from urllib.parse import urlsplit
 
@@ -18,7 +19,12 @@ from pdserve.testing.envoy import Envoy
 from pdserve.testing.metrics import metric
 from tests.router.helpers import get, metrics_text, post
 
-TABLE = {"tenants": {"alpha": {"keys": ["sk-alpha"], "priority": {"default": 0, "min": 0, "max": 2}}}}
+TABLE = {
+    "tenants": {
+        "alpha": {"keys": ["sk-alpha"], "priority": {"default": 0, "min": 0, "max": 2}},
+        "beta": {"keys": ["sk-beta"]},
+    }
+}
 
 
 @pytest.fixture
@@ -65,6 +71,30 @@ def test_requests_go_where_the_picker_says_with_the_tenant_and_the_engines_key(l
     text = metrics_text(loop, running)
     assert metric(text, "pdserve_router_flow_admitted_total", tenant="alpha", band="2") == 1
     assert all(pod.in_flight == 0 for pod in running.router.decode.pods)  # every stream's end counted it out
+
+
+def test_a_tenant_with_nothing_in_flight_is_marked_ahead_through_the_gateway(loop, gateway):
+    envoy, stubs, running, _ = gateway
+    for stub in stubs:
+        stub.wait_before_answer = 0.5  # alpha's request stays in flight while beta's comes
+    url = envoy.url + "/v1/completions"
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 4}
+
+    async def scenario():
+        spoofed = {"Authorization": "Bearer sk-alpha", "X-PDServe-Ahead": "1"}  # a client's copy never passes
+        first = asyncio.ensure_future(post(url, body, spoofed))
+        for _ in range(200):
+            if any(stub.seen for stub in stubs):
+                break
+            await asyncio.sleep(0.01)
+        assert (await post(url, body, {"Authorization": "Bearer sk-beta"}))[0] == 200
+        assert (await first)[0] == 200
+
+    loop.run(scenario())
+    legs = {leg.headers["X-PDServe-Tenant"]: leg for stub in stubs for leg in stub.seen}
+    assert "X-PDServe-Ahead" not in legs["alpha"].headers
+    assert legs["beta"].headers["X-PDServe-Ahead"] == "1"
+    assert metric(metrics_text(loop, running), "pdserve_router_flow_ahead_total", tenant="beta", band="0") == 1
 
 
 def test_refusals_are_the_gateways_answers_with_openai_errors(loop, gateway):

@@ -111,6 +111,31 @@ def test_requests_wait_while_the_pods_signals_say_saturated_and_go_when_they_cle
     assert status == 400 and "X-PDServe-Queue-Timeout" in _error(payload)["message"]
 
 
+def test_a_tenant_with_nothing_in_flight_is_marked_ahead_on_both_legs(loop, cluster, tmp_path):
+    prefill, decode = cluster.stub("prefill"), cluster.stub("decode")
+    decode.wait_before_answer = 0.5  # alpha's request stays in flight while beta's comes
+    router = cluster.router([prefill.url], [decode.url], tenants=_table(tmp_path))
+    url = router.url + "/v1/completions"
+
+    async def scenario():
+        spoofed = {**ALPHA, "X-PDServe-Ahead": "1"}  # a client's copy is never passed on
+        first = asyncio.ensure_future(post(url, {"prompt": "hi", "priority": 0}, spoofed))  # beta's band
+        for _ in range(100):
+            if decode.seen:
+                break
+            await asyncio.sleep(0.01)
+        assert (await post(url, {"prompt": "hi"}, BETA))[0] == 200  # alpha has one in flight, beta none
+        assert (await first)[0] == 200
+
+    loop.run(scenario())
+    for stub in (prefill, decode):
+        alpha, beta = stub.seen
+        assert "X-PDServe-Ahead" not in alpha.headers and alpha.headers["X-PDServe-Tenant"] == "alpha"
+        assert beta.headers["X-PDServe-Ahead"] == "1" and beta.headers["X-PDServe-Tenant"] == "beta"
+    text = metrics_text(loop, router)
+    assert metric(text, "pdserve_router_flow_ahead_total", tenant="beta", band="0") == 1
+
+
 def test_a_trusted_gateway_header_names_tenants_and_the_gateway_key_is_checked(loop, cluster, tmp_path):
     decode = cluster.stub("decode")
     router = cluster.router([], [decode.url], api_key="sk-gateway", tenants=_table(tmp_path), tenant_header="X-Tenant")

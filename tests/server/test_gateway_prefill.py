@@ -54,9 +54,13 @@ def test_the_answer_params_are_used_a_failed_leg_is_computed_here_and_a_4xx_is_t
         seen: list = []
         runner, url = await _prefill(200, {"choices": [], "kv_transfer_params": PARAMS}, seen)
         try:
-            raw, own = await gateway.run(_request({PREFILL_VIA_HEADER: url}), BODY, chat=False)
+            picked = {PREFILL_VIA_HEADER: url, "X-PDServe-Tenant": "alpha", "X-PDServe-Ahead": "1", "X-Other": "no"}
+            raw, own = await gateway.run(_request(picked), BODY, chat=False)
             assert own and json.loads(raw)["kv_transfer_params"] == PARAMS
             assert seen[0][0] == encoded_leg(BODY, chat=False)  # the bytes the picker would have signed
+            passed = seen[0][1]  # the picker's tenant and fairness mark, nothing else of the request's
+            assert passed["X-PDServe-Tenant"] == "alpha" and passed["X-PDServe-Ahead"] == "1"
+            assert "X-Other" not in passed
             raw, own = await gateway.run(_request({}), BODY, chat=False)  # no picker: as it is
             assert (raw, own) == (BODY, False)
         finally:
