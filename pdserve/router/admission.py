@@ -43,7 +43,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -165,7 +164,7 @@ class Ticket:
     granted: asyncio.Future[None] | None = None  # made when it queues: set when it is admitted
     charged: float = 0.0  # what its tenant's counter was charged
     admitted: bool = False
-    ahead: bool = False  # sent ahead of its band's others (its tenant had nothing in flight)
+    ahead: bool = False  # sent ahead of its band's others (its tenant under half the others' share in flight)
     ended: bool = False  # done() was called
     prompt_tokens: int = 0  # what it counts against its tenant's tokens per minute
 
@@ -236,14 +235,14 @@ class FlowMetrics:
         )
         self.ahead = Counter(
             "pdserve_router_flow_ahead",
-            "Requests sent at once, ahead of their band's others, because their tenant had none in flight while other "
-            "tenants of the band had (the engines run them first), by tenant and band",
+            "Requests sent at once, ahead of their band's others, because their tenant had under half the requests in "
+            "flight (per weight) of every other tenant of the band (the engines run them first), by tenant and band",
             ["tenant", "band"],
             registry=registry,
         )
         self.preempting = Counter(
             "pdserve_router_flow_preempting",
-            "Requests sent to a saturated fleet because their priority was more urgent than every request in flight "
+            "Requests sent to a saturated fleet because their priority was more urgent than every other in flight "
             "(the engines run them first), by tenant and band",
             ["tenant", "band"],
             registry=registry,
@@ -285,8 +284,8 @@ class Admission:
         self.bands: dict[int, _Band] = {}
         self.queued = 0
         self._grants: deque[float] = deque()  # when recent requests were admitted
-        self._in_flight: dict[int, int] = {}  # admitted and not done, by priority
-        # Admitted and not done, by priority: per tenant name, [how many, the tenant's weight].
+        # Admitted and not done, by priority: per tenant name, [how many, the tenant's weight] (a priority or a
+        # tenant with none has no entry).
         self._flows: dict[int, dict[str, list[float]]] = {}
         self._ahead: dict[int, int] = {}  # of those, sent ahead of their band, by priority
         self._buckets: dict[tuple[str, str], TokenBucket] = {}
@@ -376,12 +375,12 @@ class Admission:
                 self._grant(ticket, now)
                 return ticket
             self.metrics.saturated.labels(saturation.stage).inc()
-            bands = self._in_flight
+            bands = self._flows
             if (
                 bands
                 and min(bands) >= priority
                 and max(bands) > priority
-                and bands.get(priority, 0) < self.settings.max_ahead
+                and sum(flow[0] for flow in bands.get(priority, {}).values()) < self.settings.max_ahead
             ):
                 # More urgent than every request of other priorities this replica has in flight: the engines,
                 # scheduling by priority, run it first (preempting if they must), so waiting here for room would
@@ -477,7 +476,6 @@ class Admission:
         admitted.inc()
         queue_time.observe(now - ticket.arrived)
         ticket.admitted = True
-        self._in_flight[ticket.band] = self._in_flight.get(ticket.band, 0) + 1
         flows = self._flows.setdefault(ticket.band, {})
         flow = flows.get(ticket.tenant.name)
         if flow is None:
@@ -523,7 +521,6 @@ class Admission:
         if not ticket.admitted or ticket.ended:
             return
         ticket.ended = True
-        _count_out(self._in_flight, ticket.band)
         flows = self._flows[ticket.band]
         flow = flows[ticket.tenant.name]
         flow[0] -= 1
@@ -532,7 +529,11 @@ class Admission:
             if not flows:
                 del self._flows[ticket.band]
         if ticket.ahead:
-            _count_out(self._ahead, ticket.band)
+            left = self._ahead[ticket.band] - 1
+            if left:
+                self._ahead[ticket.band] = left
+            else:
+                del self._ahead[ticket.band]
         tenant = ticket.tenant
         if output_tokens is not None:
             self._charge(tenant, 0.0, output_tokens, time.monotonic())
@@ -542,12 +543,3 @@ class Admission:
                 band.counters[tenant.name] += real - ticket.charged
         if self.queued:
             self.dispatch()
-
-
-def _count_out(counts: dict[Any, int], key: Any) -> None:
-    """One fewer of ``key`` (its entry gone at none, so emptiness is the dict's)."""
-    left = counts[key] - 1
-    if left:
-        counts[key] = left
-    else:
-        del counts[key]
