@@ -429,6 +429,8 @@ class Admission:
         if not flows or self._ahead.get(priority, 0) >= self.settings.max_ahead:
             return False
         mine = flows.get(tenant.name)
+        if mine is not None and len(flows) == 1:
+            return False  # alone at its priority (one tenant, the usual deployment): nobody to be ahead of
         share = 0.0 if mine is None else mine[0] / mine[1]
         least_other = min((count / weight for name, (count, weight) in flows.items() if name != tenant.name), default=0)
         return 2 * share < least_other and not any(
